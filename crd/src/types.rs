@@ -1,0 +1,483 @@
+use k8s_openapi::api::core::v1::PodTemplateSpec;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// A Redis Streams consumer group run as a pipeline: the operator creates the
+/// group, runs and scales the worker Deployment on lag, runs the recovery
+/// CronJob and reports the health of the group's Pending Entries List.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "streamfleet.io",
+    version = "v1alpha1",
+    kind = "StreamConsumerGroup",
+    plural = "streamconsumergroups",
+    shortname = "scg",
+    namespaced,
+    status = "StreamConsumerGroupStatus",
+    printcolumn = r#"{"name":"Stream","type":"string","jsonPath":".spec.stream"}"#,
+    printcolumn = r#"{"name":"Group","type":"string","jsonPath":".spec.group"}"#,
+    printcolumn = r#"{"name":"Lag","type":"integer","jsonPath":".status.lag"}"#,
+    printcolumn = r#"{"name":"Pending","type":"integer","jsonPath":".status.pending"}"#,
+    printcolumn = r#"{"name":"Oldest","type":"integer","description":"Idle seconds of the oldest pending entry","jsonPath":".status.oldestPendingIdleSeconds"}"#,
+    printcolumn = r#"{"name":"Replicas","type":"string","jsonPath":".status.replicas.summary"}"#,
+    printcolumn = r#"{"name":"Dead","type":"integer","description":"Entries in the dead-letter stream","jsonPath":".status.deadLetterLength"}"#,
+    printcolumn = r#"{"name":"Health","type":"string","jsonPath":".status.health"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[x_kube(validation = Rule::new("self.scaling.minReplicas <= self.scaling.maxReplicas").message("spec.scaling.minReplicas must not exceed spec.scaling.maxReplicas"))]
+#[serde(rename_all = "camelCase")]
+pub struct StreamConsumerGroupSpec {
+    /// How to reach Redis. The URL comes from a Secret; it never appears in
+    /// this resource, its status, logs or Events.
+    pub redis: RedisConnection,
+
+    /// The stream key the group consumes. Immutable: a new stream is a new
+    /// resource.
+    #[x_kube(validation = Rule::new("self == oldSelf").message("spec.stream is immutable"))]
+    #[schemars(length(min = 1, max = 256))]
+    pub stream: String,
+
+    /// The consumer group name. Immutable: renaming would orphan the old
+    /// group's pending entries.
+    #[x_kube(validation = Rule::new("self == oldSelf").message("spec.group is immutable"))]
+    #[schemars(length(min = 1, max = 128))]
+    pub group: String,
+
+    /// Where a newly created group starts: `$` (only entries added after
+    /// creation), `0` (the whole stream) or an explicit entry ID such as
+    /// `1700000000000-0`. Used only when the group is created; an existing
+    /// group keeps its position.
+    #[serde(default = "default_start_id")]
+    #[schemars(regex(pattern = r"^(\$|0|[0-9]{1,20}(-[0-9]{1,20})?)$"))]
+    pub start_id: String,
+
+    /// The worker pods. The operator owns a Deployment built from this
+    /// template and injects the streamfleet env contract into its worker
+    /// container.
+    pub worker: WorkerSpec,
+
+    /// How the worker Deployment is scaled on lag and pending entries.
+    #[serde(default)]
+    pub scaling: ScalingSpec,
+
+    /// The recovery sweep that claims stuck entries and dead-letters poison ones.
+    #[serde(default)]
+    pub recovery: RecoverySpec,
+
+    /// Optional trimming of the stream, always held at the safe floor: no
+    /// entry that any group still has to deliver or acknowledge is trimmed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retention: Option<RetentionSpec>,
+
+    /// What happens to the consumer group in Redis when this resource is
+    /// deleted: `Retain` (default) keeps it, `Delete` destroys it.
+    #[serde(default)]
+    pub deletion_policy: DeletionPolicy,
+}
+
+fn default_start_id() -> String {
+    "$".to_string()
+}
+
+/// Connection to a standalone Redis server or a Redis Cluster.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RedisConnection {
+    /// The Secret key holding the Redis URL (`redis://` or `rediss://`,
+    /// credentials included). In `Cluster` mode, any node of the cluster.
+    pub url_secret_ref: SecretKeyRef,
+
+    /// `Standalone` (default) for one server, `Cluster` for Redis Cluster.
+    #[serde(default)]
+    pub mode: RedisMode,
+
+    /// TLS settings for `rediss://` URLs. Omit to use the system roots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<RedisTls>,
+}
+
+/// A key in a Secret in the resource's own namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SecretKeyRef {
+    /// The Secret's name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// The key within the Secret.
+    #[schemars(length(min = 1, max = 253))]
+    pub key: String,
+}
+
+/// Whether the URL names one server or a cluster.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum RedisMode {
+    /// One Redis server (possibly behind a proxy that looks like one).
+    #[default]
+    Standalone,
+    /// Redis Cluster: stream keys are routed by hash slot.
+    Cluster,
+}
+
+/// TLS to Redis.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RedisTls {
+    /// A Secret key holding the PEM CA bundle that signs the server's
+    /// certificate. Omit to trust the system roots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_secret_ref: Option<SecretKeyRef>,
+}
+
+/// The worker fleet.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkerSpec {
+    /// The pod template of the worker Deployment (a core/v1 PodTemplateSpec;
+    /// `kubectl explain deployment.spec.template` documents its fields). Its
+    /// labels and containers are the user's; the operator adds its own
+    /// selector labels and the env contract.
+    #[schemars(schema_with = "pod_template_schema")]
+    pub template: PodTemplateSpec,
+
+    /// The container that receives the env contract. Defaults to the first
+    /// container of the template.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 63))]
+    pub container_name: Option<String>,
+}
+
+/// The pod template is validated by the API server when the operator applies
+/// the Deployment; embedding its full schema here would make the CRD larger
+/// than client-side `kubectl apply` can store.
+fn pod_template_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "object",
+        "description": "A core/v1 PodTemplateSpec for the worker pods.",
+        "x-kubernetes-preserve-unknown-fields": true,
+    })
+}
+
+/// Lag-driven scaling of the worker Deployment.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ScalingSpec {
+    /// Fewest worker replicas. 0 allows scale to zero when the group is idle.
+    #[serde(default = "default_min_replicas")]
+    #[schemars(range(min = 0, max = 1000))]
+    pub min_replicas: i32,
+
+    /// Most worker replicas.
+    #[serde(default = "default_max_replicas")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub max_replicas: i32,
+
+    /// Lag plus pending entries one replica is expected to carry.
+    #[serde(default = "default_target_per_replica")]
+    #[schemars(range(min = 1))]
+    pub target_per_replica: i64,
+
+    /// Lag plus pending above which a pipeline at zero replicas is woken.
+    #[serde(default)]
+    #[schemars(range(min = 0))]
+    pub activation_threshold: i64,
+
+    /// How long the desired replica count must stay lower before scaling down.
+    #[serde(default = "default_scale_down_stabilization")]
+    #[schemars(range(min = 0, max = 3600))]
+    pub scale_down_stabilization_seconds: i32,
+
+    /// How long lag and pending must both stay zero before scaling to zero.
+    #[serde(default = "default_cooldown")]
+    #[schemars(range(min = 0, max = 86400))]
+    pub cooldown_seconds: i32,
+
+    /// How often the operator inspects the group.
+    #[serde(default = "default_poll_interval")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub poll_interval_seconds: i32,
+
+    /// Hold the current replica count; health is still reported.
+    #[serde(default)]
+    pub paused: bool,
+}
+
+fn default_min_replicas() -> i32 {
+    1
+}
+fn default_max_replicas() -> i32 {
+    10
+}
+fn default_target_per_replica() -> i64 {
+    100
+}
+fn default_scale_down_stabilization() -> i32 {
+    60
+}
+fn default_cooldown() -> i32 {
+    300
+}
+fn default_poll_interval() -> i32 {
+    10
+}
+
+impl Default for ScalingSpec {
+    fn default() -> Self {
+        Self {
+            min_replicas: default_min_replicas(),
+            max_replicas: default_max_replicas(),
+            target_per_replica: default_target_per_replica(),
+            activation_threshold: 0,
+            scale_down_stabilization_seconds: default_scale_down_stabilization(),
+            cooldown_seconds: default_cooldown(),
+            poll_interval_seconds: default_poll_interval(),
+            paused: false,
+        }
+    }
+}
+
+/// The recovery CronJob.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RecoverySpec {
+    /// Cron schedule of the sweep (five fields, as in a CronJob).
+    #[serde(default = "default_schedule")]
+    #[x_kube(validation = Rule::new("self.split(' ').filter(f, f != '').size() == 5").message("spec.recovery.schedule must have five cron fields"))]
+    #[schemars(length(min = 9, max = 128))]
+    pub schedule: String,
+
+    /// Milliseconds an entry must sit unacknowledged before it is claimed.
+    /// Must exceed the p99 handler time including its retries.
+    #[serde(default = "default_min_idle_ms")]
+    #[schemars(range(min = 1000))]
+    pub min_idle_time_ms: i64,
+
+    /// Deliveries after which an entry is dead-lettered.
+    #[serde(default = "default_max_deliveries")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub max_deliveries: i32,
+
+    /// Entries claimed per XAUTOCLAIM call.
+    #[serde(default = "default_batch_size")]
+    #[schemars(range(min = 1, max = 10000))]
+    pub batch_size: i32,
+
+    /// The dead-letter stream. Defaults to `<stream>:dead`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 256))]
+    pub dead_letter_stream: Option<String>,
+
+    /// `Sweep` runs the operator image, which claims and dead-letters
+    /// without running handlers; `Worker` runs the worker template in
+    /// recovery mode, which claims idle entries and re-runs the handlers.
+    #[serde(default)]
+    pub mode: RecoveryMode,
+}
+
+fn default_schedule() -> String {
+    "*/5 * * * *".to_string()
+}
+fn default_min_idle_ms() -> i64 {
+    60_000
+}
+fn default_max_deliveries() -> i32 {
+    5
+}
+fn default_batch_size() -> i32 {
+    100
+}
+
+impl Default for RecoverySpec {
+    fn default() -> Self {
+        Self {
+            schedule: default_schedule(),
+            min_idle_time_ms: default_min_idle_ms(),
+            max_deliveries: default_max_deliveries(),
+            batch_size: default_batch_size(),
+            dead_letter_stream: None,
+            mode: RecoveryMode::default(),
+        }
+    }
+}
+
+/// Who runs the recovery sweep.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum RecoveryMode {
+    /// The operator image claims and dead-letters; handlers are not re-run.
+    #[default]
+    Sweep,
+    /// The worker image runs in recovery mode and re-runs handlers.
+    Worker,
+}
+
+/// Stream retention, bounded by the safe floor.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RetentionSpec {
+    /// Keep at most this many entries.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_length: Option<i64>,
+    /// Keep entries younger than this many seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_age_seconds: Option<i64>,
+}
+
+/// What deleting the resource does to the group in Redis.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum DeletionPolicy {
+    /// Keep the group and its pending entries.
+    #[default]
+    Retain,
+    /// Destroy the group (`XGROUP DESTROY`); its pending entries are dropped.
+    Delete,
+}
+
+/// Observed state, written by the operator only when it changes.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StreamConsumerGroupStatus {
+    /// The `metadata.generation` this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+
+    /// `Ready`, `GroupReady`, `WorkersAvailable`, `RecoveryHealthy`, `Degraded`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub conditions: Vec<Condition>,
+
+    /// Entries not yet delivered to the group; absent when unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lag: Option<i64>,
+
+    /// Entries delivered but not acknowledged (the PEL size).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending: Option<i64>,
+
+    /// Idle time of the oldest pending entry, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_pending_idle_seconds: Option<i64>,
+
+    /// Highest delivery count among the inspected pending entries.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_delivery_count: Option<i64>,
+
+    /// Length of the stream.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_length: Option<i64>,
+
+    /// Length of the dead-letter stream.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dead_letter_length: Option<i64>,
+
+    /// Worker replicas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<ReplicaStatus>,
+
+    /// Overall classification: Healthy, Backlogged, Stalled, PoisonForming,
+    /// PayloadLost or Unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health: Option<Health>,
+
+    /// The last recovery sweep's outcome.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_recovery: Option<RecoveryStatus>,
+}
+
+/// Desired and current worker replicas.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ReplicaStatus {
+    /// Replicas the scaling policy asks for.
+    pub desired: i32,
+    /// Replicas of the Deployment that are available.
+    pub current: i32,
+    /// `current/desired`, for `kubectl get`.
+    pub summary: String,
+}
+
+/// Health classification of the pipeline.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum Health {
+    /// Lag and pending within what the fleet carries.
+    Healthy,
+    /// More work waiting than the fleet is expected to carry.
+    Backlogged,
+    /// Work waiting and no progress.
+    Stalled,
+    /// Entries are being redelivered towards the dead-letter threshold.
+    PoisonForming,
+    /// Pending entries whose payload was trimmed or deleted.
+    PayloadLost,
+    /// The group could not be inspected.
+    Unknown,
+}
+
+/// Outcome of one recovery sweep.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RecoveryStatus {
+    /// When the sweep finished.
+    pub time: Time,
+    /// Entries claimed.
+    pub claimed: i64,
+    /// Entries moved to the dead-letter stream.
+    pub dead_lettered: i64,
+    /// Pending entries whose payload was gone.
+    pub payload_lost: i64,
+}
+
+impl StreamConsumerGroupSpec {
+    /// The dead-letter stream, explicit or `<stream>:dead`.
+    pub fn dead_letter_stream(&self) -> String {
+        self.recovery
+            .dead_letter_stream
+            .clone()
+            .unwrap_or_else(|| format!("{}:dead", self.stream))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::CustomResourceExt as _;
+
+    fn minimal() -> serde_json::Value {
+        serde_json::json!({
+            "redis": {"urlSecretRef": {"name": "redis", "key": "url"}},
+            "stream": "orders",
+            "group": "billing",
+            "worker": {"template": {"spec": {"containers": [{"name": "w", "image": "worker"}]}}}
+        })
+    }
+
+    #[test]
+    fn minimal_spec_takes_documented_defaults() {
+        let spec: StreamConsumerGroupSpec = serde_json::from_value(minimal()).unwrap();
+        assert_eq!(spec.start_id, "$");
+        assert_eq!(spec.scaling, ScalingSpec::default());
+        assert_eq!(spec.recovery.max_deliveries, 5);
+        assert_eq!(spec.deletion_policy, DeletionPolicy::Retain);
+        assert_eq!(spec.redis.mode, RedisMode::Standalone);
+        assert_eq!(spec.dead_letter_stream(), "orders:dead");
+    }
+
+    #[test]
+    fn explicit_dead_letter_stream_wins() {
+        let mut v = minimal();
+        v["recovery"] = serde_json::json!({"deadLetterStream": "dlq"});
+        let spec: StreamConsumerGroupSpec = serde_json::from_value(v).unwrap();
+        assert_eq!(spec.dead_letter_stream(), "dlq");
+    }
+
+    #[test]
+    fn schema_carries_cel_rules_and_immutability() {
+        let crd = serde_json::to_string(&StreamConsumerGroup::crd()).unwrap();
+        assert!(crd.contains("self.scaling.minReplicas <= self.scaling.maxReplicas"));
+        assert!(crd.contains("spec.group is immutable"));
+        assert!(crd.contains("spec.stream is immutable"));
+        assert!(crd.contains("x-kubernetes-preserve-unknown-fields"));
+    }
+}

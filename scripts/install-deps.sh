@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the test bed and the demo need (idempotent).
+#   redis-server, redis-tools: real Redis 7.0 servers and redis-cli (cluster creation)
+set -euo pipefail
+need=()
+command -v redis-server >/dev/null || need+=(redis-server)
+command -v redis-cli >/dev/null || need+=(redis-tools)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "[install-deps] apt-get install ${need[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  # No service start: the test bed runs its own servers on random loopback ports.
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+    trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+  fi
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+command -v go >/dev/null || { echo "[install-deps] Go toolchain missing" >&2; exit 1; }
+command -v cargo >/dev/null || { echo "[install-deps] Rust toolchain missing" >&2; exit 1; }

@@ -1,0 +1,210 @@
+//! streamfleet's test bed: real components on one machine, no containers.
+//!
+//! * [`ControlPlane`]: etcd + kube-apiserver + kube-controller-manager.
+//! * [`kubelet`]: a stand-in that runs pods as local processes.
+//! * [`RedisServer`] / [`RedisCluster`]: real redis-server processes.
+//!
+//! Tests share one control plane per test binary ([`TestBed::shared`]) and
+//! isolate themselves by namespace ([`TestBed::namespace`]); each test that
+//! needs Redis starts its own server.
+
+pub mod certs;
+pub mod control_plane;
+pub mod kubelet;
+pub mod process;
+pub mod redis_server;
+pub mod tools;
+
+pub use control_plane::ControlPlane;
+pub use redis_server::{RedisCluster, RedisServer};
+
+use anyhow::{Context as _, Result, anyhow};
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{DeleteParams, PostParams};
+use kube::{Api, Client};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// A running control plane with the kubelet stand-in.
+pub struct TestBed {
+    pub dir: PathBuf,
+    pub kubeconfig: PathBuf,
+    pub server: String,
+    runtime: tokio::runtime::Handle,
+}
+
+static SHARED: OnceLock<std::result::Result<TestBed, String>> = OnceLock::new();
+
+impl TestBed {
+    /// The test binary's control plane, started on first use on a thread of
+    /// its own that lives as long as the process; its servers and pods die
+    /// with the process.
+    pub fn shared() -> Result<&'static TestBed> {
+        SHARED
+            .get_or_init(|| {
+                let dir = runs_dir().join(format!("run-{}", std::process::id()));
+                Self::start_detached(dir).map_err(|e| format!("{e:#}"))
+            })
+            .as_ref()
+            .map_err(|e| anyhow!("test bed failed to start: {e}"))
+    }
+
+    /// Starts a control plane and kubelet stand-in under `dir` on a dedicated
+    /// thread and runtime, and returns once the API answers.
+    pub fn start_detached(dir: PathBuf) -> Result<TestBed> {
+        clean_stale_runs();
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir)?;
+        }
+        std::fs::create_dir_all(&dir)?;
+        let (tx, rx) = std::sync::mpsc::channel::<Result<TestBed>>();
+        let thread_dir = dir.clone();
+        std::thread::Builder::new()
+            .name("testbed".into())
+            .spawn(move || {
+                let runtime = match tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = tx.send(Err(e.into()));
+                        return;
+                    }
+                };
+                let handle = runtime.handle().clone();
+                runtime.block_on(async move {
+                    let plane = match ControlPlane::start(&thread_dir).await {
+                        Ok(p) => p,
+                        Err(e) => {
+                            let _ = tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    let kubelet = match kubelet_for(&plane, &thread_dir).await {
+                        Ok(k) => k,
+                        Err(e) => {
+                            let _ = tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    let _ = tx.send(Ok(TestBed {
+                        dir: thread_dir.clone(),
+                        kubeconfig: plane.kubeconfig.clone(),
+                        server: plane.server.clone(),
+                        runtime: handle,
+                    }));
+                    if let Err(e) = kubelet.run().await {
+                        tracing::error!("kubelet stand-in stopped: {e:#}");
+                    }
+                    // Keep the control plane (owned here) alive with the process.
+                    let _plane = plane;
+                    futures::future::pending::<()>().await;
+                });
+            })?;
+        rx.recv_timeout(Duration::from_secs(300))
+            .context("test bed did not start within 300s")?
+    }
+
+    /// A new admin client for the calling runtime.
+    pub async fn client(&self) -> Result<Client> {
+        control_plane::client_from(&self.kubeconfig).await
+    }
+
+    /// Creates a namespace named `prefix-<random>`; it is deleted when the
+    /// returned guard drops, even if the test fails.
+    pub async fn namespace(&self, client: &Client, prefix: &str) -> Result<TestNamespace> {
+        let name = format!("{prefix}-{}", random_suffix());
+        let ns: Namespace = serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?;
+        Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
+        Ok(TestNamespace { name, kubeconfig: self.kubeconfig.clone(), runtime: self.runtime.clone() })
+    }
+
+    /// Where the kubelet stand-in keeps a pod's files (logs, kubeconfig).
+    pub fn pod_dir(&self, namespace: &str, pod: &str) -> PathBuf {
+        self.dir.join("pods").join(namespace).join(pod)
+    }
+}
+
+/// A test's own namespace, deleted (in the background) when dropped.
+pub struct TestNamespace {
+    pub name: String,
+    kubeconfig: PathBuf,
+    runtime: tokio::runtime::Handle,
+}
+
+impl Drop for TestNamespace {
+    fn drop(&mut self) {
+        if std::env::var_os("STREAMFLEET_KEEP_NAMESPACES").is_some() {
+            return;
+        }
+        let (name, kubeconfig) = (self.name.clone(), self.kubeconfig.clone());
+        self.runtime.spawn(async move {
+            if let Ok(client) = control_plane::client_from(&kubeconfig).await {
+                let _ = Api::<Namespace>::all(client).delete(&name, &DeleteParams::default()).await;
+            }
+        });
+    }
+}
+
+async fn kubelet_for(plane: &ControlPlane, dir: &Path) -> Result<kubelet::Kubelet> {
+    let images = kubelet::ImageMap::with_bin_dir(tools::cargo_bin_dir()?);
+    Ok(kubelet::Kubelet::new(
+        plane.client().await?,
+        images,
+        dir.join("pods"),
+        plane.server.clone(),
+        plane.pki.ca_pem.clone(),
+    ))
+}
+
+/// `target/testbed`: every run's files (logs, etcd data, pod folders).
+pub fn runs_dir() -> PathBuf {
+    tools::workspace_root().join("target/testbed")
+}
+
+/// Removes the folders of earlier runs whose process is gone.
+fn clean_stale_runs() {
+    let Ok(entries) = std::fs::read_dir(runs_dir()) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name.strip_prefix("run-").and_then(|p| p.parse::<u32>().ok()) else { continue };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+pub fn random_suffix() -> String {
+    use rand::Rng as _;
+    let mut rng = rand::rng();
+    (0..6)
+        .map(|_| char::from(b"abcdefghijklmnopqrstuvwxyz0123456789"[rng.random_range(0..36)]))
+        .collect()
+}
+
+/// Polls `f` every 100ms until it returns `Some`, or fails after `timeout`.
+pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<Option<T>>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut last_err = None;
+    loop {
+        match f().await {
+            Ok(Some(v)) => return Ok(v),
+            Ok(None) => {}
+            Err(e) => last_err = Some(e),
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(match last_err {
+                Some(e) => e.context(format!("timed out after {timeout:?} waiting for {what}")),
+                None => anyhow!("timed out after {timeout:?} waiting for {what}"),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

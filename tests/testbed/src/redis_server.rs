@@ -1,0 +1,146 @@
+//! Real `redis-server` processes on random loopback ports, and a real Redis
+//! Cluster formed from several of them with `redis-cli --cluster create`.
+
+use crate::process::{Daemon, free_port, wait_for_port};
+use crate::tools;
+use anyhow::{Context as _, Result, bail};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tempfile::TempDir;
+
+/// One standalone redis-server with its own data folder; killed on drop.
+pub struct RedisServer {
+    pub port: u16,
+    daemon: Daemon,
+    _dir: Option<TempDir>,
+}
+
+impl RedisServer {
+    /// A fresh server in its own temporary folder.
+    pub async fn start() -> Result<Self> {
+        let dir = tempfile::Builder::new().prefix("streamfleet-redis-").tempdir()?;
+        let path = dir.path().to_path_buf();
+        let mut server = Self::start_in(&path, &[]).await?;
+        server._dir = Some(dir);
+        Ok(server)
+    }
+
+    /// A server keeping its files under `dir`, with extra `redis-server` arguments.
+    pub async fn start_in(dir: &Path, extra: &[&str]) -> Result<Self> {
+        let bin = tools::system("redis-server")?;
+        // A port taken between probe and bind makes the server exit: try again.
+        let mut last_err = None;
+        for _ in 0..5 {
+            let port = free_port()?;
+            let data = dir.join(format!("redis-{port}"));
+            std::fs::create_dir_all(&data)?;
+            let mut args: Vec<String> = [
+                "--port", &port.to_string(), "--bind", "127.0.0.1", "--dir", &data.display().to_string(),
+                "--save", "", "--appendonly", "no", "--protected-mode", "no", "--daemonize", "no",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+            args.extend(extra.iter().map(|s| s.to_string()));
+            let mut daemon = Daemon::spawn(&format!("redis-{port}"), &bin, &args, &data)?;
+            match wait_for_port(port, Duration::from_secs(10)).await {
+                Ok(()) => return Ok(Self { port, daemon, _dir: None }),
+                Err(e) => {
+                    last_err = Some(daemon.check_alive().err().unwrap_or(e));
+                }
+            }
+        }
+        Err(last_err.unwrap_or_else(|| anyhow::anyhow!("redis-server did not start")))
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.daemon.pid()
+    }
+
+    /// A multiplexed async connection.
+    pub async fn connection(&self) -> Result<redis::aio::MultiplexedConnection> {
+        let client = redis::Client::open(self.url())?;
+        Ok(client.get_multiplexed_async_connection().await?)
+    }
+}
+
+/// A Redis Cluster of `masters` master nodes (no replicas) on loopback.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+    _dir: TempDir,
+}
+
+impl RedisCluster {
+    pub async fn start(masters: usize) -> Result<Self> {
+        if masters < 3 {
+            bail!("Redis Cluster needs at least 3 masters");
+        }
+        let dir = tempfile::Builder::new().prefix("streamfleet-cluster-").tempdir()?;
+        let mut nodes = Vec::with_capacity(masters);
+        for i in 0..masters {
+            let conf = dir.path().join(format!("nodes-{i}.conf"));
+            let conf = conf.display().to_string();
+            nodes.push(
+                RedisServer::start_in(
+                    dir.path(),
+                    &["--cluster-enabled", "yes", "--cluster-config-file", &conf, "--cluster-node-timeout", "5000"],
+                )
+                .await?,
+            );
+        }
+        let cli = tools::system("redis-cli")?;
+        let mut cmd = tokio::process::Command::new(cli);
+        cmd.arg("--cluster").arg("create");
+        for n in &nodes {
+            cmd.arg(format!("127.0.0.1:{}", n.port));
+        }
+        cmd.args(["--cluster-replicas", "0", "--cluster-yes"]);
+        let out = cmd.output().await.context("running redis-cli --cluster create")?;
+        if !out.status.success() {
+            bail!(
+                "redis-cli --cluster create failed: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let cluster = Self { nodes, _dir: dir };
+        cluster.wait_ok().await?;
+        Ok(cluster)
+    }
+
+    /// Seed URLs, one per node.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+
+    pub fn dir(&self) -> PathBuf {
+        self._dir.path().to_path_buf()
+    }
+
+    /// A cluster-aware async connection.
+    pub async fn connection(&self) -> Result<redis::cluster_async::ClusterConnection> {
+        let client = redis::cluster::ClusterClient::new(self.urls())?;
+        Ok(client.get_async_connection().await?)
+    }
+
+    /// Waits until every node reports `cluster_state:ok` (slots agreed).
+    async fn wait_ok(&self) -> Result<()> {
+        for _ in 0..200 {
+            let mut all_ok = true;
+            for n in &self.nodes {
+                let mut conn = n.connection().await?;
+                let info: String = redis::cmd("CLUSTER").arg("INFO").query_async(&mut conn).await?;
+                all_ok &= info.contains("cluster_state:ok");
+            }
+            if all_ok {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        bail!("Redis Cluster did not reach cluster_state:ok in 20s")
+    }
+}

@@ -1,0 +1,12 @@
+// etcd, unmodified: the upstream etcdmain entry point.
+package main
+
+import (
+	"os"
+
+	"go.etcd.io/etcd/server/v3/etcdmain"
+)
+
+func main() {
+	etcdmain.Main(os.Args)
+}
