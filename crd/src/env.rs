@@ -1,0 +1,26 @@
+//! The worker env contract: the variables the operator injects into every
+//! worker container (and the recovery Job), so workers in any language can
+//! take part. `docs/env-contract.md` documents them for worker authors.
+
+/// Redis URL, from the Secret named in `spec.redis.urlSecretRef`.
+pub const REDIS_URL: &str = "STREAMFLEET_REDIS_URL";
+/// `Standalone` or `Cluster`.
+pub const REDIS_MODE: &str = "STREAMFLEET_REDIS_MODE";
+/// PEM CA bundle for TLS, from `spec.redis.tls.caSecretRef` (absent otherwise).
+pub const REDIS_CA_PEM: &str = "STREAMFLEET_REDIS_CA_PEM";
+/// Comma-separated stream keys the worker consumes.
+pub const STREAMS: &str = "STREAMFLEET_STREAMS";
+/// Consumer group name.
+pub const GROUP: &str = "STREAMFLEET_GROUP";
+/// This consumer's name: the pod name.
+pub const CONSUMER: &str = "STREAMFLEET_CONSUMER";
+/// Milliseconds an entry must be idle before it may be claimed.
+pub const MIN_IDLE_MS: &str = "STREAMFLEET_MIN_IDLE_MS";
+/// Deliveries after which an entry is dead-lettered.
+pub const MAX_DELIVERIES: &str = "STREAMFLEET_MAX_DELIVERIES";
+/// Where dead letters go.
+pub const DEAD_LETTER_STREAM: &str = "STREAMFLEET_DEAD_LETTER_STREAM";
+/// Entries claimed per batch by recovery.
+pub const BATCH_SIZE: &str = "STREAMFLEET_BATCH_SIZE";
+/// `consume` for the worker Deployment, `recovery` for the recovery Job.
+pub const MODE: &str = "STREAMFLEET_MODE";

@@ -1,0 +1,388 @@
+//! The StreamConsumerGroup controller: a pipeline of
+//! resolve the Redis endpoint → ensure the group → build the owned objects
+//! (pure, in `objects`) → server-side apply them → write status and Events.
+
+use crate::conditions;
+use crate::error::Error;
+use crate::objects::{self, ObjectSettings};
+use futures::StreamExt as _;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::batch::v1::CronJob;
+use k8s_openapi::api::core::v1::{ObjectReference, Secret};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{Patch, PatchParams};
+use kube::core::DeserializeGuard;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::watcher;
+use kube::{Api, Client, Resource as _, ResourceExt as _};
+use serde_json::json;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use streamfleet_crd::{DeletionPolicy, RedisMode, ReplicaStatus, StreamConsumerGroup, StreamConsumerGroupStatus};
+use streamfleet_streams::{Connections, Endpoint, GroupCreation, Mode};
+
+/// Present while the group must be destroyed before the resource may go
+/// (`deletionPolicy: Delete`).
+pub const FINALIZER: &str = "streamfleet.io/delete-group";
+
+/// Field managers, one per call site, so `managedFields` says who set what.
+const MANAGER_DEPLOYMENT: &str = "streamfleet-worker-deployment";
+const MANAGER_CRONJOB: &str = "streamfleet-recovery-cronjob";
+const MANAGER_STATUS: &str = "streamfleet-status";
+
+const MAX_BACKOFF: Duration = Duration::from_secs(60);
+
+/// What every reconcile shares.
+pub struct Context {
+    pub client: Client,
+    pub recorder: Recorder,
+    pub connections: Connections,
+    pub settings: ObjectSettings,
+    failures: Mutex<HashMap<String, u32>>,
+}
+
+impl Context {
+    pub fn new(client: Client, settings: ObjectSettings, instance: Option<String>) -> Self {
+        let reporter = Reporter { controller: "streamfleet".into(), instance };
+        Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            connections: Connections::default(),
+            settings,
+            failures: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Backoff for the next retry of `key`: 2s, 4s, ... capped at a minute,
+    /// so a broken resource is retried steadily but never hot-loops.
+    fn next_backoff(&self, key: &str) -> Duration {
+        let Ok(mut failures) = self.failures.lock() else { return MAX_BACKOFF };
+        let n = failures.entry(key.to_string()).or_insert(0);
+        *n = n.saturating_add(1);
+        (Duration::from_secs(1) * 2u32.saturating_pow((*n).min(6))).min(MAX_BACKOFF)
+    }
+
+    fn reset_backoff(&self, key: &str) {
+        if let Ok(mut failures) = self.failures.lock() {
+            failures.remove(key);
+        }
+    }
+
+    async fn publish(&self, reference: &ObjectReference, type_: EventType, reason: &str, action: &str, note: String) {
+        let event = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(note.chars().take(1000).collect()),
+            action: action.into(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&event, reference).await {
+            tracing::warn!(error = %e, "publishing event");
+        }
+    }
+}
+
+/// Runs the controller until `shutdown` resolves.
+pub async fn run(
+    ctx: Arc<Context>,
+    namespace: Option<String>,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
+    let client = ctx.client.clone();
+    // DeserializeGuard: one object that fails to parse is reported, and the
+    // watch carries on for all the others.
+    let scgs: Api<DeserializeGuard<StreamConsumerGroup>> = match &namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    let owned = watcher::Config::default().labels("app.kubernetes.io/managed-by=streamfleet");
+    let (deployments, cronjobs): (Api<Deployment>, Api<CronJob>) = match &namespace {
+        Some(ns) => (Api::namespaced(client.clone(), ns), Api::namespaced(client.clone(), ns)),
+        None => (Api::all(client.clone()), Api::all(client.clone())),
+    };
+    Controller::new(scgs, watcher::Config::default().any_semantic())
+        .owns(deployments, owned.clone())
+        .owns(cronjobs, owned)
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            match result {
+                Ok((obj, _)) => tracing::debug!(object = %obj, "reconciled"),
+                Err(e) => tracing::debug!(error = %e, "reconcile failed"),
+            }
+        })
+        .await;
+}
+
+fn key(scg: &StreamConsumerGroup) -> String {
+    format!("{}/{}", scg.namespace().unwrap_or_default(), scg.name_any())
+}
+
+fn error_policy(obj: Arc<DeserializeGuard<StreamConsumerGroup>>, error: &Error, ctx: Arc<Context>) -> Action {
+    let Ok(scg) = &obj.0 else { return Action::await_change() };
+    let backoff = ctx.next_backoff(&key(scg));
+    tracing::warn!(resource = %key(scg), reason = error.reason(), error = %error, retry_in = ?backoff, "reconcile failed");
+    Action::requeue(backoff)
+}
+
+async fn reconcile(obj: Arc<DeserializeGuard<StreamConsumerGroup>>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let scg = match &obj.0 {
+        Ok(scg) => scg,
+        Err(invalid) => {
+            let reference = ObjectReference {
+                api_version: Some("streamfleet.io/v1alpha1".into()),
+                kind: Some("StreamConsumerGroup".into()),
+                name: invalid.metadata.name.clone(),
+                namespace: invalid.metadata.namespace.clone(),
+                uid: invalid.metadata.uid.clone(),
+                ..ObjectReference::default()
+            };
+            ctx.publish(&reference, EventType::Warning, "InvalidObject", "Reconcile", invalid.error.clone())
+                .await;
+            return Ok(Action::await_change());
+        }
+    };
+    if scg.metadata.deletion_timestamp.is_some() {
+        return cleanup(scg, &ctx).await;
+    }
+    sync_finalizer(scg, &ctx).await?;
+    match apply(scg, &ctx).await {
+        Ok(applied) => {
+            ctx.reset_backoff(&key(scg));
+            write_status(scg, &ctx, success_status(scg, &applied, &now())).await?;
+            let poll = u64::try_from(scg.spec.scaling.poll_interval_seconds.max(1)).unwrap_or(10);
+            Ok(Action::requeue(Duration::from_secs(poll)))
+        }
+        Err(e) => {
+            if e.is_users() {
+                ctx.publish(&scg.object_ref(&()), EventType::Warning, e.reason(), "Reconcile", e.to_string())
+                    .await;
+                write_status(scg, &ctx, failure_status(scg, &e, &now())).await?;
+            }
+            Err(e)
+        }
+    }
+}
+
+fn now() -> Time {
+    Time(k8s_openapi::jiff::Timestamp::now())
+}
+
+/// What a successful apply observed.
+pub struct Applied {
+    pub desired_replicas: i32,
+    pub available_replicas: i32,
+}
+
+async fn apply(scg: &StreamConsumerGroup, ctx: &Context) -> Result<Applied, Error> {
+    let ns = scg.namespace().unwrap_or_default();
+    let endpoint = resolve_endpoint(&ctx.client, scg).await?;
+    let mut conn = ctx.connections.get(&endpoint).await?;
+    let created = streamfleet_streams::ensure_group(&mut conn, &scg.spec.stream, &scg.spec.group, &scg.spec.start_id).await?;
+    if created == GroupCreation::Created {
+        let note = format!(
+            "created group {:?} on stream {:?} at {}",
+            scg.spec.group, scg.spec.stream, scg.spec.start_id
+        );
+        ctx.publish(&scg.object_ref(&()), EventType::Normal, "GroupCreated", "EnsureGroup", note).await;
+    }
+
+    // Until lag-driven scaling decides, run the floor of the range (at least one).
+    let scaling = &scg.spec.scaling;
+    let replicas = scaling.min_replicas.max(1).min(scaling.max_replicas);
+    let deployment = objects::worker_deployment(scg, replicas)?;
+    let applied: Deployment = Api::<Deployment>::namespaced(ctx.client.clone(), &ns)
+        .patch(
+            &objects::worker_deployment_name(scg),
+            &PatchParams::apply(MANAGER_DEPLOYMENT).force(),
+            &Patch::Apply(&deployment),
+        )
+        .await?;
+    let cronjob = objects::recovery_cronjob(scg, &ctx.settings)?;
+    Api::<CronJob>::namespaced(ctx.client.clone(), &ns)
+        .patch(
+            &objects::recovery_cronjob_name(scg),
+            &PatchParams::apply(MANAGER_CRONJOB).force(),
+            &Patch::Apply(&cronjob),
+        )
+        .await?;
+    Ok(Applied {
+        desired_replicas: replicas,
+        available_replicas: applied.status.and_then(|s| s.available_replicas).unwrap_or(0),
+    })
+}
+
+/// Reads the Redis URL (and CA) the spec references.
+async fn resolve_endpoint(client: &Client, scg: &StreamConsumerGroup) -> Result<Endpoint, Error> {
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &scg.namespace().unwrap_or_default());
+    let read = |r: &streamfleet_crd::SecretKeyRef| {
+        let (secrets, r) = (secrets.clone(), r.clone());
+        async move {
+            let secret = secrets
+                .get_opt(&r.name)
+                .await?
+                .ok_or_else(|| Error::SecretNotFound { name: r.name.clone() })?;
+            secret
+                .data
+                .and_then(|mut d| d.remove(&r.key))
+                .map(|v| v.0)
+                .ok_or(Error::SecretKeyNotFound { name: r.name, key: r.key })
+        }
+    };
+    let redis = &scg.spec.redis;
+    let url = String::from_utf8(read(&redis.url_secret_ref).await?)
+        .map_err(|_| Error::InvalidSpec("spec.redis.urlSecretRef: the URL is not UTF-8".into()))?;
+    let ca_pem = match redis.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
+        Some(r) => Some(read(r).await?),
+        None => None,
+    };
+    let mode = match redis.mode {
+        RedisMode::Standalone => Mode::Standalone,
+        RedisMode::Cluster => Mode::Cluster,
+    };
+    Ok(Endpoint { url: url.trim().to_string(), mode, ca_pem })
+}
+
+fn success_status(scg: &StreamConsumerGroup, applied: &Applied, now: &Time) -> StreamConsumerGroupStatus {
+    let mut status = scg.status.clone().unwrap_or_default();
+    let generation = scg.metadata.generation;
+    status.observed_generation = generation;
+    let group_msg = format!("group {:?} exists on stream {:?}", scg.spec.group, scg.spec.stream);
+    conditions::set(&mut status.conditions, conditions::GROUP_READY, true, "GroupExists", &group_msg, generation, now);
+    let workers_ok = applied.desired_replicas == 0 || applied.available_replicas > 0;
+    let (reason, msg) = if workers_ok {
+        ("WorkersAvailable", format!("{} of {} workers available", applied.available_replicas, applied.desired_replicas))
+    } else {
+        ("NoWorkerAvailable", format!("0 of {} workers available", applied.desired_replicas))
+    };
+    conditions::set(&mut status.conditions, conditions::WORKERS_AVAILABLE, workers_ok, reason, &msg, generation, now);
+    let (reason, msg) = if workers_ok { ("Reconciled", "group ready and workers available".to_string()) } else { (reason, msg) };
+    conditions::set(&mut status.conditions, conditions::READY, workers_ok, reason, &msg, generation, now);
+    status.replicas = Some(ReplicaStatus {
+        desired: applied.desired_replicas,
+        current: applied.available_replicas,
+        summary: format!("{}/{}", applied.available_replicas, applied.desired_replicas),
+    });
+    status
+}
+
+fn failure_status(scg: &StreamConsumerGroup, error: &Error, now: &Time) -> StreamConsumerGroupStatus {
+    let mut status = scg.status.clone().unwrap_or_default();
+    let generation = scg.metadata.generation;
+    status.observed_generation = generation;
+    let message = error.to_string();
+    conditions::set(&mut status.conditions, conditions::GROUP_READY, false, error.reason(), &message, generation, now);
+    conditions::set(&mut status.conditions, conditions::READY, false, error.reason(), &message, generation, now);
+    status
+}
+
+/// Writes the status only when it differs from what is stored.
+async fn write_status(scg: &StreamConsumerGroup, ctx: &Context, status: StreamConsumerGroupStatus) -> Result<(), Error> {
+    if scg.status.as_ref() == Some(&status) {
+        return Ok(());
+    }
+    let api: Api<StreamConsumerGroup> = Api::namespaced(ctx.client.clone(), &scg.namespace().unwrap_or_default());
+    let patch = json!({
+        "apiVersion": "streamfleet.io/v1alpha1",
+        "kind": "StreamConsumerGroup",
+        "status": status,
+    });
+    api.patch_status(&scg.name_any(), &PatchParams::apply(MANAGER_STATUS).force(), &Patch::Apply(&patch))
+        .await?;
+    Ok(())
+}
+
+/// Keeps our finalizer present exactly while the policy is `Delete`.
+async fn sync_finalizer(scg: &StreamConsumerGroup, ctx: &Context) -> Result<(), Error> {
+    let want = scg.spec.deletion_policy == DeletionPolicy::Delete;
+    let has = scg.finalizers().iter().any(|f| f == FINALIZER);
+    if want == has {
+        return Ok(());
+    }
+    let mut finalizers: Vec<String> = scg.finalizers().iter().filter(|f| *f != FINALIZER).cloned().collect();
+    if want {
+        finalizers.push(FINALIZER.into());
+    }
+    set_finalizers(scg, ctx, finalizers).await
+}
+
+async fn set_finalizers(scg: &StreamConsumerGroup, ctx: &Context, finalizers: Vec<String>) -> Result<(), Error> {
+    let api: Api<StreamConsumerGroup> = Api::namespaced(ctx.client.clone(), &scg.namespace().unwrap_or_default());
+    // The resourceVersion makes this a compare-and-swap against concurrent edits.
+    let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": scg.resource_version()}});
+    api.patch(&scg.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    Ok(())
+}
+
+/// Deletion: with `Delete`, destroy the group, then let the resource go.
+/// Owned objects are removed by the garbage collector through owner references.
+async fn cleanup(scg: &StreamConsumerGroup, ctx: &Context) -> Result<Action, Error> {
+    if !scg.finalizers().iter().any(|f| f == FINALIZER) {
+        return Ok(Action::await_change());
+    }
+    if scg.spec.deletion_policy == DeletionPolicy::Delete {
+        let destroyed = async {
+            let endpoint = resolve_endpoint(&ctx.client, scg).await?;
+            let mut conn = ctx.connections.get(&endpoint).await?;
+            Ok::<_, Error>(streamfleet_streams::destroy_group(&mut conn, &scg.spec.stream, &scg.spec.group).await?)
+        }
+        .await;
+        match destroyed {
+            Ok(existed) => {
+                tracing::info!(resource = %key(scg), existed, "consumer group destroyed");
+            }
+            Err(e) => {
+                ctx.publish(&scg.object_ref(&()), EventType::Warning, e.reason(), "DestroyGroup", e.to_string())
+                    .await;
+                return Err(e);
+            }
+        }
+    }
+    let finalizers = scg.finalizers().iter().filter(|f| *f != FINALIZER).cloned().collect();
+    set_finalizers(scg, ctx, finalizers).await?;
+    Ok(Action::await_change())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scg() -> StreamConsumerGroup {
+        serde_json::from_value(json!({
+            "apiVersion": "streamfleet.io/v1alpha1", "kind": "StreamConsumerGroup",
+            "metadata": {"name": "orders", "namespace": "shop", "generation": 4},
+            "spec": {"redis": {"urlSecretRef": {"name": "r", "key": "url"}}, "stream": "s", "group": "g",
+                     "worker": {"template": {"spec": {"containers": [{"name": "w"}]}}}}
+        }))
+        .unwrap()
+    }
+
+    fn at(s: i64) -> Time {
+        Time(k8s_openapi::jiff::Timestamp::from_second(s).unwrap())
+    }
+
+    #[test]
+    fn success_is_ready_only_with_an_available_worker() {
+        let s = success_status(&scg(), &Applied { desired_replicas: 2, available_replicas: 0 }, &at(1));
+        assert_eq!(s.observed_generation, Some(4));
+        assert!(conditions::is_true(&s.conditions, conditions::GROUP_READY));
+        assert!(!conditions::is_true(&s.conditions, conditions::READY));
+        let s = success_status(&scg(), &Applied { desired_replicas: 2, available_replicas: 1 }, &at(1));
+        assert!(conditions::is_true(&s.conditions, conditions::READY));
+        assert_eq!(s.replicas.unwrap().summary, "1/2");
+    }
+
+    #[test]
+    fn failure_names_the_reason_and_recomputing_it_is_a_no_op() {
+        let mut obj = scg();
+        let e = Error::SecretNotFound { name: "r".into() };
+        let first = failure_status(&obj, &e, &at(1));
+        let ready = first.conditions.iter().find(|c| c.type_ == conditions::READY).unwrap();
+        assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", "SecretNotFound"));
+        obj.status = Some(first.clone());
+        // Same failure later: identical status, so nothing is written.
+        assert_eq!(failure_status(&obj, &e, &at(99)), first);
+    }
+}

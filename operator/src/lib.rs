@@ -1,0 +1,9 @@
+//! The streamfleet operator: controller, owned-object builders, leader
+//! election and probes. `main.rs` wires them into the `streamfleet` binary.
+
+pub mod conditions;
+pub mod controller;
+pub mod error;
+pub mod health;
+pub mod leader;
+pub mod objects;

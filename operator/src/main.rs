@@ -1,0 +1,150 @@
+//! `streamfleet`: the operator binary.
+//!
+//! * `streamfleet run`: the controller (leader-elected).
+//! * `streamfleet crd`: prints the CRD YAML.
+
+use anyhow::{Context as _, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use std::sync::Arc;
+use std::time::Duration;
+use streamfleet_operator::controller::{self, Context};
+use streamfleet_operator::health::Health;
+use streamfleet_operator::leader::LeaseLock;
+use streamfleet_operator::objects::ObjectSettings;
+
+#[derive(Parser)]
+#[command(name = "streamfleet", version, about = "Runs job pipelines on Redis Streams consumer groups")]
+struct Cli {
+    /// Log format.
+    #[arg(long, env = "STREAMFLEET_LOG_FORMAT", default_value = "json", global = true)]
+    log_format: LogFormat,
+    /// Log filter (tracing EnvFilter syntax), e.g. `info` or `streamfleet_operator=debug`.
+    #[arg(long, env = "STREAMFLEET_LOG", default_value = "info", global = true)]
+    log: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Json,
+    Text,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the controller.
+    Run(RunArgs),
+    /// Print the StreamConsumerGroup CRD as YAML.
+    Crd,
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Watch only this namespace (default: all namespaces).
+    #[arg(long, env = "STREAMFLEET_WATCH_NAMESPACE")]
+    watch_namespace: Option<String>,
+    /// The operator's own image, run by recovery sweeps.
+    #[arg(long, env = "STREAMFLEET_OPERATOR_IMAGE", default_value = "streamfleet/streamfleet:latest")]
+    operator_image: String,
+    /// Address of /healthz and /readyz.
+    #[arg(long, env = "STREAMFLEET_HEALTH_ADDR", default_value = "0.0.0.0:8080")]
+    health_addr: String,
+    /// Lease used for leader election; disable with --leader-election=false.
+    #[arg(long, env = "STREAMFLEET_LEADER_ELECTION", default_value_t = true, action = clap::ArgAction::Set)]
+    leader_election: bool,
+    /// Namespace of the lease (the operator's own namespace).
+    #[arg(long, env = "STREAMFLEET_LEASE_NAMESPACE", default_value = "default")]
+    lease_namespace: String,
+    /// This replica's identity (the pod name).
+    #[arg(long, env = "STREAMFLEET_POD_NAME")]
+    identity: Option<String>,
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log).context("--log")?;
+    match cli.log_format {
+        LogFormat::Json => tracing_subscriber::fmt().json().with_env_filter(filter).init(),
+        LogFormat::Text => tracing_subscriber::fmt().with_env_filter(filter).init(),
+    }
+    match cli.command {
+        Command::Crd => {
+            print!("{}", streamfleet_crd::crd_yaml()?);
+            Ok(())
+        }
+        Command::Run(args) => run(args).await,
+    }
+}
+
+async fn run(args: RunArgs) -> Result<()> {
+    let client = kube::Client::try_default().await.context("connecting to the Kubernetes API")?;
+    let identity = args
+        .identity
+        .clone()
+        .unwrap_or_else(|| format!("streamfleet-{}", std::process::id()));
+    let health = Health::default();
+    let listener = tokio::net::TcpListener::bind(&args.health_addr)
+        .await
+        .with_context(|| format!("binding {}", args.health_addr))?;
+    tokio::spawn(health.clone().serve(listener));
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+
+    let lease = args.leader_election.then(|| {
+        LeaseLock::new(client.clone(), &args.lease_namespace, "streamfleet-leader", &identity, Duration::from_secs(15))
+    });
+    if let Some(lease) = &lease {
+        // A standby is healthy and ready: it serves probes and waits its turn.
+        health.set_ready(true);
+        tracing::info!(%identity, "waiting for leadership");
+        tokio::select! {
+            () = lease.acquire() => {}
+            () = stopped(stop_rx.clone()) => return Ok(()),
+        }
+        tracing::info!(%identity, "leading");
+    }
+    health.set_ready(true);
+
+    let settings = ObjectSettings { operator_image: args.operator_image.clone() };
+    let ctx = Arc::new(Context::new(client, settings, Some(identity.clone())));
+    let controller = controller::run(ctx, args.watch_namespace.clone(), stopped(stop_rx.clone()));
+    match &lease {
+        Some(lease) => {
+            tokio::select! {
+                () = controller => {}
+                () = lease.hold() => {
+                    // Lost the lease: stop writing at once; the pod restarts as a standby.
+                    anyhow::bail!("lost leadership");
+                }
+            }
+            lease.release().await;
+        }
+        None => controller.await,
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => futures::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = term => {}
+    }
+}

@@ -1,0 +1,151 @@
+//! Connections to Redis, standalone or cluster, with timeouts that turn an
+//! unreachable server into a prompt error instead of a hang, and a shared
+//! cache so every resource that names the same endpoint uses one connection.
+
+use crate::error::StreamError;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, Pipeline, RedisFuture, Value};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Mutex;
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Standalone server or Redis Cluster.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Mode {
+    Standalone,
+    Cluster,
+}
+
+/// Where and how to connect. `url` may carry credentials: it is never logged.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    pub url: String,
+    pub mode: Mode,
+    /// PEM CA bundle for `rediss://` servers signed by a private CA.
+    pub ca_pem: Option<Vec<u8>>,
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("url", &crate::error::redact(&self.url))
+            .field("mode", &self.mode)
+            .field("ca_pem", &self.ca_pem.as_ref().map(|_| "<pem>"))
+            .finish()
+    }
+}
+
+/// A multiplexed, self-reconnecting connection to either kind of endpoint.
+/// Cheap to clone; clones share the underlying connection.
+#[derive(Clone)]
+pub enum StreamConnection {
+    Standalone(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl StreamConnection {
+    pub async fn connect(endpoint: &Endpoint) -> Result<Self, StreamError> {
+        let err = |e| StreamError::new("connecting to Redis", e);
+        let certs = || redis::TlsCertificates { client_tls: None, root_cert: endpoint.ca_pem.clone() };
+        match endpoint.mode {
+            Mode::Standalone => {
+                let client = match endpoint.ca_pem {
+                    Some(_) => redis::Client::build_with_tls(endpoint.url.as_str(), certs()),
+                    None => redis::Client::open(endpoint.url.as_str()),
+                }
+                .map_err(err)?;
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(CONNECT_TIMEOUT))
+                    .set_response_timeout(Some(RESPONSE_TIMEOUT))
+                    .set_number_of_retries(2);
+                let manager = tokio::time::timeout(
+                    CONNECT_TIMEOUT * 3,
+                    ConnectionManager::new_with_config(client, config),
+                )
+                .await
+                .map_err(|_| err(timeout_error()))?
+                .map_err(err)?;
+                Ok(Self::Standalone(manager))
+            }
+            Mode::Cluster => {
+                let mut builder = redis::cluster::ClusterClientBuilder::new(vec![endpoint.url.as_str()])
+                    .connection_timeout(CONNECT_TIMEOUT)
+                    .response_timeout(RESPONSE_TIMEOUT)
+                    .retries(2);
+                if endpoint.ca_pem.is_some() {
+                    builder = builder.certs(certs());
+                }
+                let client = builder.build().map_err(err)?;
+                let conn = tokio::time::timeout(CONNECT_TIMEOUT * 3, client.get_async_connection())
+                    .await
+                    .map_err(|_| err(timeout_error()))?
+                    .map_err(err)?;
+                Ok(Self::Cluster(conn))
+            }
+        }
+    }
+}
+
+fn timeout_error() -> redis::RedisError {
+    redis::RedisError::from(std::io::Error::new(std::io::ErrorKind::TimedOut, "connection timed out"))
+}
+
+impl ConnectionLike for StreamConnection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Standalone(c) => c.req_packed_command(cmd),
+            Self::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(&'a mut self, cmd: &'a Pipeline, offset: usize, count: usize) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Standalone(c) => c.req_packed_commands(cmd, offset, count),
+            Self::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Standalone(c) => c.get_db(),
+            Self::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// One connection per endpoint, shared by every caller that names it.
+#[derive(Clone, Default)]
+pub struct Connections {
+    by_endpoint: Arc<Mutex<HashMap<Endpoint, StreamConnection>>>,
+}
+
+impl Connections {
+    /// The shared connection for `endpoint`, connecting on first use.
+    pub async fn get(&self, endpoint: &Endpoint) -> Result<StreamConnection, StreamError> {
+        if let Some(conn) = self.by_endpoint.lock().await.get(endpoint) {
+            return Ok(conn.clone());
+        }
+        // Connect outside the lock: one slow endpoint must not block the others.
+        let conn = StreamConnection::connect(endpoint).await?;
+        let mut map = self.by_endpoint.lock().await;
+        Ok(map.entry(endpoint.clone()).or_insert(conn).clone())
+    }
+
+    /// Drops the shared connection, e.g. after the Secret's URL changed.
+    pub async fn forget(&self, endpoint: &Endpoint) {
+        self.by_endpoint.lock().await.remove(endpoint);
+    }
+
+    pub async fn len(&self) -> usize {
+        self.by_endpoint.lock().await.len()
+    }
+
+    pub async fn is_empty(&self) -> bool {
+        self.len().await == 0
+    }
+}

@@ -1,0 +1,108 @@
+//! Errors from Redis, classified so callers can report a precise reason.
+
+use std::fmt;
+
+/// Why a Redis operation failed, in the terms an operator's user acts on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// No connection could be made (refused, timed out, DNS, TLS handshake).
+    Unreachable,
+    /// The server refused the credentials (`WRONGPASS`, `NOAUTH`, `NOPERM`).
+    AuthFailed,
+    /// The URL or settings are malformed.
+    InvalidConfig,
+    /// The server answered with an error to a well-formed request.
+    Server,
+}
+
+impl ErrorClass {
+    /// A stable CamelCase reason for conditions, Events and metric labels.
+    pub fn reason(self) -> &'static str {
+        match self {
+            ErrorClass::Unreachable => "RedisUnreachable",
+            ErrorClass::AuthFailed => "RedisAuthFailed",
+            ErrorClass::InvalidConfig => "RedisInvalidConfig",
+            ErrorClass::Server => "RedisError",
+        }
+    }
+}
+
+/// A failed Redis operation: its class, what was being done, and the
+/// server's or client's message (never the URL, which may carry a password).
+#[derive(Debug, thiserror::Error)]
+pub struct StreamError {
+    pub class: ErrorClass,
+    pub action: &'static str,
+    #[source]
+    pub source: redis::RedisError,
+}
+
+impl fmt::Display for StreamError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.action, redact(&self.source.to_string()))
+    }
+}
+
+impl StreamError {
+    pub fn new(action: &'static str, source: redis::RedisError) -> Self {
+        Self { class: classify(&source), action, source }
+    }
+}
+
+/// Classifies a redis-rs error.
+pub fn classify(e: &redis::RedisError) -> ErrorClass {
+    match e.code() {
+        Some("WRONGPASS" | "NOAUTH" | "NOPERM") => return ErrorClass::AuthFailed,
+        _ => {}
+    }
+    if matches!(e.kind(), redis::ErrorKind::AuthenticationFailed) {
+        return ErrorClass::AuthFailed;
+    }
+    if matches!(e.kind(), redis::ErrorKind::InvalidClientConfig) {
+        return ErrorClass::InvalidConfig;
+    }
+    if e.is_io_error() || e.is_connection_refusal() || e.is_timeout() || e.is_connection_dropped() {
+        return ErrorClass::Unreachable;
+    }
+    let text = e.to_string();
+    if text.contains("WRONGPASS") || text.contains("NOAUTH") || text.contains("invalid username-password") {
+        return ErrorClass::AuthFailed;
+    }
+    ErrorClass::Server
+}
+
+/// Removes `user:password@` from any URL in a message.
+pub fn redact(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    for word in message.split_inclusive(char::is_whitespace) {
+        match (word.find("://"), word.rfind('@')) {
+            (Some(scheme), Some(at)) if at > scheme => {
+                out.push_str(&word[..scheme + 3]);
+                out.push_str("***@");
+                out.push_str(&word[at + 1..]);
+            }
+            _ => out.push_str(word),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redact_hides_credentials_in_urls() {
+        assert_eq!(
+            redact("cannot reach redis://u:secret@10.0.0.1:6379/0 now"),
+            "cannot reach redis://***@10.0.0.1:6379/0 now"
+        );
+        assert_eq!(redact("plain message"), "plain message");
+    }
+
+    #[test]
+    fn server_auth_errors_are_auth_failures() {
+        let e = redis::RedisError::from((redis::ErrorKind::AuthenticationFailed, "WRONGPASS invalid username-password pair"));
+        assert_eq!(classify(&e), ErrorClass::AuthFailed);
+    }
+}

@@ -1,0 +1,57 @@
+//! Consumer-group lifecycle.
+
+use crate::error::StreamError;
+use redis::aio::ConnectionLike;
+
+/// What `ensure_group` found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupCreation {
+    /// The group was created at the requested start ID.
+    Created,
+    /// The group already existed; its position was left alone.
+    AlreadyExisted,
+}
+
+/// Creates `group` on `stream` (creating the stream too) starting at
+/// `start_id`. An existing group is success and keeps its position: the start
+/// ID applies only at creation.
+pub async fn ensure_group<C: ConnectionLike + Send>(
+    conn: &mut C,
+    stream: &str,
+    group: &str,
+    start_id: &str,
+) -> Result<GroupCreation, StreamError> {
+    let created: redis::RedisResult<()> = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(stream)
+        .arg(group)
+        .arg(start_id)
+        .arg("MKSTREAM")
+        .query_async(conn)
+        .await;
+    match created {
+        Ok(()) => Ok(GroupCreation::Created),
+        Err(e) if e.code() == Some("BUSYGROUP") => Ok(GroupCreation::AlreadyExisted),
+        Err(e) => Err(StreamError::new("creating the consumer group", e)),
+    }
+}
+
+/// Destroys `group`; returns whether it existed. Its pending entries are dropped.
+pub async fn destroy_group<C: ConnectionLike + Send>(
+    conn: &mut C,
+    stream: &str,
+    group: &str,
+) -> Result<bool, StreamError> {
+    let destroyed: redis::RedisResult<i64> = redis::cmd("XGROUP")
+        .arg("DESTROY")
+        .arg(stream)
+        .arg(group)
+        .query_async(conn)
+        .await;
+    match destroyed {
+        Ok(n) => Ok(n > 0),
+        // The stream itself is gone: so is the group.
+        Err(e) if e.to_string().contains("requires the key to exist") => Ok(false),
+        Err(e) => Err(StreamError::new("destroying the consumer group", e)),
+    }
+}
