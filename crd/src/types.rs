@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
     kind = "StreamConsumerGroup",
     plural = "streamconsumergroups",
     shortname = "scg",
+    doc = "A Redis Streams consumer group run as a pipeline by streamfleet.",
     namespaced,
     status = "StreamConsumerGroupStatus",
     printcolumn = r#"{"name":"Stream","type":"string","jsonPath":".spec.stream"}"#,

@@ -20,7 +20,9 @@ use serde_json::json;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use streamfleet_crd::{DeletionPolicy, RedisMode, ReplicaStatus, StreamConsumerGroup, StreamConsumerGroupStatus};
+use streamfleet_crd::{
+    DeletionPolicy, RedisMode, ReplicaStatus, StreamConsumerGroup, StreamConsumerGroupStatus,
+};
 use streamfleet_streams::{Connections, Endpoint, GroupCreation, Mode};
 
 /// Present while the group must be destroyed before the resource may go
@@ -45,7 +47,10 @@ pub struct Context {
 
 impl Context {
     pub fn new(client: Client, settings: ObjectSettings, instance: Option<String>) -> Self {
-        let reporter = Reporter { controller: "streamfleet".into(), instance };
+        let reporter = Reporter {
+            controller: "streamfleet".into(),
+            instance,
+        };
         Self {
             recorder: Recorder::new(client.clone(), reporter),
             client,
@@ -58,7 +63,9 @@ impl Context {
     /// Backoff for the next retry of `key`: 2s, 4s, ... capped at a minute,
     /// so a broken resource is retried steadily but never hot-loops.
     fn next_backoff(&self, key: &str) -> Duration {
-        let Ok(mut failures) = self.failures.lock() else { return MAX_BACKOFF };
+        let Ok(mut failures) = self.failures.lock() else {
+            return MAX_BACKOFF;
+        };
         let n = failures.entry(key.to_string()).or_insert(0);
         *n = n.saturating_add(1);
         (Duration::from_secs(1) * 2u32.saturating_pow((*n).min(6))).min(MAX_BACKOFF)
@@ -70,7 +77,14 @@ impl Context {
         }
     }
 
-    async fn publish(&self, reference: &ObjectReference, type_: EventType, reason: &str, action: &str, note: String) {
+    async fn publish(
+        &self,
+        reference: &ObjectReference,
+        type_: EventType,
+        reason: &str,
+        action: &str,
+        note: String,
+    ) {
         let event = Event {
             type_,
             reason: reason.into(),
@@ -99,7 +113,10 @@ pub async fn run(
     };
     let owned = watcher::Config::default().labels("app.kubernetes.io/managed-by=streamfleet");
     let (deployments, cronjobs): (Api<Deployment>, Api<CronJob>) = match &namespace {
-        Some(ns) => (Api::namespaced(client.clone(), ns), Api::namespaced(client.clone(), ns)),
+        Some(ns) => (
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client.clone(), ns),
+        ),
         None => (Api::all(client.clone()), Api::all(client.clone())),
     };
     Controller::new(scgs, watcher::Config::default().any_semantic())
@@ -120,14 +137,23 @@ fn key(scg: &StreamConsumerGroup) -> String {
     format!("{}/{}", scg.namespace().unwrap_or_default(), scg.name_any())
 }
 
-fn error_policy(obj: Arc<DeserializeGuard<StreamConsumerGroup>>, error: &Error, ctx: Arc<Context>) -> Action {
-    let Ok(scg) = &obj.0 else { return Action::await_change() };
+fn error_policy(
+    obj: Arc<DeserializeGuard<StreamConsumerGroup>>,
+    error: &Error,
+    ctx: Arc<Context>,
+) -> Action {
+    let Ok(scg) = &obj.0 else {
+        return Action::await_change();
+    };
     let backoff = ctx.next_backoff(&key(scg));
     tracing::warn!(resource = %key(scg), reason = error.reason(), error = %error, retry_in = ?backoff, "reconcile failed");
     Action::requeue(backoff)
 }
 
-async fn reconcile(obj: Arc<DeserializeGuard<StreamConsumerGroup>>, ctx: Arc<Context>) -> Result<Action, Error> {
+async fn reconcile(
+    obj: Arc<DeserializeGuard<StreamConsumerGroup>>,
+    ctx: Arc<Context>,
+) -> Result<Action, Error> {
     let scg = match &obj.0 {
         Ok(scg) => scg,
         Err(invalid) => {
@@ -139,8 +165,14 @@ async fn reconcile(obj: Arc<DeserializeGuard<StreamConsumerGroup>>, ctx: Arc<Con
                 uid: invalid.metadata.uid.clone(),
                 ..ObjectReference::default()
             };
-            ctx.publish(&reference, EventType::Warning, "InvalidObject", "Reconcile", invalid.error.clone())
-                .await;
+            ctx.publish(
+                &reference,
+                EventType::Warning,
+                "InvalidObject",
+                "Reconcile",
+                invalid.error.clone(),
+            )
+            .await;
             return Ok(Action::await_change());
         }
     };
@@ -157,8 +189,14 @@ async fn reconcile(obj: Arc<DeserializeGuard<StreamConsumerGroup>>, ctx: Arc<Con
         }
         Err(e) => {
             if e.is_users() {
-                ctx.publish(&scg.object_ref(&()), EventType::Warning, e.reason(), "Reconcile", e.to_string())
-                    .await;
+                ctx.publish(
+                    &scg.object_ref(&()),
+                    EventType::Warning,
+                    e.reason(),
+                    "Reconcile",
+                    e.to_string(),
+                )
+                .await;
                 write_status(scg, &ctx, failure_status(scg, &e, &now())).await?;
             }
             Err(e)
@@ -180,13 +218,26 @@ async fn apply(scg: &StreamConsumerGroup, ctx: &Context) -> Result<Applied, Erro
     let ns = scg.namespace().unwrap_or_default();
     let endpoint = resolve_endpoint(&ctx.client, scg).await?;
     let mut conn = ctx.connections.get(&endpoint).await?;
-    let created = streamfleet_streams::ensure_group(&mut conn, &scg.spec.stream, &scg.spec.group, &scg.spec.start_id).await?;
+    let created = streamfleet_streams::ensure_group(
+        &mut conn,
+        &scg.spec.stream,
+        &scg.spec.group,
+        &scg.spec.start_id,
+    )
+    .await?;
     if created == GroupCreation::Created {
         let note = format!(
             "created group {:?} on stream {:?} at {}",
             scg.spec.group, scg.spec.stream, scg.spec.start_id
         );
-        ctx.publish(&scg.object_ref(&()), EventType::Normal, "GroupCreated", "EnsureGroup", note).await;
+        ctx.publish(
+            &scg.object_ref(&()),
+            EventType::Normal,
+            "GroupCreated",
+            "EnsureGroup",
+            note,
+        )
+        .await;
     }
 
     // Until lag-driven scaling decides, run the floor of the range (at least one).
@@ -210,25 +261,34 @@ async fn apply(scg: &StreamConsumerGroup, ctx: &Context) -> Result<Applied, Erro
         .await?;
     Ok(Applied {
         desired_replicas: replicas,
-        available_replicas: applied.status.and_then(|s| s.available_replicas).unwrap_or(0),
+        available_replicas: applied
+            .status
+            .and_then(|s| s.available_replicas)
+            .unwrap_or(0),
     })
 }
 
 /// Reads the Redis URL (and CA) the spec references.
 async fn resolve_endpoint(client: &Client, scg: &StreamConsumerGroup) -> Result<Endpoint, Error> {
-    let secrets: Api<Secret> = Api::namespaced(client.clone(), &scg.namespace().unwrap_or_default());
+    let secrets: Api<Secret> =
+        Api::namespaced(client.clone(), &scg.namespace().unwrap_or_default());
     let read = |r: &streamfleet_crd::SecretKeyRef| {
         let (secrets, r) = (secrets.clone(), r.clone());
         async move {
             let secret = secrets
                 .get_opt(&r.name)
                 .await?
-                .ok_or_else(|| Error::SecretNotFound { name: r.name.clone() })?;
+                .ok_or_else(|| Error::SecretNotFound {
+                    name: r.name.clone(),
+                })?;
             secret
                 .data
                 .and_then(|mut d| d.remove(&r.key))
                 .map(|v| v.0)
-                .ok_or(Error::SecretKeyNotFound { name: r.name, key: r.key })
+                .ok_or(Error::SecretKeyNotFound {
+                    name: r.name,
+                    key: r.key,
+                })
         }
     };
     let redis = &scg.spec.redis;
@@ -242,55 +302,138 @@ async fn resolve_endpoint(client: &Client, scg: &StreamConsumerGroup) -> Result<
         RedisMode::Standalone => Mode::Standalone,
         RedisMode::Cluster => Mode::Cluster,
     };
-    Ok(Endpoint { url: url.trim().to_string(), mode, ca_pem })
+    Ok(Endpoint {
+        url: url.trim().to_string(),
+        mode,
+        ca_pem,
+    })
 }
 
-fn success_status(scg: &StreamConsumerGroup, applied: &Applied, now: &Time) -> StreamConsumerGroupStatus {
+fn success_status(
+    scg: &StreamConsumerGroup,
+    applied: &Applied,
+    now: &Time,
+) -> StreamConsumerGroupStatus {
     let mut status = scg.status.clone().unwrap_or_default();
     let generation = scg.metadata.generation;
     status.observed_generation = generation;
-    let group_msg = format!("group {:?} exists on stream {:?}", scg.spec.group, scg.spec.stream);
-    conditions::set(&mut status.conditions, conditions::GROUP_READY, true, "GroupExists", &group_msg, generation, now);
+    let group_msg = format!(
+        "group {:?} exists on stream {:?}",
+        scg.spec.group, scg.spec.stream
+    );
+    conditions::set(
+        &mut status.conditions,
+        conditions::GROUP_READY,
+        true,
+        "GroupExists",
+        &group_msg,
+        generation,
+        now,
+    );
     let workers_ok = applied.desired_replicas == 0 || applied.available_replicas > 0;
     let (reason, msg) = if workers_ok {
-        ("WorkersAvailable", format!("{} of {} workers available", applied.available_replicas, applied.desired_replicas))
+        (
+            "WorkersAvailable",
+            format!(
+                "{} of {} workers available",
+                applied.available_replicas, applied.desired_replicas
+            ),
+        )
     } else {
-        ("NoWorkerAvailable", format!("0 of {} workers available", applied.desired_replicas))
+        (
+            "NoWorkerAvailable",
+            format!("0 of {} workers available", applied.desired_replicas),
+        )
     };
-    conditions::set(&mut status.conditions, conditions::WORKERS_AVAILABLE, workers_ok, reason, &msg, generation, now);
-    let (reason, msg) = if workers_ok { ("Reconciled", "group ready and workers available".to_string()) } else { (reason, msg) };
-    conditions::set(&mut status.conditions, conditions::READY, workers_ok, reason, &msg, generation, now);
+    conditions::set(
+        &mut status.conditions,
+        conditions::WORKERS_AVAILABLE,
+        workers_ok,
+        reason,
+        &msg,
+        generation,
+        now,
+    );
+    let (reason, msg) = if workers_ok {
+        (
+            "Reconciled",
+            "group ready and workers available".to_string(),
+        )
+    } else {
+        (reason, msg)
+    };
+    conditions::set(
+        &mut status.conditions,
+        conditions::READY,
+        workers_ok,
+        reason,
+        &msg,
+        generation,
+        now,
+    );
     status.replicas = Some(ReplicaStatus {
         desired: applied.desired_replicas,
         current: applied.available_replicas,
-        summary: format!("{}/{}", applied.available_replicas, applied.desired_replicas),
+        summary: format!(
+            "{}/{}",
+            applied.available_replicas, applied.desired_replicas
+        ),
     });
     status
 }
 
-fn failure_status(scg: &StreamConsumerGroup, error: &Error, now: &Time) -> StreamConsumerGroupStatus {
+fn failure_status(
+    scg: &StreamConsumerGroup,
+    error: &Error,
+    now: &Time,
+) -> StreamConsumerGroupStatus {
     let mut status = scg.status.clone().unwrap_or_default();
     let generation = scg.metadata.generation;
     status.observed_generation = generation;
     let message = error.to_string();
-    conditions::set(&mut status.conditions, conditions::GROUP_READY, false, error.reason(), &message, generation, now);
-    conditions::set(&mut status.conditions, conditions::READY, false, error.reason(), &message, generation, now);
+    conditions::set(
+        &mut status.conditions,
+        conditions::GROUP_READY,
+        false,
+        error.reason(),
+        &message,
+        generation,
+        now,
+    );
+    conditions::set(
+        &mut status.conditions,
+        conditions::READY,
+        false,
+        error.reason(),
+        &message,
+        generation,
+        now,
+    );
     status
 }
 
 /// Writes the status only when it differs from what is stored.
-async fn write_status(scg: &StreamConsumerGroup, ctx: &Context, status: StreamConsumerGroupStatus) -> Result<(), Error> {
+async fn write_status(
+    scg: &StreamConsumerGroup,
+    ctx: &Context,
+    status: StreamConsumerGroupStatus,
+) -> Result<(), Error> {
     if scg.status.as_ref() == Some(&status) {
         return Ok(());
     }
-    let api: Api<StreamConsumerGroup> = Api::namespaced(ctx.client.clone(), &scg.namespace().unwrap_or_default());
+    let api: Api<StreamConsumerGroup> =
+        Api::namespaced(ctx.client.clone(), &scg.namespace().unwrap_or_default());
     let patch = json!({
         "apiVersion": "streamfleet.io/v1alpha1",
         "kind": "StreamConsumerGroup",
         "status": status,
     });
-    api.patch_status(&scg.name_any(), &PatchParams::apply(MANAGER_STATUS).force(), &Patch::Apply(&patch))
-        .await?;
+    api.patch_status(
+        &scg.name_any(),
+        &PatchParams::apply(MANAGER_STATUS).force(),
+        &Patch::Apply(&patch),
+    )
+    .await?;
     Ok(())
 }
 
@@ -301,18 +444,34 @@ async fn sync_finalizer(scg: &StreamConsumerGroup, ctx: &Context) -> Result<(), 
     if want == has {
         return Ok(());
     }
-    let mut finalizers: Vec<String> = scg.finalizers().iter().filter(|f| *f != FINALIZER).cloned().collect();
+    let mut finalizers: Vec<String> = scg
+        .finalizers()
+        .iter()
+        .filter(|f| *f != FINALIZER)
+        .cloned()
+        .collect();
     if want {
         finalizers.push(FINALIZER.into());
     }
     set_finalizers(scg, ctx, finalizers).await
 }
 
-async fn set_finalizers(scg: &StreamConsumerGroup, ctx: &Context, finalizers: Vec<String>) -> Result<(), Error> {
-    let api: Api<StreamConsumerGroup> = Api::namespaced(ctx.client.clone(), &scg.namespace().unwrap_or_default());
+async fn set_finalizers(
+    scg: &StreamConsumerGroup,
+    ctx: &Context,
+    finalizers: Vec<String>,
+) -> Result<(), Error> {
+    let api: Api<StreamConsumerGroup> =
+        Api::namespaced(ctx.client.clone(), &scg.namespace().unwrap_or_default());
     // The resourceVersion makes this a compare-and-swap against concurrent edits.
-    let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": scg.resource_version()}});
-    api.patch(&scg.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    let patch =
+        json!({"metadata": {"finalizers": finalizers, "resourceVersion": scg.resource_version()}});
+    api.patch(
+        &scg.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(&patch),
+    )
+    .await?;
     Ok(())
 }
 
@@ -326,7 +485,10 @@ async fn cleanup(scg: &StreamConsumerGroup, ctx: &Context) -> Result<Action, Err
         let destroyed = async {
             let endpoint = resolve_endpoint(&ctx.client, scg).await?;
             let mut conn = ctx.connections.get(&endpoint).await?;
-            Ok::<_, Error>(streamfleet_streams::destroy_group(&mut conn, &scg.spec.stream, &scg.spec.group).await?)
+            Ok::<_, Error>(
+                streamfleet_streams::destroy_group(&mut conn, &scg.spec.stream, &scg.spec.group)
+                    .await?,
+            )
         }
         .await;
         match destroyed {
@@ -334,13 +496,24 @@ async fn cleanup(scg: &StreamConsumerGroup, ctx: &Context) -> Result<Action, Err
                 tracing::info!(resource = %key(scg), existed, "consumer group destroyed");
             }
             Err(e) => {
-                ctx.publish(&scg.object_ref(&()), EventType::Warning, e.reason(), "DestroyGroup", e.to_string())
-                    .await;
+                ctx.publish(
+                    &scg.object_ref(&()),
+                    EventType::Warning,
+                    e.reason(),
+                    "DestroyGroup",
+                    e.to_string(),
+                )
+                .await;
                 return Err(e);
             }
         }
     }
-    let finalizers = scg.finalizers().iter().filter(|f| *f != FINALIZER).cloned().collect();
+    let finalizers = scg
+        .finalizers()
+        .iter()
+        .filter(|f| *f != FINALIZER)
+        .cloned()
+        .collect();
     set_finalizers(scg, ctx, finalizers).await?;
     Ok(Action::await_change())
 }
@@ -365,11 +538,25 @@ mod tests {
 
     #[test]
     fn success_is_ready_only_with_an_available_worker() {
-        let s = success_status(&scg(), &Applied { desired_replicas: 2, available_replicas: 0 }, &at(1));
+        let s = success_status(
+            &scg(),
+            &Applied {
+                desired_replicas: 2,
+                available_replicas: 0,
+            },
+            &at(1),
+        );
         assert_eq!(s.observed_generation, Some(4));
         assert!(conditions::is_true(&s.conditions, conditions::GROUP_READY));
         assert!(!conditions::is_true(&s.conditions, conditions::READY));
-        let s = success_status(&scg(), &Applied { desired_replicas: 2, available_replicas: 1 }, &at(1));
+        let s = success_status(
+            &scg(),
+            &Applied {
+                desired_replicas: 2,
+                available_replicas: 1,
+            },
+            &at(1),
+        );
         assert!(conditions::is_true(&s.conditions, conditions::READY));
         assert_eq!(s.replicas.unwrap().summary, "1/2");
     }
@@ -379,8 +566,15 @@ mod tests {
         let mut obj = scg();
         let e = Error::SecretNotFound { name: "r".into() };
         let first = failure_status(&obj, &e, &at(1));
-        let ready = first.conditions.iter().find(|c| c.type_ == conditions::READY).unwrap();
-        assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", "SecretNotFound"));
+        let ready = first
+            .conditions
+            .iter()
+            .find(|c| c.type_ == conditions::READY)
+            .unwrap();
+        assert_eq!(
+            (ready.status.as_str(), ready.reason.as_str()),
+            ("False", "SecretNotFound")
+        );
         obj.status = Some(first.clone());
         // Same failure later: identical status, so nothing is written.
         assert_eq!(failure_status(&obj, &e, &at(99)), first);

@@ -19,11 +19,18 @@ impl Health {
     /// Serves the probes on `listener` forever.
     pub async fn serve(self, listener: TcpListener) {
         loop {
-            let Ok((mut stream, _)) = listener.accept().await else { continue };
+            let Ok((mut stream, _)) = listener.accept().await else {
+                continue;
+            };
             let ready = self.ready.load(Ordering::Relaxed);
             tokio::spawn(async move {
                 let mut buf = [0u8; 1024];
-                let n = match tokio::time::timeout(std::time::Duration::from_secs(5), stream.read(&mut buf)).await {
+                let n = match tokio::time::timeout(
+                    std::time::Duration::from_secs(5),
+                    stream.read(&mut buf),
+                )
+                .await
+                {
                     Ok(Ok(n)) => n,
                     _ => return,
                 };

@@ -9,6 +9,9 @@ use kube::api::PostParams;
 use kube::{Api, Client};
 use std::time::Duration;
 
+/// How often a standby retries, and a leader renews.
+const RETRY: Duration = Duration::from_secs(2);
+
 pub struct LeaseLock {
     api: Api<Lease>,
     name: String,
@@ -17,8 +20,19 @@ pub struct LeaseLock {
 }
 
 impl LeaseLock {
-    pub fn new(client: Client, namespace: &str, name: &str, identity: &str, duration: Duration) -> Self {
-        Self { api: Api::namespaced(client, namespace), name: name.into(), identity: identity.into(), duration }
+    pub fn new(
+        client: Client,
+        namespace: &str,
+        name: &str,
+        identity: &str,
+        duration: Duration,
+    ) -> Self {
+        Self {
+            api: Api::namespaced(client, namespace),
+            name: name.into(),
+            identity: identity.into(),
+            duration,
+        }
     }
 
     /// Waits until this identity holds the lease.
@@ -29,7 +43,7 @@ impl LeaseLock {
                 Ok(false) => {}
                 Err(e) => tracing::warn!(error = %e, "leader election"),
             }
-            tokio::time::sleep(self.duration / 3).await;
+            tokio::time::sleep(RETRY).await;
         }
     }
 
@@ -38,7 +52,7 @@ impl LeaseLock {
     pub async fn hold(&self) {
         let mut last_renewed = tokio::time::Instant::now();
         loop {
-            tokio::time::sleep(self.duration / 3).await;
+            tokio::time::sleep(RETRY).await;
             match self.try_acquire_or_renew().await {
                 Ok(true) => last_renewed = tokio::time::Instant::now(),
                 Ok(false) => return,
@@ -60,7 +74,10 @@ impl LeaseLock {
             if spec.holder_identity.as_deref() == Some(&self.identity) {
                 spec.holder_identity = None;
                 spec.renew_time = None;
-                let _ = self.api.replace(&self.name, &PostParams::default(), &lease).await;
+                let _ = self
+                    .api
+                    .replace(&self.name, &PostParams::default(), &lease)
+                    .await;
             }
         }
     }
@@ -71,7 +88,10 @@ impl LeaseLock {
         let seconds = i32::try_from(self.duration.as_secs()).unwrap_or(15);
         let Some(mut lease) = self.api.get_opt(&self.name).await? else {
             let lease = Lease {
-                metadata: ObjectMeta { name: Some(self.name.clone()), ..ObjectMeta::default() },
+                metadata: ObjectMeta {
+                    name: Some(self.name.clone()),
+                    ..ObjectMeta::default()
+                },
                 spec: Some(LeaseSpec {
                     holder_identity: Some(self.identity.clone()),
                     lease_duration_seconds: Some(seconds),
@@ -92,8 +112,13 @@ impl LeaseLock {
         let expired = match (&spec.holder_identity, &spec.renew_time) {
             (None, _) | (_, None) => true,
             (Some(_), Some(MicroTime(renewed))) => {
-                let held_for = SignedDuration::from_secs(i64::from(spec.lease_duration_seconds.unwrap_or(seconds)));
-                renewed.checked_add(held_for).map(|t| t < now).unwrap_or(true)
+                let held_for = SignedDuration::from_secs(i64::from(
+                    spec.lease_duration_seconds.unwrap_or(seconds),
+                ));
+                renewed
+                    .checked_add(held_for)
+                    .map(|t| t < now)
+                    .unwrap_or(true)
             }
         };
         if !ours && !expired {
@@ -106,7 +131,11 @@ impl LeaseLock {
         }
         spec.renew_time = Some(MicroTime(now));
         spec.lease_duration_seconds = Some(seconds);
-        match self.api.replace(&self.name, &PostParams::default(), &lease).await {
+        match self
+            .api
+            .replace(&self.name, &PostParams::default(), &lease)
+            .await
+        {
             Ok(_) => Ok(true),
             // Someone else wrote first: they hold it, or we retry next round.
             Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),

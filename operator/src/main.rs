@@ -13,10 +13,19 @@ use streamfleet_operator::leader::LeaseLock;
 use streamfleet_operator::objects::ObjectSettings;
 
 #[derive(Parser)]
-#[command(name = "streamfleet", version, about = "Runs job pipelines on Redis Streams consumer groups")]
+#[command(
+    name = "streamfleet",
+    version,
+    about = "Runs job pipelines on Redis Streams consumer groups"
+)]
 struct Cli {
     /// Log format.
-    #[arg(long, env = "STREAMFLEET_LOG_FORMAT", default_value = "json", global = true)]
+    #[arg(
+        long,
+        env = "STREAMFLEET_LOG_FORMAT",
+        default_value = "json",
+        global = true
+    )]
     log_format: LogFormat,
     /// Log filter (tracing EnvFilter syntax), e.g. `info` or `streamfleet_operator=debug`.
     #[arg(long, env = "STREAMFLEET_LOG", default_value = "info", global = true)]
@@ -45,7 +54,11 @@ struct RunArgs {
     #[arg(long, env = "STREAMFLEET_WATCH_NAMESPACE")]
     watch_namespace: Option<String>,
     /// The operator's own image, run by recovery sweeps.
-    #[arg(long, env = "STREAMFLEET_OPERATOR_IMAGE", default_value = "streamfleet/streamfleet:latest")]
+    #[arg(
+        long,
+        env = "STREAMFLEET_OPERATOR_IMAGE",
+        default_value = "streamfleet/streamfleet:latest"
+    )]
     operator_image: String,
     /// Address of /healthz and /readyz.
     #[arg(long, env = "STREAMFLEET_HEALTH_ADDR", default_value = "0.0.0.0:8080")]
@@ -66,7 +79,10 @@ async fn main() -> Result<()> {
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_new(&cli.log).context("--log")?;
     match cli.log_format {
-        LogFormat::Json => tracing_subscriber::fmt().json().with_env_filter(filter).init(),
+        LogFormat::Json => tracing_subscriber::fmt()
+            .json()
+            .with_env_filter(filter)
+            .init(),
         LogFormat::Text => tracing_subscriber::fmt().with_env_filter(filter).init(),
     }
     match cli.command {
@@ -79,7 +95,9 @@ async fn main() -> Result<()> {
 }
 
 async fn run(args: RunArgs) -> Result<()> {
-    let client = kube::Client::try_default().await.context("connecting to the Kubernetes API")?;
+    let client = kube::Client::try_default()
+        .await
+        .context("connecting to the Kubernetes API")?;
     let identity = args
         .identity
         .clone()
@@ -100,7 +118,13 @@ async fn run(args: RunArgs) -> Result<()> {
     };
 
     let lease = args.leader_election.then(|| {
-        LeaseLock::new(client.clone(), &args.lease_namespace, "streamfleet-leader", &identity, Duration::from_secs(15))
+        LeaseLock::new(
+            client.clone(),
+            &args.lease_namespace,
+            "streamfleet-leader",
+            &identity,
+            Duration::from_secs(15),
+        )
     });
     if let Some(lease) = &lease {
         // A standby is healthy and ready: it serves probes and waits its turn.
@@ -114,7 +138,9 @@ async fn run(args: RunArgs) -> Result<()> {
     }
     health.set_ready(true);
 
-    let settings = ObjectSettings { operator_image: args.operator_image.clone() };
+    let settings = ObjectSettings {
+        operator_image: args.operator_image.clone(),
+    };
     let ctx = Arc::new(Context::new(client, settings, Some(identity.clone())));
     let controller = controller::run(ctx, args.watch_namespace.clone(), stopped(stop_rx.clone()));
     match &lease {

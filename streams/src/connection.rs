@@ -51,7 +51,10 @@ pub enum StreamConnection {
 impl StreamConnection {
     pub async fn connect(endpoint: &Endpoint) -> Result<Self, StreamError> {
         let err = |e| StreamError::new("connecting to Redis", e);
-        let certs = || redis::TlsCertificates { client_tls: None, root_cert: endpoint.ca_pem.clone() };
+        let certs = || redis::TlsCertificates {
+            client_tls: None,
+            root_cert: endpoint.ca_pem.clone(),
+        };
         match endpoint.mode {
             Mode::Standalone => {
                 let client = match endpoint.ca_pem {
@@ -73,10 +76,11 @@ impl StreamConnection {
                 Ok(Self::Standalone(manager))
             }
             Mode::Cluster => {
-                let mut builder = redis::cluster::ClusterClientBuilder::new(vec![endpoint.url.as_str()])
-                    .connection_timeout(CONNECT_TIMEOUT)
-                    .response_timeout(RESPONSE_TIMEOUT)
-                    .retries(2);
+                let mut builder =
+                    redis::cluster::ClusterClientBuilder::new(vec![endpoint.url.as_str()])
+                        .connection_timeout(CONNECT_TIMEOUT)
+                        .response_timeout(RESPONSE_TIMEOUT)
+                        .retries(2);
                 if endpoint.ca_pem.is_some() {
                     builder = builder.certs(certs());
                 }
@@ -92,7 +96,10 @@ impl StreamConnection {
 }
 
 fn timeout_error() -> redis::RedisError {
-    redis::RedisError::from(std::io::Error::new(std::io::ErrorKind::TimedOut, "connection timed out"))
+    redis::RedisError::from(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        "connection timed out",
+    ))
 }
 
 impl ConnectionLike for StreamConnection {
@@ -103,7 +110,12 @@ impl ConnectionLike for StreamConnection {
         }
     }
 
-    fn req_packed_commands<'a>(&'a mut self, cmd: &'a Pipeline, offset: usize, count: usize) -> RedisFuture<'a, Vec<Value>> {
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             Self::Standalone(c) => c.req_packed_commands(cmd, offset, count),
             Self::Cluster(c) => c.req_packed_commands(cmd, offset, count),

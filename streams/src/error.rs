@@ -45,15 +45,18 @@ impl fmt::Display for StreamError {
 
 impl StreamError {
     pub fn new(action: &'static str, source: redis::RedisError) -> Self {
-        Self { class: classify(&source), action, source }
+        Self {
+            class: classify(&source),
+            action,
+            source,
+        }
     }
 }
 
 /// Classifies a redis-rs error.
 pub fn classify(e: &redis::RedisError) -> ErrorClass {
-    match e.code() {
-        Some("WRONGPASS" | "NOAUTH" | "NOPERM") => return ErrorClass::AuthFailed,
-        _ => {}
+    if let Some("WRONGPASS" | "NOAUTH" | "NOPERM") = e.code() {
+        return ErrorClass::AuthFailed;
     }
     if matches!(e.kind(), redis::ErrorKind::AuthenticationFailed) {
         return ErrorClass::AuthFailed;
@@ -65,7 +68,10 @@ pub fn classify(e: &redis::RedisError) -> ErrorClass {
         return ErrorClass::Unreachable;
     }
     let text = e.to_string();
-    if text.contains("WRONGPASS") || text.contains("NOAUTH") || text.contains("invalid username-password") {
+    if text.contains("WRONGPASS")
+        || text.contains("NOAUTH")
+        || text.contains("invalid username-password")
+    {
         return ErrorClass::AuthFailed;
     }
     ErrorClass::Server
@@ -102,7 +108,10 @@ mod tests {
 
     #[test]
     fn server_auth_errors_are_auth_failures() {
-        let e = redis::RedisError::from((redis::ErrorKind::AuthenticationFailed, "WRONGPASS invalid username-password pair"));
+        let e = redis::RedisError::from((
+            redis::ErrorKind::AuthenticationFailed,
+            "WRONGPASS invalid username-password pair",
+        ));
         assert_eq!(classify(&e), ErrorClass::AuthFailed);
     }
 }

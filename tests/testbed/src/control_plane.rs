@@ -45,12 +45,22 @@ impl ControlPlane {
         let etcd = etcd.0;
 
         let kubeconfig = dir.join("kubeconfig");
-        std::fs::write(&kubeconfig, kubeconfig_yaml(&server, &pki.ca_pem, &token, "default"))?;
+        std::fs::write(
+            &kubeconfig,
+            kubeconfig_yaml(&server, &pki.ca_pem, &token, "default"),
+        )?;
         let client = client_from(&kubeconfig).await?;
         wait_ready(&client, &mut apiserver).await?;
 
         let controller_manager = start_controller_manager(&logs, &pki, &kubeconfig)?;
-        let mut plane = Self { server, kubeconfig, pki, controller_manager, apiserver, etcd };
+        let mut plane = Self {
+            server,
+            kubeconfig,
+            pki,
+            controller_manager,
+            apiserver,
+            etcd,
+        };
         plane.wait_controllers(&client).await?;
         Ok(plane)
     }
@@ -135,7 +145,10 @@ async fn start_apiserver(
         "--authorization-mode=RBAC".into(),
         "--service-account-issuer=https://kubernetes.default.svc".into(),
         format!("--service-account-key-file={}", pki.sa_pub.display()),
-        format!("--service-account-signing-key-file={}", pki.sa_key.display()),
+        format!(
+            "--service-account-signing-key-file={}",
+            pki.sa_key.display()
+        ),
         "--service-cluster-ip-range=10.96.0.0/16".into(),
         // Loopback cannot be published as the `kubernetes` Service endpoint.
         "--endpoint-reconciler-type=none".into(),
@@ -151,7 +164,10 @@ fn start_controller_manager(logs: &Path, pki: &Pki, kubeconfig: &Path) -> Result
     let args = vec![
         format!("--kubeconfig={}", kubeconfig.display()),
         format!("--controllers={CONTROLLERS}"),
-        format!("--service-account-private-key-file={}", pki.sa_key.display()),
+        format!(
+            "--service-account-private-key-file={}",
+            pki.sa_key.display()
+        ),
         format!("--root-ca-file={}", pki.ca_cert.display()),
         "--leader-elect=false".into(),
         "--secure-port=0".into(),
@@ -183,7 +199,7 @@ async fn wait_ready(client: &Client, apiserver: &mut Daemon) -> Result<()> {
 
 fn http_get(path: &str) -> http::Request<Vec<u8>> {
     let mut req = http::Request::new(Vec::new());
-    *req.uri_mut() = http::Uri::from_maybe_shared(path.to_string()).unwrap_or_default();
+    *req.uri_mut() = http::Uri::try_from(path).unwrap_or_default();
     req
 }
 

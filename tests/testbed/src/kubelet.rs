@@ -17,21 +17,25 @@
 //! * **Identity.** The pod's ServiceAccount gets a token from the TokenRequest
 //!   API, bound to the pod, handed over as a per-pod kubeconfig in
 //!   `KUBECONFIG`, so RBAC applies to the process exactly as in a cluster.
-//! * **Lifecycle.** Running containers are reported Ready; exits follow
+//! * **Network.** Pods share the host's network, but each gets its own pod IP
+//!   in 127.0.0.0/8 (reported in status and `status.podIP`), so servers that
+//!   bind their pod IP do not collide.
+//! * **Readiness.** `httpGet` and `tcpSocket` readiness probes run against the
+//!   pod IP; a container without one is ready while running.
+//! * **Lifecycle.** Exits follow
 //!   `restartPolicy` (with back-off) and end the pod `Succeeded`/`Failed`.
 //!   On deletion: SIGTERM, the grace period, SIGKILL, then the pod object is
 //!   removed.
 //!
-//! Probes, volumes, init containers and resource limits are not emulated.
+//! Liveness and startup probes, volumes, init containers, security contexts
+//! and resource limits are not emulated.
 
 use crate::control_plane::kubeconfig_yaml;
 use crate::process::signal;
 use anyhow::{Context as _, Result, anyhow};
 use futures::{StreamExt as _, TryStreamExt as _};
 use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
-use k8s_openapi::api::core::v1::{
-    ConfigMap, Container, EnvVar, Node, Pod, Secret, ServiceAccount,
-};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, EnvVar, Node, Pod, Secret, ServiceAccount};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::watcher;
@@ -46,7 +50,9 @@ use tokio::process::{Child, Command};
 use tokio::sync::watch;
 
 pub const NODE_NAME: &str = "testbed-node";
-const POD_IP: &str = "127.0.0.1";
+/// The node's address. Each pod gets an address of its own in 127.0.0.0/8, so
+/// pods that bind their pod IP (as the chart's operator does) never collide.
+const HOST_IP: &str = "127.0.0.1";
 const MAX_BACKOFF: Duration = Duration::from_secs(20);
 
 /// Image (without tag) → local binary.
@@ -59,11 +65,15 @@ pub struct ImageMap {
 impl ImageMap {
     /// Maps `streamfleet/NAME` to `bin_dir/NAME`.
     pub fn with_bin_dir(bin_dir: PathBuf) -> Self {
-        Self { explicit: HashMap::new(), bin_dir: Some(bin_dir) }
+        Self {
+            explicit: HashMap::new(),
+            bin_dir: Some(bin_dir),
+        }
     }
 
     pub fn insert(&mut self, image: &str, binary: PathBuf) {
-        self.explicit.insert(image_repository(image).to_string(), binary);
+        self.explicit
+            .insert(image_repository(image).to_string(), binary);
     }
 
     pub fn resolve(&self, image: &str) -> Option<PathBuf> {
@@ -77,6 +87,14 @@ impl ImageMap {
     }
 }
 
+/// The `n`th pod's address: 127.A.B.C with C in 1..=254, never 127.0.0.1.
+pub fn pod_ip(n: u32) -> String {
+    let c = 1 + n % 254;
+    let b = (n / 254) % 256;
+    let a = 1 + (n / 254 / 256) % 254;
+    format!("127.{a}.{b}.{c}")
+}
+
 /// `registry/name:tag@digest` → `registry/name` (a `:` after the last `/` is a tag).
 pub fn image_repository(image: &str) -> &str {
     let no_digest = image.split('@').next().unwrap_or(image);
@@ -88,6 +106,7 @@ pub fn image_repository(image: &str) -> &str {
 
 /// Shared settings of the stand-in.
 pub struct Kubelet {
+    next_pod: std::sync::atomic::AtomicU32,
     client: Client,
     images: ImageMap,
     root: PathBuf,
@@ -96,8 +115,21 @@ pub struct Kubelet {
 }
 
 impl Kubelet {
-    pub fn new(client: Client, images: ImageMap, root: PathBuf, server: String, ca_pem: String) -> Self {
-        Self { client, images, root, server, ca_pem }
+    pub fn new(
+        client: Client,
+        images: ImageMap,
+        root: PathBuf,
+        server: String,
+        ca_pem: String,
+    ) -> Self {
+        Self {
+            next_pod: std::sync::atomic::AtomicU32::new(0),
+            client,
+            images,
+            root,
+            server,
+            ca_pem,
+        }
     }
 
     /// Registers the node and runs pods until the future is dropped (which
@@ -124,7 +156,9 @@ impl Kubelet {
                 watcher::Event::Delete(p) => (p, true),
                 watcher::Event::Init | watcher::Event::InitDone => continue,
             };
-            let Some(uid) = pod.metadata.uid.clone() else { continue };
+            let Some(uid) = pod.metadata.uid.clone() else {
+                continue;
+            };
             if gone {
                 if let Some(tx) = supervisors.remove(&uid) {
                     let _ = tx.send(None);
@@ -165,7 +199,7 @@ impl Kubelet {
         let status = json!({"status": {
             "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
                             "message": "testbed kubelet stand-in", "lastHeartbeatTime": now, "lastTransitionTime": now}],
-            "addresses": [{"type": "InternalIP", "address": POD_IP}, {"type": "Hostname", "address": NODE_NAME}],
+            "addresses": [{"type": "InternalIP", "address": HOST_IP}, {"type": "Hostname", "address": NODE_NAME}],
             "capacity": {"cpu": "64", "memory": "256Gi", "pods": "1000"},
             "allocatable": {"cpu": "64", "memory": "256Gi", "pods": "1000"},
             "nodeInfo": {"kubeletVersion": "testbed", "operatingSystem": "linux", "architecture": "amd64",
@@ -180,7 +214,9 @@ impl Kubelet {
 
     /// Drives one pod from binding to removal.
     async fn supervise(self: Arc<Self>, mut rx: watch::Receiver<Option<Pod>>) -> Result<()> {
-        let Some(first) = rx.borrow().clone() else { return Ok(()) };
+        let Some(first) = rx.borrow().clone() else {
+            return Ok(());
+        };
         let (ns, name) = (first.namespace().unwrap_or_default(), first.name_any());
         let api: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
         let mut runtime: Option<PodRuntime> = None;
@@ -199,7 +235,10 @@ impl Kubelet {
                 }
                 let dp = DeleteParams {
                     grace_period_seconds: Some(0),
-                    preconditions: Some(Preconditions { uid: pod.metadata.uid.clone(), resource_version: None }),
+                    preconditions: Some(Preconditions {
+                        uid: pod.metadata.uid.clone(),
+                        resource_version: None,
+                    }),
                     ..DeleteParams::default()
                 };
                 let _ = api.delete(&name, &dp).await;
@@ -218,7 +257,8 @@ impl Kubelet {
                             runtime = Some(rt);
                         }
                         Err(StartError::Config(reason, message)) => {
-                            patch_status(&api, &name, waiting_status(&pod, &reason, &message)).await;
+                            patch_status(&api, &name, waiting_status(&pod, &reason, &message))
+                                .await;
                             // Retry: the Secret or image may appear later.
                             tokio::select! {
                                 _ = tokio::time::sleep(backoff) => {}
@@ -239,7 +279,13 @@ impl Kubelet {
                 continue;
             };
             let next_restart = rt.next_restart();
+            let next_probe = rt.next_probe();
             tokio::select! {
+                () = sleep_until_opt(next_probe) => {
+                    if rt.run_due_probes().await {
+                        patch_status(&api, &name, rt.status(None)).await;
+                    }
+                }
                 changed = rx.changed() => {
                     if changed.is_err() {
                         rt.kill_all().await;
@@ -273,10 +319,17 @@ impl Kubelet {
     async fn start(&self, pod: &Pod) -> Result<PodRuntime, StartError> {
         let ns = pod.namespace().unwrap_or_default();
         let name = pod.name_any();
-        let spec = pod.spec.as_ref().ok_or_else(|| StartError::Other(anyhow!("pod has no spec")))?;
+        let spec = pod
+            .spec
+            .as_ref()
+            .ok_or_else(|| StartError::Other(anyhow!("pod has no spec")))?;
         let dir = self.root.join(&ns).join(&name);
         std::fs::create_dir_all(&dir).map_err(|e| StartError::Other(e.into()))?;
         let kubeconfig = self.identity(pod, &dir).await?;
+        let ip = pod_ip(
+            self.next_pod
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        );
         let mut containers = Vec::new();
         for c in &spec.containers {
             let binary = c
@@ -289,7 +342,7 @@ impl Kubelet {
                         format!("image {:?} is not mapped to a local binary", c.image),
                     )
                 })?;
-            let env = self.resolve_env(pod, c).await?;
+            let env = self.resolve_env(pod, &ip, c).await?;
             containers.push(ContainerRuntime {
                 spec: c.clone(),
                 binary,
@@ -302,9 +355,19 @@ impl Kubelet {
                 last_exit: None,
                 started_at: None,
                 restart_at: None,
+                probe_ok: false,
+                next_probe: None,
             });
         }
-        let mut rt = PodRuntime { containers, restart_policy: spec.restart_policy.clone().unwrap_or_else(|| "Always".into()), started: Time(k8s_openapi::jiff::Timestamp::now()) };
+        let mut rt = PodRuntime {
+            containers,
+            restart_policy: spec
+                .restart_policy
+                .clone()
+                .unwrap_or_else(|| "Always".into()),
+            started: Time(k8s_openapi::jiff::Timestamp::now()),
+            pod_ip: ip,
+        };
         for i in 0..rt.containers.len() {
             rt.restart(i).await.map_err(StartError::Other)?;
         }
@@ -336,7 +399,10 @@ impl Kubelet {
             },
             status: None,
         };
-        let issued: TokenRequest = match api.create_subresource("token", &sa, &PostParams::default(), &request).await {
+        let issued: TokenRequest = match api
+            .create_subresource("token", &sa, &PostParams::default(), &request)
+            .await
+        {
             Ok(t) => t,
             Err(e) => {
                 return Err(StartError::Config(
@@ -347,12 +413,20 @@ impl Kubelet {
         };
         let token = issued.status.map(|s| s.token).unwrap_or_default();
         let path = dir.join("kubeconfig");
-        std::fs::write(&path, kubeconfig_yaml(&self.server, &self.ca_pem, &token, &ns))
-            .map_err(|e| StartError::Other(e.into()))?;
+        std::fs::write(
+            &path,
+            kubeconfig_yaml(&self.server, &self.ca_pem, &token, &ns),
+        )
+        .map_err(|e| StartError::Other(e.into()))?;
         Ok(Some(path))
     }
 
-    async fn resolve_env(&self, pod: &Pod, c: &Container) -> Result<Vec<(String, String)>, StartError> {
+    async fn resolve_env(
+        &self,
+        pod: &Pod,
+        pod_ip: &str,
+        c: &Container,
+    ) -> Result<Vec<(String, String)>, StartError> {
         let ns = pod.namespace().unwrap_or_default();
         let secrets: Api<Secret> = Api::namespaced(self.client.clone(), &ns);
         let maps: Api<ConfigMap> = Api::namespaced(self.client.clone(), &ns);
@@ -361,42 +435,80 @@ impl Kubelet {
         for from in c.env_from.iter().flatten() {
             let prefix = from.prefix.clone().unwrap_or_default();
             if let Some(r) = &from.secret_ref {
-                match secrets.get_opt(&r.name).await.map_err(|e| StartError::Other(e.into()))? {
-                    Some(s) => out.extend(secret_data(&s).into_iter().map(|(k, v)| (format!("{prefix}{k}"), v))),
+                match secrets
+                    .get_opt(&r.name)
+                    .await
+                    .map_err(|e| StartError::Other(e.into()))?
+                {
+                    Some(s) => out.extend(
+                        secret_data(&s)
+                            .into_iter()
+                            .map(|(k, v)| (format!("{prefix}{k}"), v)),
+                    ),
                     None if r.optional == Some(true) => {}
                     None => return Err(config_err(format!("secret {:?} not found", r.name))),
                 }
             }
             if let Some(r) = &from.config_map_ref {
-                match maps.get_opt(&r.name).await.map_err(|e| StartError::Other(e.into()))? {
-                    Some(m) => out.extend(m.data.unwrap_or_default().into_iter().map(|(k, v)| (format!("{prefix}{k}"), v))),
+                match maps
+                    .get_opt(&r.name)
+                    .await
+                    .map_err(|e| StartError::Other(e.into()))?
+                {
+                    Some(m) => out.extend(
+                        m.data
+                            .unwrap_or_default()
+                            .into_iter()
+                            .map(|(k, v)| (format!("{prefix}{k}"), v)),
+                    ),
                     None if r.optional == Some(true) => {}
                     None => return Err(config_err(format!("configmap {:?} not found", r.name))),
                 }
             }
         }
-        for EnvVar { name, value, value_from } in c.env.iter().flatten() {
+        for EnvVar {
+            name,
+            value,
+            value_from,
+        } in c.env.iter().flatten()
+        {
             let resolved = match (value, value_from) {
                 (Some(v), _) => Some(expand_vars(v, &out)),
                 (None, None) => Some(String::new()),
                 (None, Some(from)) => {
                     if let Some(f) = &from.field_ref {
-                        Some(field_value(pod, &f.field_path).ok_or_else(|| {
+                        Some(field_value(pod, pod_ip, &f.field_path).ok_or_else(|| {
                             config_err(format!("unsupported fieldRef {:?}", f.field_path))
                         })?)
                     } else if let Some(r) = &from.secret_key_ref {
-                        let secret = secrets.get_opt(&r.name).await.map_err(|e| StartError::Other(e.into()))?;
+                        let secret = secrets
+                            .get_opt(&r.name)
+                            .await
+                            .map_err(|e| StartError::Other(e.into()))?;
                         match secret.and_then(|s| secret_data(&s).remove(&r.key)) {
                             Some(v) => Some(v),
                             None if r.optional == Some(true) => None,
-                            None => return Err(config_err(format!("secret {:?} key {:?} not found", r.name, r.key))),
+                            None => {
+                                return Err(config_err(format!(
+                                    "secret {:?} key {:?} not found",
+                                    r.name, r.key
+                                )));
+                            }
                         }
                     } else if let Some(r) = &from.config_map_key_ref {
-                        let map = maps.get_opt(&r.name).await.map_err(|e| StartError::Other(e.into()))?;
+                        let map = maps
+                            .get_opt(&r.name)
+                            .await
+                            .map_err(|e| StartError::Other(e.into()))?;
                         match map.and_then(|m| m.data.unwrap_or_default().remove(&r.key)) {
                             Some(v) => Some(v),
                             None if r.optional == Some(true) => None,
-                            None => return Err(config_err(format!("configmap {:?} key {:?} not found", r.name, r.key))),
+                            None => {
+                                return Err(config_err(format!(
+                                    "configmap {:?} key {:?} not found",
+                                    r.name, r.key
+                                )));
+                            }
                         }
                     } else {
                         return Err(config_err(format!("env {name}: unsupported valueFrom")));
@@ -442,7 +554,7 @@ fn expand_vars(value: &str, env: &[(String, String)]) -> String {
 }
 
 /// The downward-API fields the stand-in supports.
-pub fn field_value(pod: &Pod, path: &str) -> Option<String> {
+pub fn field_value(pod: &Pod, pod_ip: &str, path: &str) -> Option<String> {
     let meta = &pod.metadata;
     let spec = pod.spec.as_ref();
     let subscript = |prefix: &str| -> Option<String> {
@@ -456,17 +568,85 @@ pub fn field_value(pod: &Pod, path: &str) -> Option<String> {
         "metadata.uid" => meta.uid.clone(),
         "spec.nodeName" => spec.and_then(|s| s.node_name.clone()),
         "spec.serviceAccountName" => spec.and_then(|s| s.service_account_name.clone()),
-        "status.podIP" | "status.hostIP" => Some(POD_IP.to_string()),
+        "status.podIP" => Some(pod_ip.to_string()),
+        "status.hostIP" => Some(HOST_IP.to_string()),
         _ => {
             if let Some(key) = subscript("metadata.labels['") {
                 return Some(meta.labels.as_ref()?.get(&key).cloned().unwrap_or_default());
             }
             if let Some(key) = subscript("metadata.annotations['") {
-                return Some(meta.annotations.as_ref()?.get(&key).cloned().unwrap_or_default());
+                return Some(
+                    meta.annotations
+                        .as_ref()?
+                        .get(&key)
+                        .cloned()
+                        .unwrap_or_default(),
+                );
             }
             None
         }
     }
+}
+
+async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => futures::future::pending().await,
+    }
+}
+
+/// One readiness probe: `httpGet` (HTTP only; 200-399 passes) and `tcpSocket`
+/// are run against the pod IP; `exec` and `grpc` are not emulated and pass.
+async fn probe_once(
+    probe: &k8s_openapi::api::core::v1::Probe,
+    c: &Container,
+    pod_ip: &str,
+) -> bool {
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let port_of = |p: &IntOrString| match p {
+        IntOrString::Int(n) => u16::try_from(*n).ok(),
+        IntOrString::String(name) => c
+            .ports
+            .iter()
+            .flatten()
+            .find(|cp| cp.name.as_deref() == Some(name.as_str()))
+            .and_then(|cp| u16::try_from(cp.container_port).ok()),
+    };
+    let timeout =
+        Duration::from_secs(u64::try_from(probe.timeout_seconds.unwrap_or(1).max(1)).unwrap_or(1));
+    let attempt = async {
+        if let Some(http) = &probe.http_get {
+            let host = http.host.clone().unwrap_or_else(|| pod_ip.to_string());
+            let port = port_of(&http.port)?;
+            let mut stream = tokio::net::TcpStream::connect((host.as_str(), port))
+                .await
+                .ok()?;
+            let path = http.path.clone().unwrap_or_else(|| "/".into());
+            let request =
+                format!("GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n");
+            stream.write_all(request.as_bytes()).await.ok()?;
+            let mut head = [0u8; 64];
+            let n = stream.read(&mut head).await.ok()?;
+            let code: u16 = String::from_utf8_lossy(&head[..n])
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            return Some((200..400).contains(&code));
+        }
+        if let Some(tcp) = &probe.tcp_socket {
+            let host = tcp.host.clone().unwrap_or_else(|| pod_ip.to_string());
+            let port = port_of(&tcp.port)?;
+            return Some(
+                tokio::net::TcpStream::connect((host.as_str(), port))
+                    .await
+                    .is_ok(),
+            );
+        }
+        Some(true)
+    };
+    matches!(tokio::time::timeout(timeout, attempt).await, Ok(Some(true)))
 }
 
 /// Sleeps until a scheduled restart is due and returns its container; never
@@ -498,7 +678,11 @@ fn grace_period(pod: &Pod) -> Duration {
     let secs = pod
         .metadata
         .deletion_grace_period_seconds
-        .or_else(|| pod.spec.as_ref().and_then(|s| s.termination_grace_period_seconds))
+        .or_else(|| {
+            pod.spec
+                .as_ref()
+                .and_then(|s| s.termination_grace_period_seconds)
+        })
         .unwrap_or(30);
     Duration::from_secs(u64::try_from(secs).unwrap_or(0))
 }
@@ -509,15 +693,23 @@ async fn bind(api: &Api<Pod>, name: &str) -> Result<()> {
         "metadata": {"name": name},
         "target": {"apiVersion": "v1", "kind": "Node", "name": NODE_NAME},
     });
-    api.create_subresource::<_, serde_json::Value>("binding", name, &PostParams::default(), &binding)
-        .await
-        .context("binding pod")?;
+    api.create_subresource::<_, serde_json::Value>(
+        "binding",
+        name,
+        &PostParams::default(),
+        &binding,
+    )
+    .await
+    .context("binding pod")?;
     Ok(())
 }
 
 async fn patch_status(api: &Api<Pod>, name: &str, status: serde_json::Value) {
     let patch = json!({ "status": status });
-    if let Err(e) = api.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+    if let Err(e) = api
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
         tracing::debug!("pod status {name}: {e}");
     }
 }
@@ -530,7 +722,7 @@ fn waiting_status(pod: &Pod, reason: &str, message: &str) -> serde_json::Value {
         .map(|c| json!({"name": c.name, "image": c.image, "imageID": "", "ready": false, "restartCount": 0,
                         "state": {"waiting": {"reason": reason, "message": message}}}))
         .collect();
-    json!({"phase": "Pending", "hostIP": POD_IP, "containerStatuses": statuses,
+    json!({"phase": "Pending", "hostIP": HOST_IP, "containerStatuses": statuses,
            "conditions": [{"type": "PodScheduled", "status": "True"},
                           {"type": "Ready", "status": "False", "reason": "ContainersNotReady"}]})
 }
@@ -547,6 +739,9 @@ struct ContainerRuntime {
     last_exit: Option<i32>,
     started_at: Option<Time>,
     restart_at: Option<tokio::time::Instant>,
+    /// Readiness: true without a readiness probe, else the last probe's result.
+    probe_ok: bool,
+    next_probe: Option<tokio::time::Instant>,
 }
 
 impl ContainerRuntime {
@@ -567,8 +762,13 @@ impl ContainerRuntime {
         } else {
             cmd.current_dir(&self.home);
         }
-        let log = std::fs::File::options().create(true).append(true).open(&self.log)?;
-        cmd.stdout(log.try_clone()?).stderr(log).stdin(std::process::Stdio::null());
+        let log = std::fs::File::options()
+            .create(true)
+            .append(true)
+            .open(&self.log)?;
+        cmd.stdout(log.try_clone()?)
+            .stderr(log)
+            .stdin(std::process::Stdio::null());
         cmd.kill_on_drop(true);
         Ok(cmd)
     }
@@ -578,6 +778,7 @@ struct PodRuntime {
     containers: Vec<ContainerRuntime>,
     restart_policy: String,
     started: Time,
+    pod_ip: String,
 }
 
 enum ExitAction {
@@ -588,13 +789,25 @@ enum ExitAction {
 
 impl PodRuntime {
     async fn restart(&mut self, index: usize) -> Result<()> {
-        let c = self.containers.get_mut(index).context("no such container")?;
+        let c = self
+            .containers
+            .get_mut(index)
+            .context("no such container")?;
         let mut cmd = c.command()?;
         let std_cmd = cmd.as_std_mut();
         crate::process::die_with_parent(std_cmd);
-        c.child = Some(cmd.spawn().with_context(|| format!("starting {}", c.binary.display()))?);
+        c.child = Some(
+            cmd.spawn()
+                .with_context(|| format!("starting {}", c.binary.display()))?,
+        );
         c.started_at = Some(Time(k8s_openapi::jiff::Timestamp::now()));
         c.restart_at = None;
+        let probe = c.spec.readiness_probe.as_ref();
+        c.probe_ok = probe.is_none();
+        c.next_probe = probe.map(|p| {
+            let delay = u64::try_from(p.initial_delay_seconds.unwrap_or(0)).unwrap_or(0);
+            tokio::time::Instant::now() + Duration::from_secs(delay)
+        });
         Ok(())
     }
 
@@ -604,7 +817,11 @@ impl PodRuntime {
             .containers
             .iter_mut()
             .enumerate()
-            .filter_map(|(i, c)| c.child.as_mut().map(|ch| Box::pin(async move { (i, ch.wait().await) })))
+            .filter_map(|(i, c)| {
+                c.child
+                    .as_mut()
+                    .map(|ch| Box::pin(async move { (i, ch.wait().await) }))
+            })
             .collect();
         if waits.is_empty() {
             return futures::future::pending().await;
@@ -643,7 +860,10 @@ impl PodRuntime {
         if self.containers.iter().any(|c| c.child.is_some()) {
             return ExitAction::Wait;
         }
-        let failed = self.containers.iter().any(|c| c.last_exit.unwrap_or(0) != 0);
+        let failed = self
+            .containers
+            .iter()
+            .any(|c| c.last_exit.unwrap_or(0) != 0);
         ExitAction::Finish(if failed { "Failed" } else { "Succeeded" })
     }
 
@@ -656,10 +876,12 @@ impl PodRuntime {
         }
         let deadline = tokio::time::Instant::now() + grace;
         for c in &mut self.containers {
-            if let Some(child) = c.child.as_mut() {
-                if tokio::time::timeout_at(deadline, child.wait()).await.is_err() {
-                    let _ = child.kill().await;
-                }
+            if let Some(child) = c.child.as_mut()
+                && tokio::time::timeout_at(deadline, child.wait())
+                    .await
+                    .is_err()
+            {
+                let _ = child.kill().await;
             }
             c.child = None;
         }
@@ -680,6 +902,35 @@ impl PodRuntime {
         }
     }
 
+    /// The earliest due readiness probe.
+    fn next_probe(&self) -> Option<tokio::time::Instant> {
+        self.containers
+            .iter()
+            .filter(|c| c.child.is_some())
+            .filter_map(|c| c.next_probe)
+            .min()
+    }
+
+    /// Runs the readiness probes that are due; true when readiness changed.
+    async fn run_due_probes(&mut self) -> bool {
+        let now = tokio::time::Instant::now();
+        let mut changed = false;
+        for c in &mut self.containers {
+            let (Some(due), Some(probe)) = (c.next_probe, c.spec.readiness_probe.clone()) else {
+                continue;
+            };
+            if due > now || c.child.is_none() {
+                continue;
+            }
+            let ok = probe_once(&probe, &c.spec, &self.pod_ip).await;
+            changed |= ok != c.probe_ok;
+            c.probe_ok = ok;
+            let period = u64::try_from(probe.period_seconds.unwrap_or(10).max(1)).unwrap_or(10);
+            c.next_probe = Some(now + Duration::from_secs(period));
+        }
+        changed
+    }
+
     /// The earliest scheduled restart: (when, container index).
     fn next_restart(&self) -> Option<(tokio::time::Instant, usize)> {
         self.containers
@@ -695,6 +946,7 @@ impl PodRuntime {
             .iter()
             .map(|c| {
                 let running = c.child.is_some();
+                let ready = running && c.probe_ok;
                 let state = match (running, c.last_exit) {
                     (true, _) => json!({"running": {"startedAt": c.started_at}}),
                     (false, Some(code)) if finished.is_some() => json!({"terminated": {"exitCode": code, "reason": if code == 0 { "Completed" } else { "Error" }, "startedAt": c.started_at, "finishedAt": Time(k8s_openapi::jiff::Timestamp::now())}}),
@@ -702,18 +954,22 @@ impl PodRuntime {
                 };
                 let mut s = json!({"name": c.spec.name, "image": c.spec.image, "imageID": format!("local://{}", c.binary.display()),
                                    "containerID": format!("local://{}", c.child.as_ref().and_then(Child::id).unwrap_or(0)),
-                                   "ready": running, "started": running, "restartCount": c.restarts, "state": state});
+                                   "ready": ready, "started": running, "restartCount": c.restarts, "state": state});
                 if let Some(code) = c.last_exit.filter(|_| finished.is_none()) {
                     s["lastState"] = json!({"terminated": {"exitCode": code, "reason": if code == 0 { "Completed" } else { "Error" }}});
                 }
                 s
             })
             .collect();
-        let all_ready = finished.is_none() && self.containers.iter().all(|c| c.child.is_some());
+        let all_ready = finished.is_none()
+            && self
+                .containers
+                .iter()
+                .all(|c| c.child.is_some() && c.probe_ok);
         let ready = if all_ready { "True" } else { "False" };
         let phase = finished.unwrap_or("Running");
         json!({
-            "phase": phase, "hostIP": POD_IP, "podIP": POD_IP, "podIPs": [{"ip": POD_IP}],
+            "phase": phase, "hostIP": HOST_IP, "podIP": self.pod_ip, "podIPs": [{"ip": self.pod_ip}],
             "startTime": self.started,
             "conditions": [
                 {"type": "PodScheduled", "status": "True"},
@@ -732,10 +988,19 @@ mod tests {
 
     #[test]
     fn image_repository_strips_tag_and_digest_but_not_registry_port() {
-        assert_eq!(image_repository("streamfleet/testproc:0.1"), "streamfleet/testproc");
-        assert_eq!(image_repository("streamfleet/testproc"), "streamfleet/testproc");
+        assert_eq!(
+            image_repository("streamfleet/testproc:0.1"),
+            "streamfleet/testproc"
+        );
+        assert_eq!(
+            image_repository("streamfleet/testproc"),
+            "streamfleet/testproc"
+        );
         assert_eq!(image_repository("reg:5000/a/b"), "reg:5000/a/b");
-        assert_eq!(image_repository("reg:5000/a/b:v1@sha256:abc"), "reg:5000/a/b");
+        assert_eq!(
+            image_repository("reg:5000/a/b:v1@sha256:abc"),
+            "reg:5000/a/b"
+        );
     }
 
     #[test]
@@ -745,12 +1010,40 @@ mod tests {
             "spec": {"containers": [], "nodeName": NODE_NAME}
         }))
         .unwrap();
-        assert_eq!(field_value(&pod, "metadata.name").as_deref(), Some("p"));
-        assert_eq!(field_value(&pod, "metadata.namespace").as_deref(), Some("n"));
-        assert_eq!(field_value(&pod, "metadata.labels['app']").as_deref(), Some("x"));
-        assert_eq!(field_value(&pod, "spec.nodeName").as_deref(), Some(NODE_NAME));
-        assert_eq!(field_value(&pod, "status.podIP").as_deref(), Some(POD_IP));
-        assert_eq!(field_value(&pod, "spec.bogus"), None);
+        let ip = "127.1.0.7";
+        assert_eq!(field_value(&pod, ip, "metadata.name").as_deref(), Some("p"));
+        assert_eq!(
+            field_value(&pod, ip, "metadata.namespace").as_deref(),
+            Some("n")
+        );
+        assert_eq!(
+            field_value(&pod, ip, "metadata.labels['app']").as_deref(),
+            Some("x")
+        );
+        assert_eq!(
+            field_value(&pod, ip, "spec.nodeName").as_deref(),
+            Some(NODE_NAME)
+        );
+        assert_eq!(field_value(&pod, ip, "status.podIP").as_deref(), Some(ip));
+        assert_eq!(
+            field_value(&pod, ip, "status.hostIP").as_deref(),
+            Some(HOST_IP)
+        );
+        assert_eq!(field_value(&pod, ip, "spec.bogus"), None);
+    }
+
+    #[test]
+    fn pod_ips_are_distinct_loopback_addresses() {
+        let ips: std::collections::BTreeSet<String> = (0..70_000).map(pod_ip).collect();
+        assert_eq!(ips.len(), 70_000);
+        for ip in &ips {
+            let addr: std::net::Ipv4Addr = ip.parse().unwrap();
+            assert!(
+                addr.is_loopback() && addr != std::net::Ipv4Addr::LOCALHOST,
+                "{ip}"
+            );
+            assert!(!ip.ends_with(".0") && !ip.ends_with(".255"), "{ip}");
+        }
     }
 
     #[test]

@@ -117,9 +117,16 @@ impl TestBed {
     /// returned guard drops, even if the test fails.
     pub async fn namespace(&self, client: &Client, prefix: &str) -> Result<TestNamespace> {
         let name = format!("{prefix}-{}", random_suffix());
-        let ns: Namespace = serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?;
-        Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
-        Ok(TestNamespace { name, kubeconfig: self.kubeconfig.clone(), runtime: self.runtime.clone() })
+        let ns: Namespace =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?;
+        Api::<Namespace>::all(client.clone())
+            .create(&PostParams::default(), &ns)
+            .await?;
+        Ok(TestNamespace {
+            name,
+            kubeconfig: self.kubeconfig.clone(),
+            runtime: self.runtime.clone(),
+        })
     }
 
     /// Where the kubelet stand-in keeps a pod's files (logs, kubeconfig).
@@ -143,7 +150,9 @@ impl Drop for TestNamespace {
         let (name, kubeconfig) = (self.name.clone(), self.kubeconfig.clone());
         self.runtime.spawn(async move {
             if let Ok(client) = control_plane::client_from(&kubeconfig).await {
-                let _ = Api::<Namespace>::all(client).delete(&name, &DeleteParams::default()).await;
+                let _ = Api::<Namespace>::all(client)
+                    .delete(&name, &DeleteParams::default())
+                    .await;
             }
         });
     }
@@ -167,10 +176,17 @@ pub fn runs_dir() -> PathBuf {
 
 /// Removes the folders of earlier runs whose process is gone.
 fn clean_stale_runs() {
-    let Ok(entries) = std::fs::read_dir(runs_dir()) else { return };
+    let Ok(entries) = std::fs::read_dir(runs_dir()) else {
+        return;
+    };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name.strip_prefix("run-").and_then(|p| p.parse::<u32>().ok()) else { continue };
+        let Some(pid) = name
+            .strip_prefix("run-")
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
         if !Path::new(&format!("/proc/{pid}")).exists() {
             let _ = std::fs::remove_dir_all(entry.path());
         }

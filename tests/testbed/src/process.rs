@@ -28,7 +28,11 @@ impl Daemon {
         let child = cmd
             .spawn()
             .with_context(|| format!("starting {name} ({})", program.display()))?;
-        Ok(Self { name: name.to_string(), child, log })
+        Ok(Self {
+            name: name.to_string(),
+            child,
+            log,
+        })
     }
 
     pub fn pid(&self) -> u32 {
@@ -38,7 +42,11 @@ impl Daemon {
     /// Fails with the tail of the log if the process has already exited.
     pub fn check_alive(&mut self) -> Result<()> {
         if let Some(status) = self.child.try_wait()? {
-            anyhow::bail!("{} exited ({status}); last log lines:\n{}", self.name, self.log_tail(40));
+            anyhow::bail!(
+                "{} exited ({status}); last log lines:\n{}",
+                self.name,
+                self.log_tail(40)
+            );
         }
         Ok(())
     }
@@ -110,7 +118,10 @@ pub fn free_port() -> Result<u16> {
 pub async fn wait_for_port(port: u16, timeout: Duration) -> Result<()> {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+        {
             return Ok(());
         }
         if tokio::time::Instant::now() > deadline {

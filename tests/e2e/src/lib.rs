@@ -1,0 +1,206 @@
+//! Helpers for end-to-end suites: kubectl and helm against the shared test
+//! bed, operator installation from the chart, and waiting on resources.
+
+use anyhow::{Context as _, Result, bail};
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Patch, PatchParams};
+use kube::{Api, Client};
+use std::path::PathBuf;
+use std::process::Output;
+use std::time::Duration;
+use streamfleet_crd::StreamConsumerGroup;
+use streamfleet_testbed::{TestBed, tools};
+
+/// Runs a Go-built tool (`kubectl`, `helm`) against the test bed; `stdin` is piped in.
+pub async fn run_tool(
+    bed: &TestBed,
+    tool: &str,
+    args: &[&str],
+    stdin: Option<&str>,
+) -> Result<Output> {
+    use tokio::io::AsyncWriteExt as _;
+    let mut cmd = tokio::process::Command::new(tools::tool(tool)?);
+    cmd.args(args)
+        .env("KUBECONFIG", &bed.kubeconfig)
+        .env("HELM_CACHE_HOME", bed.dir.join("helm/cache"))
+        .env("HELM_CONFIG_HOME", bed.dir.join("helm/config"))
+        .env("HELM_DATA_HOME", bed.dir.join("helm/data"))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = cmd.spawn().with_context(|| format!("starting {tool}"))?;
+    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        pipe.write_all(input.as_bytes()).await?;
+    }
+    Ok(child.wait_with_output().await?)
+}
+
+/// Like [`run_tool`], failing with the tool's stderr unless it succeeded.
+pub async fn run_ok(
+    bed: &TestBed,
+    tool: &str,
+    args: &[&str],
+    stdin: Option<&str>,
+) -> Result<String> {
+    let out = run_tool(bed, tool, args, stdin).await?;
+    if !out.status.success() {
+        bail!(
+            "{tool} {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+pub fn repo_path(rel: &str) -> PathBuf {
+    tools::workspace_root().join(rel)
+}
+
+/// Installs the CRD (server-side apply, idempotent across parallel tests).
+pub async fn ensure_crd(bed: &TestBed) -> Result<()> {
+    let crd = repo_path("deploy/crds/streamconsumergroups.streamfleet.io.yaml");
+    let crd = crd.display().to_string();
+    run_ok(
+        bed,
+        "kubectl",
+        &["apply", "--server-side", "--force-conflicts", "-f", &crd],
+        None,
+    )
+    .await?;
+    run_ok(
+        bed,
+        "kubectl",
+        &[
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            "crd/streamconsumergroups.streamfleet.io",
+        ],
+        None,
+    )
+    .await?;
+    Ok(())
+}
+
+/// `helm install`s the chart into `namespace`, watching only that namespace,
+/// and waits for the operator to be ready. The operator image maps to the
+/// freshly built `streamfleet` binary; it runs with the chart's
+/// ServiceAccount and RBAC.
+pub async fn install_operator(bed: &TestBed, namespace: &str, extra: &[&str]) -> Result<String> {
+    ensure_crd(bed).await?;
+    let release = format!("sf-{}", streamfleet_testbed::random_suffix());
+    let chart = repo_path("charts/streamfleet").display().to_string();
+    let watch = format!("watchNamespace={namespace}");
+    let mut args = vec![
+        "install",
+        &release,
+        &chart,
+        "--namespace",
+        namespace,
+        "--set",
+        &watch,
+        "--set",
+        "log.format=text",
+        "--set",
+        "log.level=info\\,streamfleet_operator=debug",
+        "--wait",
+        "--timeout",
+        "120s",
+    ];
+    args.extend_from_slice(extra);
+    run_ok(bed, "helm", &args, None).await?;
+    Ok(release)
+}
+
+pub async fn create_redis_secret(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    url: &str,
+) -> Result<()> {
+    let secret: Secret = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": name}, "stringData": {"url": url}
+    }))?;
+    Api::<Secret>::namespaced(client.clone(), namespace)
+        .patch(
+            name,
+            &PatchParams::apply("e2e").force(),
+            &Patch::Apply(&secret),
+        )
+        .await?;
+    Ok(())
+}
+
+/// A StreamConsumerGroup manifest whose workers are the test bed's `testproc`,
+/// recording their env under `record_dir`.
+pub fn scg_yaml(
+    name: &str,
+    secret: &str,
+    stream: &str,
+    group: &str,
+    record_dir: &str,
+    extra_spec: &str,
+) -> String {
+    format!(
+        r#"apiVersion: streamfleet.io/v1alpha1
+kind: StreamConsumerGroup
+metadata:
+  name: {name}
+spec:
+  redis:
+    urlSecretRef: {{name: {secret}, key: url}}
+  stream: {stream}
+  group: {group}
+  worker:
+    template:
+      spec:
+        terminationGracePeriodSeconds: 5
+        containers:
+          - name: worker
+            image: streamfleet/testproc
+            env:
+              - {{name: TESTPROC_DIR, value: "{record_dir}"}}
+              - name: TESTPROC_NAME
+                valueFrom: {{fieldRef: {{fieldPath: metadata.name}}}}
+{extra_spec}"#
+    )
+}
+
+/// Waits until the resource's condition `type_` has `status`, returning the resource.
+pub async fn wait_condition(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    type_: &str,
+    status: &str,
+    reason: Option<&str>,
+    timeout: Duration,
+) -> Result<StreamConsumerGroup> {
+    let api: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), namespace);
+    let what = format!("{name}: {type_}={status} ({reason:?})");
+    streamfleet_testbed::eventually(&what, timeout, || async {
+        let scg = api.get(name).await?;
+        let hit = scg.status.as_ref().is_some_and(|s| {
+            s.conditions.iter().any(|c| {
+                c.type_ == type_ && c.status == status && reason.is_none_or(|r| c.reason == r)
+            })
+        });
+        Ok(hit.then_some(scg))
+    })
+    .await
+}
+
+/// The reasons of Events about `name` in `namespace`.
+pub async fn event_reasons(client: &Client, namespace: &str, name: &str) -> Result<Vec<String>> {
+    let api: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), namespace);
+    Ok(api
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+        .filter_map(|e| e.reason)
+        .collect())
+}
