@@ -491,3 +491,42 @@ async fn killing_the_leader_hands_over_with_one_leader_at_a_time() -> Result<()>
     assert_eq!(groups, vec!["g1".to_string(), "g2".to_string()]);
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_object_is_reported_and_does_not_stall_the_others() -> Result<()> {
+    let bed = TestBed::shared()?;
+    let client = bed.client().await?;
+    let ns = bed.namespace(&client, "e2e-guard").await?;
+    install_operator(bed, &ns.name, &[]).await?;
+    let redis = RedisServer::start().await?;
+    create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
+    // The pod template is schemaless in the CRD (the API server validates it on
+    // the Deployment), so this passes admission but cannot be parsed.
+    let broken = r#"apiVersion: streamfleet.io/v1alpha1
+kind: StreamConsumerGroup
+metadata:
+  name: broken
+spec:
+  redis:
+    urlSecretRef: {name: redis, key: url}
+  stream: s
+  group: broken
+  worker:
+    template:
+      spec:
+        containers: "not a list"
+"#;
+    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(broken)).await?;
+    let records = tempfile::tempdir()?;
+    let good = scg_yaml("good", "redis", "s", "good", &records.path().display().to_string(), "");
+    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&good)).await?;
+    wait_condition(&client, &ns.name, "good", "Ready", "True", None, T).await?;
+    eventually("InvalidObject event", T, || async {
+        let reasons = event_reasons(&client, &ns.name, "broken").await?;
+        Ok(reasons.iter().any(|r| r == "InvalidObject").then_some(()))
+    })
+    .await?;
+    let groups: Vec<String> = group_info(&redis, "s").await?.into_iter().map(|(g, _)| g).collect();
+    assert_eq!(groups, vec!["good".to_string()]);
+    Ok(())
+}

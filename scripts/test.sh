@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Runs every check and test, on a fresh machine too: installs Debian packages,
+# builds (or reuses from cache) the Go-built control plane, then fmt, clippy,
+# generated-file drift, and the unit, integration and end-to-end tests on the
+# real local test bed.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+start=$(date +%s)
+step() { printf '\n==> %s (%ss)\n' "$*" "$(( $(date +%s) - start ))" >&2; }
+
+step "install Debian packages"
+bash scripts/install-deps.sh
+step "build control-plane tools (cached)"
+bash scripts/build-tools.sh
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+step "cargo clippy"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "rendered manifests up to date"
+rendered=$(mktemp)
+cp deploy/streamfleet.yaml "$rendered"
+bash scripts/render-manifests.sh
+if ! diff -u "$rendered" deploy/streamfleet.yaml; then
+  cp "$rendered" deploy/streamfleet.yaml
+  echo "deploy/streamfleet.yaml is stale: run scripts/render-manifests.sh" >&2
+  exit 1
+fi
+"$root/target/tools/bin/helm" lint charts/streamfleet --strict
+
+step "build binaries (the kubelet stand-in runs them as pods)"
+cargo build --workspace --bins --locked
+step "tests"
+# Tests mostly wait on the control plane and Redis: run more than one per core.
+RUST_TEST_THREADS=${RUST_TEST_THREADS:-4} cargo test --workspace --locked
+step "done"
