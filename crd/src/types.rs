@@ -264,7 +264,10 @@ pub struct RecoverySpec {
     #[schemars(range(min = 1, max = 10000))]
     pub batch_size: i32,
 
-    /// The dead-letter stream. Defaults to `<stream>:dead`.
+    /// The dead-letter stream. Defaults to `{<stream>}:dead` (or `<stream>:dead`
+    /// when the stream key has a hash tag), which shares the stream's Redis
+    /// Cluster slot so an entry is dead-lettered atomically with its ack. An
+    /// explicit name on a cluster must carry the stream's hash tag.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 256))]
     pub dead_letter_stream: Option<String>,
@@ -430,16 +433,6 @@ pub struct RecoveryStatus {
     pub payload_lost: i64,
 }
 
-impl StreamConsumerGroupSpec {
-    /// The dead-letter stream, explicit or `<stream>:dead`.
-    pub fn dead_letter_stream(&self) -> String {
-        self.recovery
-            .dead_letter_stream
-            .clone()
-            .unwrap_or_else(|| format!("{}:dead", self.stream))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -462,15 +455,7 @@ mod tests {
         assert_eq!(spec.recovery.max_deliveries, 5);
         assert_eq!(spec.deletion_policy, DeletionPolicy::Retain);
         assert_eq!(spec.redis.mode, RedisMode::Standalone);
-        assert_eq!(spec.dead_letter_stream(), "orders:dead");
-    }
-
-    #[test]
-    fn explicit_dead_letter_stream_wins() {
-        let mut v = minimal();
-        v["recovery"] = serde_json::json!({"deadLetterStream": "dlq"});
-        let spec: StreamConsumerGroupSpec = serde_json::from_value(v).unwrap();
-        assert_eq!(spec.dead_letter_stream(), "dlq");
+        assert_eq!(spec.recovery.dead_letter_stream, None);
     }
 
     #[test]

@@ -53,6 +53,15 @@ fn owner(scg: &StreamConsumerGroup) -> Result<OwnerReference, Error> {
         .ok_or_else(|| Error::InvalidSpec("the resource has no uid yet".into()))
 }
 
+/// The dead-letter stream: explicit, or the stream's slot-sharing default.
+pub fn dead_letter_stream(scg: &StreamConsumerGroup) -> String {
+    scg.spec
+        .recovery
+        .dead_letter_stream
+        .clone()
+        .unwrap_or_else(|| streamfleet_streams::keys::dead_letter_stream(&scg.spec.stream))
+}
+
 /// The env contract (see `streamfleet_crd::env`) for a worker or recovery container.
 pub fn contract_env(scg: &StreamConsumerGroup, mode: &str) -> Vec<EnvVar> {
     let spec = &scg.spec;
@@ -101,7 +110,7 @@ pub fn contract_env(scg: &StreamConsumerGroup, mode: &str) -> Vec<EnvVar> {
             env::MAX_DELIVERIES,
             spec.recovery.max_deliveries.to_string(),
         ),
-        value(env::DEAD_LETTER_STREAM, spec.dead_letter_stream()),
+        value(env::DEAD_LETTER_STREAM, dead_letter_stream(scg)),
         value(env::BATCH_SIZE, spec.recovery.batch_size.to_string()),
         value(env::MODE, mode.into()),
     ];

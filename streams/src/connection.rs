@@ -49,7 +49,25 @@ pub enum StreamConnection {
 }
 
 impl StreamConnection {
+    /// A new connection for ordinary commands.
     pub async fn connect(endpoint: &Endpoint) -> Result<Self, StreamError> {
+        Self::connect_with(endpoint, RESPONSE_TIMEOUT).await
+    }
+
+    /// A new connection of its own for `XREADGROUP ... BLOCK block`: its
+    /// response timeout outlasts the block, and blocking on it never delays
+    /// the acks and claims that go over the ordinary connection.
+    pub async fn connect_blocking(
+        endpoint: &Endpoint,
+        block: Duration,
+    ) -> Result<Self, StreamError> {
+        Self::connect_with(endpoint, block + RESPONSE_TIMEOUT).await
+    }
+
+    async fn connect_with(
+        endpoint: &Endpoint,
+        response_timeout: Duration,
+    ) -> Result<Self, StreamError> {
         let err = |e| StreamError::new("connecting to Redis", e);
         let certs = || redis::TlsCertificates {
             client_tls: None,
@@ -64,7 +82,7 @@ impl StreamConnection {
                 .map_err(err)?;
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(CONNECT_TIMEOUT))
-                    .set_response_timeout(Some(RESPONSE_TIMEOUT))
+                    .set_response_timeout(Some(response_timeout))
                     .set_number_of_retries(2);
                 let manager = tokio::time::timeout(
                     CONNECT_TIMEOUT * 3,
@@ -79,7 +97,7 @@ impl StreamConnection {
                 let mut builder =
                     redis::cluster::ClusterClientBuilder::new(vec![endpoint.url.as_str()])
                         .connection_timeout(CONNECT_TIMEOUT)
-                        .response_timeout(RESPONSE_TIMEOUT)
+                        .response_timeout(response_timeout)
                         .retries(2);
                 if endpoint.ca_pem.is_some() {
                     builder = builder.certs(certs());

@@ -1,10 +1,15 @@
 //! Everything streamfleet says to Redis Streams. No Kubernetes types live
 //! here: the operator and the worker library both build on this crate.
 
+pub mod claim;
 pub mod connection;
+pub mod deadletter;
+pub mod entry;
 pub mod error;
 pub mod group;
+pub mod keys;
 
 pub use connection::{Connections, Endpoint, Mode, StreamConnection};
+pub use entry::Entry;
 pub use error::{ErrorClass, StreamError};
 pub use group::{GroupCreation, destroy_group, ensure_group};

@@ -1,5 +1,8 @@
 //! Group lifecycle against a real redis-server and a real Redis Cluster.
 
+// A test fails by panicking.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use anyhow::Result;
 use redis::AsyncCommands as _;
 use streamfleet_streams::{

@@ -2,6 +2,9 @@
 //! ServiceAccount and RBAC, reconciling StreamConsumerGroups against real
 //! Redis on the real control plane.
 
+// A test fails by panicking.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use anyhow::Result;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::CronJob;
@@ -89,7 +92,7 @@ async fn helm_installed_operator_creates_group_workers_and_recovery() -> Result<
     assert_eq!(penv[env::REDIS_URL], redis.url().as_str());
     assert_eq!(penv[env::STREAMS], "orders");
     assert_eq!(penv[env::GROUP], "billing");
-    assert_eq!(penv[env::DEAD_LETTER_STREAM], "orders:dead");
+    assert_eq!(penv[env::DEAD_LETTER_STREAM], "{orders}:dead");
     assert_eq!(
         penv[env::CONSUMER],
         penv["TESTPROC_NAME"],
@@ -516,17 +519,40 @@ spec:
       spec:
         containers: "not a list"
 "#;
-    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(broken)).await?;
+    run_ok(
+        bed,
+        "kubectl",
+        &["apply", "-n", &ns.name, "-f", "-"],
+        Some(broken),
+    )
+    .await?;
     let records = tempfile::tempdir()?;
-    let good = scg_yaml("good", "redis", "s", "good", &records.path().display().to_string(), "");
-    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&good)).await?;
+    let good = scg_yaml(
+        "good",
+        "redis",
+        "s",
+        "good",
+        &records.path().display().to_string(),
+        "",
+    );
+    run_ok(
+        bed,
+        "kubectl",
+        &["apply", "-n", &ns.name, "-f", "-"],
+        Some(&good),
+    )
+    .await?;
     wait_condition(&client, &ns.name, "good", "Ready", "True", None, T).await?;
     eventually("InvalidObject event", T, || async {
         let reasons = event_reasons(&client, &ns.name, "broken").await?;
         Ok(reasons.iter().any(|r| r == "InvalidObject").then_some(()))
     })
     .await?;
-    let groups: Vec<String> = group_info(&redis, "s").await?.into_iter().map(|(g, _)| g).collect();
+    let groups: Vec<String> = group_info(&redis, "s")
+        .await?
+        .into_iter()
+        .map(|(g, _)| g)
+        .collect();
     assert_eq!(groups, vec!["good".to_string()]);
     Ok(())
 }

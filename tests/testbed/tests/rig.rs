@@ -2,6 +2,9 @@
 //! Deployments and CronJobs into pods, and the kubelet stand-in runs them as
 //! local processes with the right env, identity and signals.
 
+// A test fails by panicking.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use anyhow::Result;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::{CronJob, Job};

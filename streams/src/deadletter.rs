@@ -1,0 +1,140 @@
+//! Dead letters: an entry moved to the dead-letter stream atomically with its
+//! ack (one MULTI/EXEC: XADD, XACK), carrying why and where it came from.
+//!
+//! Record format (`docs/dead-letters.md`): the original fields unchanged, plus
+//! `streamfleet.*` metadata fields.
+
+use crate::entry::Entry;
+use crate::error::StreamError;
+use crate::keys;
+use redis::aio::ConnectionLike;
+
+pub const F_SOURCE_STREAM: &str = "streamfleet.source-stream";
+pub const F_SOURCE_ID: &str = "streamfleet.source-id";
+pub const F_GROUP: &str = "streamfleet.group";
+pub const F_CONSUMER: &str = "streamfleet.consumer";
+pub const F_DELIVERIES: &str = "streamfleet.deliveries";
+pub const F_REASON: &str = "streamfleet.reason";
+pub const F_ERROR: &str = "streamfleet.error";
+pub const F_BUSINESS_KEY: &str = "streamfleet.business-key";
+pub const F_AT: &str = "streamfleet.dead-lettered-at";
+/// Prefix of every metadata field; replay strips these.
+pub const PREFIX: &str = "streamfleet.";
+
+/// Why an entry left the pipeline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reason {
+    /// The handler kept failing transiently until `maxDeliveries`.
+    MaxDeliveries,
+    /// The handler reported a permanent failure (a business rule said no).
+    Permanent,
+    /// The entry could not be parsed.
+    Malformed,
+    /// The entry was pending but its payload had been trimmed or deleted.
+    PayloadMissing,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::MaxDeliveries => "max-deliveries",
+            Reason::Permanent => "permanent",
+            Reason::Malformed => "malformed",
+            Reason::PayloadMissing => "payload-missing",
+        }
+    }
+}
+
+/// What to record about a dead letter besides the entry itself.
+pub struct Letter<'a> {
+    pub group: &'a str,
+    pub consumer: &'a str,
+    pub reason: Reason,
+    pub error: &'a str,
+    pub business_key: Option<&'a str>,
+}
+
+/// Moves `entry` to `dead_letter_stream` and acks it, atomically; also drops
+/// its last-error bookkeeping. Returns the dead letter's ID.
+pub async fn dead_letter<C: ConnectionLike + Send>(
+    conn: &mut C,
+    dead_letter_stream: &str,
+    entry: &Entry,
+    letter: &Letter<'_>,
+) -> Result<String, StreamError> {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0);
+    let mut xadd = redis::cmd("XADD");
+    xadd.arg(dead_letter_stream).arg("*");
+    let meta = [
+        (F_SOURCE_STREAM, entry.stream.clone()),
+        (F_SOURCE_ID, entry.id.clone()),
+        (F_GROUP, letter.group.to_string()),
+        (F_CONSUMER, letter.consumer.to_string()),
+        (F_DELIVERIES, entry.deliveries.to_string()),
+        (F_REASON, letter.reason.as_str().to_string()),
+        (F_ERROR, letter.error.to_string()),
+        (F_AT, now_ms.to_string()),
+    ];
+    for (k, v) in meta {
+        xadd.arg(k).arg(v);
+    }
+    if let Some(key) = letter.business_key {
+        xadd.arg(F_BUSINESS_KEY).arg(key);
+    }
+    for (k, v) in &entry.fields {
+        xadd.arg(k).arg(v.as_slice());
+    }
+    let mut pipe = redis::pipe();
+    pipe.atomic()
+        .add_command(xadd)
+        .cmd("XACK")
+        .arg(&entry.stream)
+        .arg(letter.group)
+        .arg(&entry.id)
+        .ignore()
+        .cmd("HDEL")
+        .arg(keys::last_error_key(&entry.stream, letter.group))
+        .arg(&entry.id)
+        .ignore();
+    let (id,): (String,) = pipe
+        .query_async(conn)
+        .await
+        .map_err(|e| StreamError::new("dead-lettering an entry", e))?;
+    Ok(id)
+}
+
+/// Records the latest handler error of a pending entry, for whoever
+/// dead-letters it later (the worker on its last delivery, or the sweep).
+pub async fn record_last_error<C: ConnectionLike + Send>(
+    conn: &mut C,
+    entry: &Entry,
+    group: &str,
+    error: &str,
+) -> Result<(), StreamError> {
+    let () = redis::cmd("HSET")
+        .arg(keys::last_error_key(&entry.stream, group))
+        .arg(&entry.id)
+        .arg(error)
+        .query_async(conn)
+        .await
+        .map_err(|e| StreamError::new("recording the last error", e))?;
+    Ok(())
+}
+
+/// The recorded last error of a pending entry, if any.
+pub async fn last_error<C: ConnectionLike + Send>(
+    conn: &mut C,
+    stream: &str,
+    group: &str,
+    id: &str,
+) -> Result<Option<String>, StreamError> {
+    redis::cmd("HGET")
+        .arg(keys::last_error_key(stream, group))
+        .arg(id)
+        .query_async(conn)
+        .await
+        .map_err(|e| StreamError::new("reading the last error", e))
+}

@@ -1,0 +1,46 @@
+//! Stream entries as the protocol handles them.
+
+use redis::Value;
+
+/// One stream entry with its binary-safe fields and delivery count.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub stream: String,
+    pub id: String,
+    pub fields: Vec<(String, Vec<u8>)>,
+    /// Times delivered, this delivery included (1 on first read).
+    pub deliveries: u64,
+}
+
+impl Entry {
+    pub fn field(&self, name: &str) -> Option<&[u8]> {
+        self.fields
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_slice())
+    }
+
+    /// A field as UTF-8 text, if it is present and valid.
+    pub fn field_str(&self, name: &str) -> Option<&str> {
+        self.field(name).and_then(|v| std::str::from_utf8(v).ok())
+    }
+}
+
+/// Converts a redis-rs stream entry map; values that are not strings are
+/// rendered as their debug text rather than dropped.
+pub fn fields_from_map(map: std::collections::HashMap<String, Value>) -> Vec<(String, Vec<u8>)> {
+    let mut fields: Vec<(String, Vec<u8>)> = map
+        .into_iter()
+        .map(|(k, v)| {
+            let bytes = match v {
+                Value::BulkString(b) => b,
+                Value::SimpleString(s) => s.into_bytes(),
+                Value::Int(i) => i.to_string().into_bytes(),
+                other => format!("{other:?}").into_bytes(),
+            };
+            (k, bytes)
+        })
+        .collect();
+    fields.sort();
+    fields
+}

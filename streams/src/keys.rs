@@ -1,0 +1,68 @@
+//! Key naming. Keys that must change atomically with a stream (its
+//! dead-letter stream, its bookkeeping) share its Redis Cluster hash slot by
+//! sharing its hash tag.
+
+/// The hash tag of `key` as Redis Cluster computes it: the text between the
+/// first `{` and the next `}`, when that text is not empty.
+pub fn hash_tag(key: &str) -> Option<&str> {
+    let open = key.find('{')?;
+    let close = key[open + 1..].find('}')? + open + 1;
+    (close > open + 1).then(|| &key[open + 1..close])
+}
+
+/// A key in the same hash slot as `stream`: `<stream>:<suffix>` when the
+/// stream already has a hash tag, else `{<stream>}:<suffix>`.
+pub fn companion_key(stream: &str, suffix: &str) -> String {
+    match hash_tag(stream) {
+        Some(_) => format!("{stream}:{suffix}"),
+        None => format!("{{{stream}}}:{suffix}"),
+    }
+}
+
+/// The default dead-letter stream of `stream`.
+pub fn dead_letter_stream(stream: &str) -> String {
+    companion_key(stream, "dead")
+}
+
+/// The hash holding the last handler error per pending entry of `group`, so
+/// whoever dead-letters the entry later can say why it failed.
+pub fn last_error_key(stream: &str, group: &str) -> String {
+    companion_key(stream, &format!("last-error:{group}"))
+}
+
+/// The text Redis Cluster hashes to place `key`: its hash tag, or the whole key.
+pub fn slot_text(key: &str) -> &str {
+    hash_tag(key).unwrap_or(key)
+}
+
+/// Whether two keys are guaranteed to share a slot.
+pub fn same_slot(a: &str, b: &str) -> bool {
+    slot_text(a) == slot_text(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hash_tags_follow_redis_rules() {
+        assert_eq!(hash_tag("{user1000}.following"), Some("user1000"));
+        assert_eq!(
+            hash_tag("foo{}{bar}"),
+            None,
+            "an empty first tag means the whole key"
+        );
+        assert_eq!(hash_tag("foo{{bar}}zap"), Some("{bar"));
+        assert_eq!(hash_tag("orders"), None);
+        assert_eq!(hash_tag("a{b"), None);
+    }
+
+    #[test]
+    fn companions_share_the_stream_slot() {
+        assert_eq!(dead_letter_stream("orders"), "{orders}:dead");
+        assert_eq!(dead_letter_stream("{shop}orders"), "{shop}orders:dead");
+        assert!(same_slot("orders", &dead_letter_stream("orders")));
+        assert!(same_slot("{a}x", &last_error_key("{a}x", "g")));
+        assert!(!same_slot("orders", "orders:dead"));
+    }
+}

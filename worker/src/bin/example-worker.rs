@@ -1,0 +1,146 @@
+//! The example order worker used by the demo and the tests.
+//!
+//! Each entry is an order (`order_id`, `amount_cents`). Handling it charges
+//! the order in a ledger (a Redis hash standing in for a payment provider)
+//! with the order ID as the idempotency key: `HSETNX ledger:charges <order>`.
+//! A repeated charge is refused by the ledger and counted in
+//! `ledger:duplicates`, so "every order charged exactly once" can be checked.
+//!
+//! Knobs for drills (all optional):
+//! * `EXAMPLE_LEDGER_URL`: the ledger's Redis (default: the pipeline's);
+//! * `EXAMPLE_TRANSIENT_PERCENT`: chance of a simulated gateway timeout;
+//! * `EXAMPLE_CRASH_PERCENT`: chance of aborting after the charge, before the ack;
+//! * `EXAMPLE_HANDLER_MS`: time each charge takes.
+//!
+//! Entries with `poison=1` are refused (permanent failure → dead letter);
+//! entries without a numeric `amount_cents` are malformed.
+
+use rand::Rng as _;
+use std::time::Duration;
+use streamfleet_streams::{Endpoint, StreamConnection};
+use streamfleet_worker::{Entry, Handler, Outcome, Worker, WorkerConfig};
+
+struct Orders {
+    ledger: StreamConnection,
+    transient_percent: f64,
+    crash_percent: f64,
+    handler_time: Duration,
+}
+
+fn percent(name: &str) -> f64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0)
+        .clamp(0.0, 100.0)
+}
+
+impl Handler for Orders {
+    fn business_key(&self, entry: &Entry) -> Option<String> {
+        entry.field_str("order_id").map(str::to_string)
+    }
+
+    async fn handle(&self, entry: &Entry) -> Outcome {
+        let Some(order) = entry.field_str("order_id") else {
+            return Outcome::Malformed("no order_id field".into());
+        };
+        let Some(amount) = entry
+            .field_str("amount_cents")
+            .and_then(|a| a.parse::<u64>().ok())
+        else {
+            return Outcome::Malformed(format!(
+                "order {order}: amount_cents missing or not a number"
+            ));
+        };
+        if entry.field_str("poison") == Some("1") {
+            return Outcome::Permanent(format!("order {order}: card declined"));
+        }
+        if !self.handler_time.is_zero() {
+            tokio::time::sleep(self.handler_time).await;
+        }
+        if rand::rng().random_range(0.0..100.0) < self.transient_percent {
+            return Outcome::Transient("payment gateway timeout".into());
+        }
+        let mut ledger = self.ledger.clone();
+        let charged: redis::RedisResult<i64> = redis::cmd("HSETNX")
+            .arg("ledger:charges")
+            .arg(order)
+            .arg(amount)
+            .query_async(&mut ledger)
+            .await;
+        match charged {
+            Ok(1) => {}
+            // The ledger refused a second charge for this order: the effect
+            // already happened, so this delivery is done too.
+            Ok(_) => {
+                let _: redis::RedisResult<i64> = redis::cmd("HINCRBY")
+                    .arg("ledger:duplicates")
+                    .arg(order)
+                    .arg(1)
+                    .query_async(&mut ledger)
+                    .await;
+            }
+            Err(e) => return Outcome::Transient(format!("ledger: {e}")),
+        }
+        if rand::rng().random_range(0.0..100.0) < self.crash_percent {
+            // The worst moment to die: charged, not yet acked.
+            tracing::error!(order, "simulated crash after the charge, before the ack");
+            std::process::abort();
+        }
+        Outcome::Done
+    }
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let config = match WorkerConfig::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!("configuration: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let ledger_endpoint = match std::env::var("EXAMPLE_LEDGER_URL") {
+        Ok(url) => Endpoint {
+            url,
+            ..config.endpoint.clone()
+        },
+        Err(_) => config.endpoint.clone(),
+    };
+    let ledger = match StreamConnection::connect(&ledger_endpoint).await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!("ledger: {e}");
+            return std::process::ExitCode::from(1);
+        }
+    };
+    let handler = Orders {
+        ledger,
+        transient_percent: percent("EXAMPLE_TRANSIENT_PERCENT"),
+        crash_percent: percent("EXAMPLE_CRASH_PERCENT"),
+        handler_time: Duration::from_millis(
+            std::env::var("EXAMPLE_HANDLER_MS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
+        ),
+    };
+    let ttl = config.min_idle * u32::try_from(config.max_deliveries + 1).unwrap_or(u32::MAX) * 2;
+    let worker =
+        Worker::new(config, handler).with_idempotency_guard(ttl.max(Duration::from_secs(3600)));
+    let stats = worker.stats();
+    let result = worker.run(streamfleet_worker::shutdown_signal()).await;
+    tracing::info!(?stats, "exiting");
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e}");
+            std::process::ExitCode::from(1)
+        }
+    }
+}

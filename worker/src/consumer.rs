@@ -1,0 +1,407 @@
+//! The consumption loop: read a batch, run the handler on each entry, ack
+//! what succeeded (after the handler's commit, never before), dead-letter
+//! what must leave, leave the rest pending for redelivery; claim entries that
+//! crashed consumers left idle; drain on shutdown.
+
+use crate::config::{RunMode, WorkerConfig};
+use crate::guard::{Guard, GuardState};
+use crate::stats::Stats;
+use rand::Rng as _;
+use redis::streams::{StreamReadOptions, StreamReadReply};
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+use streamfleet_streams::claim::autoclaim;
+use streamfleet_streams::deadletter::{self, Letter, Reason};
+use streamfleet_streams::entry::fields_from_map;
+use streamfleet_streams::{Entry, StreamConnection, StreamError};
+
+fn stopping(stop: &AtomicBool) -> bool {
+    stop.load(Ordering::SeqCst)
+}
+
+/// What a handler says about one entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The business effect is committed: ack.
+    Done,
+    /// A dependency failed; retrying may succeed. Retried in process with
+    /// backoff, then left pending for redelivery; dead-lettered at `maxDeliveries`.
+    Transient(String),
+    /// A business rule refuses the entry: dead-letter now.
+    Permanent(String),
+    /// The entry cannot be understood: dead-letter now.
+    Malformed(String),
+}
+
+/// The user's code. `handle` must be idempotent: an entry can be delivered
+/// again after a crash between its effect and its ack.
+pub trait Handler: Send + Sync + 'static {
+    /// The business key (an order ID, say): the idempotency token and the
+    /// dead letter's `business-key`. `None` uses the entry ID.
+    fn business_key(&self, _entry: &Entry) -> Option<String> {
+        None
+    }
+
+    fn handle(&self, entry: &Entry) -> impl Future<Output = Outcome> + Send;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("{0}")]
+    Redis(#[from] StreamError),
+}
+
+pub struct Worker<H> {
+    config: WorkerConfig,
+    handler: Arc<H>,
+    guard: Option<Guard>,
+    stats: Arc<Stats>,
+}
+
+impl<H: Handler> Worker<H> {
+    pub fn new(config: WorkerConfig, handler: H) -> Self {
+        Self {
+            config,
+            handler: Arc::new(handler),
+            guard: None,
+            stats: Arc::new(Stats::default()),
+        }
+    }
+
+    /// Turns on the Redis idempotency guard: an entry whose business key was
+    /// already completed is acked without running the handler again (counted
+    /// as a suppressed duplicate). `completed_ttl` must outlast the
+    /// redelivery window (min-idle-time × max deliveries, at least).
+    pub fn with_idempotency_guard(mut self, completed_ttl: Duration) -> Self {
+        self.guard = Some(Guard::new(&self.config, completed_ttl));
+        self
+    }
+
+    pub fn stats(&self) -> Arc<Stats> {
+        self.stats.clone()
+    }
+
+    /// Runs until `shutdown` resolves (consume mode) or until nothing is left
+    /// to claim (recovery mode). On shutdown it stops reading, finishes and
+    /// acks the batch in hand, and returns.
+    pub async fn run(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), WorkerError> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let watcher = tokio::spawn(async move {
+            shutdown.await;
+            flag.store(true, Ordering::SeqCst);
+        });
+        let mut conn = StreamConnection::connect(&self.config.endpoint).await?;
+        let result = match self.config.mode {
+            RunMode::Recovery => self.recover(&mut conn, &stop).await,
+            RunMode::Consume => self.consume(&mut conn, &stop).await,
+        };
+        watcher.abort();
+        result
+    }
+
+    async fn consume(
+        &self,
+        conn: &mut StreamConnection,
+        stop: &AtomicBool,
+    ) -> Result<(), WorkerError> {
+        let mut reader =
+            StreamConnection::connect_blocking(&self.config.endpoint, self.config.block).await?;
+        let claim_every = self.config.min_idle / 2;
+        let mut next_claim = Instant::now();
+        // Never cancel a read in flight: entries it delivered would sit in our
+        // PEL unseen until claimed. The short BLOCK bounds the drain instead.
+        while !stopping(stop) {
+            if Instant::now() >= next_claim {
+                self.claim_cycle(conn, stop).await?;
+                next_claim = Instant::now() + claim_every;
+            }
+            let entries = match self.read(&mut reader).await {
+                Ok(entries) => entries,
+                Err(e) => {
+                    tracing::warn!(error = %e, "read failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    continue;
+                }
+            };
+            self.process(conn, entries).await?;
+        }
+        tracing::info!(consumer = %self.config.consumer, "drained; stopping");
+        Ok(())
+    }
+
+    /// Recovery mode: claim every idle entry, re-run handlers, until a full
+    /// pass over the PEL claims nothing.
+    async fn recover(
+        &self,
+        conn: &mut StreamConnection,
+        stop: &AtomicBool,
+    ) -> Result<(), WorkerError> {
+        while !stopping(stop) {
+            if self.claim_cycle(conn, stop).await? == 0 {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// One pass of XAUTOCLAIM over each stream's PEL, from `0-0` until the
+    /// cursor returns to `0-0`. Returns how many entries were claimed.
+    async fn claim_cycle(
+        &self,
+        conn: &mut StreamConnection,
+        stop: &AtomicBool,
+    ) -> Result<usize, WorkerError> {
+        let mut total = 0;
+        for stream in &self.config.streams {
+            let mut cursor = "0-0".to_string();
+            loop {
+                let claimed = autoclaim(
+                    conn,
+                    stream,
+                    &self.config.group,
+                    &self.config.consumer,
+                    self.config.min_idle,
+                    &cursor,
+                    self.config.batch_size,
+                )
+                .await?;
+                total += claimed.entries.len();
+                self.stats.add(&self.stats.claimed, claimed.entries.len());
+                for id in &claimed.deleted {
+                    self.payload_missing(conn, stream, id).await?;
+                }
+                self.process(conn, claimed.entries).await?;
+                cursor = claimed.next;
+                if cursor == "0-0" || stopping(stop) {
+                    break;
+                }
+            }
+        }
+        Ok(total)
+    }
+
+    async fn read(&self, reader: &mut StreamConnection) -> Result<Vec<Entry>, StreamError> {
+        let block_ms = usize::try_from(self.config.block.as_millis()).unwrap_or(2000);
+        let opts = StreamReadOptions::default()
+            .group(&self.config.group, &self.config.consumer)
+            .count(self.config.batch_size)
+            .block(block_ms);
+        let ids: Vec<&str> = self.config.streams.iter().map(|_| ">").collect();
+        let reply: Option<StreamReadReply> = redis::cmd("XREADGROUP")
+            .arg(&opts)
+            .arg("STREAMS")
+            .arg(&self.config.streams)
+            .arg(&ids)
+            .query_async(reader)
+            .await
+            .map_err(|e| StreamError::new("reading new entries", e))?;
+        Ok(reply
+            .map(|r| {
+                r.keys
+                    .into_iter()
+                    .flat_map(|k| {
+                        let stream = k.key;
+                        k.ids.into_iter().map(move |e| Entry {
+                            stream: stream.clone(),
+                            id: e.id,
+                            fields: fields_from_map(e.map),
+                            deliveries: 1,
+                        })
+                    })
+                    .collect()
+            })
+            .unwrap_or_default())
+    }
+
+    /// Handles a batch and acks what succeeded, in one XACK per stream.
+    async fn process(
+        &self,
+        conn: &mut StreamConnection,
+        entries: Vec<Entry>,
+    ) -> Result<(), WorkerError> {
+        let mut acks: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for entry in entries {
+            if self.settle(conn, &entry).await? {
+                acks.entry(entry.stream.clone())
+                    .or_default()
+                    .push(entry.id.clone());
+            }
+        }
+        if !acks.is_empty() {
+            let started = Instant::now();
+            let mut pipe = redis::pipe();
+            for (stream, ids) in &acks {
+                pipe.cmd("XACK")
+                    .arg(stream)
+                    .arg(&self.config.group)
+                    .arg(ids)
+                    .ignore();
+            }
+            let () = pipe
+                .query_async(conn)
+                .await
+                .map_err(|e| StreamError::new("acking entries", e))?;
+            self.stats.ack_latency.observe(started.elapsed());
+        }
+        Ok(())
+    }
+
+    /// Decides one entry. True: ack it with the batch.
+    async fn settle(
+        &self,
+        conn: &mut StreamConnection,
+        entry: &Entry,
+    ) -> Result<bool, WorkerError> {
+        let key = self.handler.business_key(entry);
+        if entry.deliveries > self.config.max_deliveries {
+            let error =
+                deadletter::last_error(conn, &entry.stream, &self.config.group, &entry.id).await?;
+            let error = error.unwrap_or_else(|| "delivered too often".into());
+            self.dead_letter(conn, entry, Reason::MaxDeliveries, &error, key.as_deref())
+                .await?;
+            return Ok(false);
+        }
+        let token = key.clone().unwrap_or_else(|| entry.id.clone());
+        if let Some(guard) = &self.guard {
+            match guard.begin(conn, &entry.stream, &token).await? {
+                GuardState::Acquired => {}
+                GuardState::Completed => {
+                    self.stats.add(&self.stats.suppressed, 1);
+                    return Ok(true);
+                }
+                // Someone is on it (or crashed mid-way): leave it pending; it
+                // is claimed again once idle past min-idle-time.
+                GuardState::Busy => return Ok(false),
+            }
+        }
+        let started = Instant::now();
+        let outcome = self.handle_with_retries(entry).await;
+        self.stats.handler_latency.observe(started.elapsed());
+        match outcome {
+            Outcome::Done => {
+                if let Some(guard) = &self.guard {
+                    guard.complete(conn, &entry.stream, &token).await?;
+                }
+                self.stats.add(&self.stats.processed, 1);
+                Ok(true)
+            }
+            Outcome::Transient(error) => {
+                self.stats.add(&self.stats.failed, 1);
+                if let Some(guard) = &self.guard {
+                    guard.release(conn, &entry.stream, &token).await?;
+                }
+                let error = format!("transient: {error}");
+                if entry.deliveries >= self.config.max_deliveries {
+                    self.dead_letter(conn, entry, Reason::MaxDeliveries, &error, key.as_deref())
+                        .await?;
+                } else {
+                    deadletter::record_last_error(conn, entry, &self.config.group, &error).await?;
+                }
+                Ok(false)
+            }
+            Outcome::Permanent(error) => {
+                self.reject(conn, entry, Reason::Permanent, &error, key, &token)
+                    .await
+            }
+            Outcome::Malformed(error) => {
+                self.reject(conn, entry, Reason::Malformed, &error, key, &token)
+                    .await
+            }
+        }
+    }
+
+    /// Permanent and malformed entries leave at once, acked by their dead letter.
+    async fn reject(
+        &self,
+        conn: &mut StreamConnection,
+        entry: &Entry,
+        reason: Reason,
+        error: &str,
+        key: Option<String>,
+        token: &str,
+    ) -> Result<bool, WorkerError> {
+        self.stats.add(&self.stats.failed, 1);
+        if let Some(guard) = &self.guard {
+            guard.release(conn, &entry.stream, token).await?;
+        }
+        self.dead_letter(conn, entry, reason, error, key.as_deref())
+            .await?;
+        Ok(false)
+    }
+
+    /// Runs the handler, retrying transient failures with exponential backoff
+    /// and jitter while the entry is far from min-idle-time (half of it), so
+    /// no other consumer claims an entry this one still holds.
+    async fn handle_with_retries(&self, entry: &Entry) -> Outcome {
+        let budget = self.config.min_idle / 2;
+        let started = Instant::now();
+        let mut delay = Duration::from_millis(50);
+        loop {
+            let outcome = self.handler.handle(entry).await;
+            let Outcome::Transient(_) = &outcome else {
+                return outcome;
+            };
+            let jittered = delay.mul_f64(rand::rng().random_range(0.5..1.5));
+            if started.elapsed() + jittered >= budget {
+                return outcome;
+            }
+            self.stats.add(&self.stats.retried, 1);
+            tokio::time::sleep(jittered).await;
+            delay = (delay * 2).min(budget / 4);
+        }
+    }
+
+    async fn dead_letter(
+        &self,
+        conn: &mut StreamConnection,
+        entry: &Entry,
+        reason: Reason,
+        error: &str,
+        business_key: Option<&str>,
+    ) -> Result<(), WorkerError> {
+        let letter = Letter {
+            group: &self.config.group,
+            consumer: &self.config.consumer,
+            reason,
+            error,
+            business_key,
+        };
+        let id =
+            deadletter::dead_letter(conn, &self.config.dead_letter_stream, entry, &letter).await?;
+        self.stats.add(&self.stats.dead_lettered, 1);
+        tracing::warn!(stream = %entry.stream, id = %entry.id, dead_letter = %id, reason = reason.as_str(), error, "dead-lettered");
+        Ok(())
+    }
+
+    /// A pending entry whose payload is gone: never success. Recorded in the
+    /// dead-letter stream (XAUTOCLAIM has already dropped it from the PEL).
+    async fn payload_missing(
+        &self,
+        conn: &mut StreamConnection,
+        stream: &str,
+        id: &str,
+    ) -> Result<(), WorkerError> {
+        let entry = Entry {
+            stream: stream.to_string(),
+            id: id.to_string(),
+            fields: Vec::new(),
+            deliveries: 0,
+        };
+        self.stats.add(&self.stats.payload_missing, 1);
+        self.dead_letter(
+            conn,
+            &entry,
+            Reason::PayloadMissing,
+            "payload trimmed or deleted while pending",
+            None,
+        )
+        .await
+    }
+}

@@ -1,0 +1,117 @@
+//! The idempotency guard: a Redis record per business key moving
+//! `processing` → `completed`, so a redelivered entry whose effect already
+//! completed is acked without running the handler again.
+//!
+//! It saves repeated work; it does not replace an idempotent handler. A crash
+//! after the effect and before `completed` is written leaves `processing`,
+//! which expires after min-idle-time; the entry then runs again, and the
+//! handler's own idempotency (a unique key in the business store) decides.
+
+use crate::config::WorkerConfig;
+use std::time::Duration;
+use streamfleet_streams::{StreamConnection, StreamError, keys};
+
+const PROCESSING: &str = "processing";
+const COMPLETED: &str = "completed";
+
+pub struct Guard {
+    group: String,
+    processing_ttl: Duration,
+    completed_ttl: Duration,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum GuardState {
+    /// Ours to process.
+    Acquired,
+    /// Already completed: a duplicate.
+    Completed,
+    /// Being processed elsewhere, or abandoned mid-way (expires with min-idle-time).
+    Busy,
+}
+
+impl Guard {
+    pub fn new(config: &WorkerConfig, completed_ttl: Duration) -> Self {
+        Self {
+            group: config.group.clone(),
+            processing_ttl: config.min_idle,
+            completed_ttl,
+        }
+    }
+
+    /// Same slot as the stream, so a cluster keeps the guard beside its entries.
+    fn key(&self, stream: &str, token: &str) -> String {
+        keys::companion_key(stream, &format!("idem:{}:{token}", self.group))
+    }
+
+    pub async fn begin(
+        &self,
+        conn: &mut StreamConnection,
+        stream: &str,
+        token: &str,
+    ) -> Result<GuardState, StreamError> {
+        let key = self.key(stream, token);
+        let set: Option<String> = redis::cmd("SET")
+            .arg(&key)
+            .arg(PROCESSING)
+            .arg("NX")
+            .arg("PX")
+            .arg(millis(self.processing_ttl))
+            .query_async(conn)
+            .await
+            .map_err(|e| StreamError::new("idempotency guard", e))?;
+        if set.is_some() {
+            return Ok(GuardState::Acquired);
+        }
+        let state: Option<String> = redis::cmd("GET")
+            .arg(&key)
+            .query_async(conn)
+            .await
+            .map_err(|e| StreamError::new("idempotency guard", e))?;
+        Ok(match state.as_deref() {
+            Some(COMPLETED) => GuardState::Completed,
+            _ => GuardState::Busy,
+        })
+    }
+
+    pub async fn complete(
+        &self,
+        conn: &mut StreamConnection,
+        stream: &str,
+        token: &str,
+    ) -> Result<(), StreamError> {
+        let () = redis::cmd("SET")
+            .arg(self.key(stream, token))
+            .arg(COMPLETED)
+            .arg("PX")
+            .arg(millis(self.completed_ttl))
+            .query_async(conn)
+            .await
+            .map_err(|e| StreamError::new("idempotency guard", e))?;
+        Ok(())
+    }
+
+    /// Lets a failed attempt be retried at once by the next delivery.
+    pub async fn release(
+        &self,
+        conn: &mut StreamConnection,
+        stream: &str,
+        token: &str,
+    ) -> Result<(), StreamError> {
+        // Only our own `processing` mark: never a `completed` one.
+        let script = redis::Script::new(
+            "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+        );
+        let _: i64 = script
+            .key(self.key(stream, token))
+            .arg(PROCESSING)
+            .invoke_async(conn)
+            .await
+            .map_err(|e| StreamError::new("idempotency guard", e))?;
+        Ok(())
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}

@@ -1,0 +1,46 @@
+//! streamfleet's worker library: the at-least-once protocol on a Redis
+//! Streams consumer group, configured by the operator's env contract.
+//!
+//! ```no_run
+//! use streamfleet_worker::{Entry, Handler, Outcome, Worker, WorkerConfig};
+//! struct Charge;
+//! impl Handler for Charge {
+//!     fn business_key(&self, e: &Entry) -> Option<String> { e.field_str("order_id").map(str::to_string) }
+//!     async fn handle(&self, e: &Entry) -> Outcome {
+//!         // Commit the effect idempotently (keyed by the order ID), then return Done.
+//!         Outcome::Done
+//!     }
+//! }
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! Worker::new(WorkerConfig::from_env()?, Charge)
+//!     .with_idempotency_guard(std::time::Duration::from_secs(24 * 3600))
+//!     .run(streamfleet_worker::shutdown_signal())
+//!     .await?;
+//! # Ok(()) }
+//! ```
+
+pub mod config;
+pub mod consumer;
+pub mod guard;
+pub mod stats;
+
+pub use config::{ConfigError, RunMode, WorkerConfig};
+pub use consumer::{Handler, Outcome, Worker, WorkerError};
+pub use stats::Stats;
+pub use streamfleet_streams::Entry;
+
+/// Resolves on SIGTERM or SIGINT: the pod is being stopped.
+pub async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = term => {}
+    }
+}

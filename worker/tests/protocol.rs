@@ -1,0 +1,338 @@
+//! The worker protocol against a real redis-server: ack after the handler,
+//! bounded retries, atomic dead letters with metadata, claims of abandoned
+//! entries, payload-missing, the idempotency guard and graceful drain.
+
+// A test fails by panicking.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use anyhow::Result;
+use redis::AsyncCommands as _;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use streamfleet_crd::env;
+use streamfleet_streams::deadletter as dl;
+use streamfleet_testbed::{RedisServer, eventually};
+use streamfleet_worker::{Entry, Handler, Outcome, Stats, Worker, WorkerConfig};
+
+/// Behaviour chosen per entry by its `kind` field; counts calls per entry ID.
+#[derive(Clone, Default)]
+struct Scripted {
+    calls: Arc<Mutex<HashMap<String, u32>>>,
+}
+
+impl Scripted {
+    fn calls(&self, id: &str) -> u32 {
+        self.calls.lock().unwrap().get(id).copied().unwrap_or(0)
+    }
+    fn total(&self) -> u32 {
+        self.calls.lock().unwrap().values().sum()
+    }
+}
+
+impl Handler for Scripted {
+    fn business_key(&self, entry: &Entry) -> Option<String> {
+        entry.field_str("key").map(str::to_string)
+    }
+
+    async fn handle(&self, entry: &Entry) -> Outcome {
+        let n = {
+            let mut calls = self.calls.lock().unwrap();
+            let n = calls.entry(entry.id.clone()).or_insert(0);
+            *n += 1;
+            *n
+        };
+        match entry.field_str("kind").unwrap_or("ok") {
+            "ok" => Outcome::Done,
+            "flaky" if n > 2 => Outcome::Done,
+            "flaky" | "down" => Outcome::Transient("dependency down".into()),
+            "refused" => Outcome::Permanent("business rule says no".into()),
+            _ => Outcome::Malformed("unknown kind".into()),
+        }
+    }
+}
+
+fn config(
+    server: &RedisServer,
+    consumer: &str,
+    min_idle_ms: u64,
+    max_deliveries: u64,
+) -> WorkerConfig {
+    let vars: HashMap<&str, String> = HashMap::from([
+        (env::REDIS_URL, server.url()),
+        (env::STREAMS, "orders".into()),
+        (env::GROUP, "g".into()),
+        (env::CONSUMER, consumer.into()),
+        (env::MIN_IDLE_MS, min_idle_ms.to_string()),
+        (env::MAX_DELIVERIES, max_deliveries.to_string()),
+    ]);
+    let mut c = WorkerConfig::from_lookup(|k| vars.get(k).cloned()).unwrap();
+    c.block = Duration::from_millis(200);
+    c
+}
+
+async fn setup() -> Result<(RedisServer, redis::aio::MultiplexedConnection)> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    streamfleet_streams::ensure_group(&mut conn, "orders", "g", "0").await?;
+    Ok((server, conn))
+}
+
+async fn add(
+    conn: &mut redis::aio::MultiplexedConnection,
+    fields: &[(&str, &str)],
+) -> Result<String> {
+    Ok(conn.xadd("orders", "*", fields).await?)
+}
+
+async fn pending(conn: &mut redis::aio::MultiplexedConnection) -> Result<usize> {
+    let p: redis::streams::StreamPendingReply = conn.xpending("orders", "g").await?;
+    Ok(p.count())
+}
+
+type DeadLetters = Vec<HashMap<String, String>>;
+
+async fn dead_letters(conn: &mut redis::aio::MultiplexedConnection) -> Result<DeadLetters> {
+    let range: redis::streams::StreamRangeReply = conn.xrange_all("{orders}:dead").await?;
+    Ok(range
+        .ids
+        .into_iter()
+        .map(|e| {
+            streamfleet_streams::entry::fields_from_map(e.map)
+                .into_iter()
+                .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
+                .collect()
+        })
+        .collect())
+}
+
+/// Runs a worker in the background; the returned sender stops it.
+fn spawn(
+    worker: Worker<Scripted>,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), streamfleet_worker::WorkerError>>,
+) {
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let handle = tokio::spawn(worker.run(async move {
+        let _ = rx.await;
+    }));
+    (tx, handle)
+}
+
+const T: Duration = Duration::from_secs(20);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_successes_and_dead_letters_refusals_atomically_with_metadata() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    let mut ok_ids = Vec::new();
+    for i in 0..5 {
+        ok_ids.push(add(&mut conn, &[("kind", "ok"), ("key", &format!("o{i}"))]).await?);
+    }
+    let refused = add(
+        &mut conn,
+        &[("kind", "refused"), ("key", "o-refused"), ("amount", "12")],
+    )
+    .await?;
+    let garbled = add(&mut conn, &[("kind", "???")]).await?;
+    let handler = Scripted::default();
+    let worker = Worker::new(config(&server, "c1", 60_000, 5), handler.clone());
+    let stats = worker.stats();
+    let (stop, run) = spawn(worker);
+    eventually("all settled", T, || async {
+        Ok(
+            (Stats::get(&stats.processed) == 5 && Stats::get(&stats.dead_lettered) == 2)
+                .then_some(()),
+        )
+    })
+    .await?;
+    let _ = stop.send(());
+    run.await??;
+
+    assert_eq!(
+        pending(&mut conn).await?,
+        0,
+        "everything acked or dead-lettered"
+    );
+    for id in &ok_ids {
+        assert_eq!(handler.calls(id), 1);
+    }
+    let letters = dead_letters(&mut conn).await?;
+    assert_eq!(letters.len(), 2);
+    let by_id = |id: &str| {
+        letters
+            .iter()
+            .find(|l| l[dl::F_SOURCE_ID] == id)
+            .cloned()
+            .unwrap()
+    };
+    let r = by_id(&refused);
+    assert_eq!(r[dl::F_REASON], "permanent");
+    assert_eq!(r[dl::F_ERROR], "business rule says no");
+    assert_eq!(r[dl::F_SOURCE_STREAM], "orders");
+    assert_eq!(r[dl::F_GROUP], "g");
+    assert_eq!(r[dl::F_CONSUMER], "c1");
+    assert_eq!(r[dl::F_DELIVERIES], "1");
+    assert_eq!(r[dl::F_BUSINESS_KEY], "o-refused");
+    assert_eq!(r["amount"], "12", "original fields are kept");
+    assert!(r[dl::F_AT].parse::<u64>()? > 0);
+    assert_eq!(by_id(&garbled)[dl::F_REASON], "malformed");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transient_failures_retry_in_process_with_backoff() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    let id = add(&mut conn, &[("kind", "flaky")]).await?;
+    let handler = Scripted::default();
+    let worker = Worker::new(config(&server, "c1", 10_000, 5), handler.clone());
+    let stats = worker.stats();
+    let (stop, run) = spawn(worker);
+    eventually("processed", T, || async {
+        Ok((Stats::get(&stats.processed) == 1).then_some(()))
+    })
+    .await?;
+    let _ = stop.send(());
+    run.await??;
+    assert_eq!(
+        handler.calls(&id),
+        3,
+        "two transient failures, then success, in one delivery"
+    );
+    assert_eq!(Stats::get(&stats.retried), 2);
+    assert_eq!(pending(&mut conn).await?, 0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_persistently_failing_entry_is_redelivered_then_dead_lettered_at_max_deliveries()
+-> Result<()> {
+    let (server, mut conn) = setup().await?;
+    let id = add(&mut conn, &[("kind", "down"), ("key", "o-down")]).await?;
+    let handler = Scripted::default();
+    let worker = Worker::new(config(&server, "c1", 400, 3), handler.clone());
+    let stats = worker.stats();
+    let (stop, run) = spawn(worker);
+    eventually("dead-lettered", T, || async {
+        Ok((Stats::get(&stats.dead_lettered) == 1).then_some(()))
+    })
+    .await?;
+    let _ = stop.send(());
+    run.await??;
+    let letters = dead_letters(&mut conn).await?;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0][dl::F_SOURCE_ID], id);
+    assert_eq!(letters[0][dl::F_REASON], "max-deliveries");
+    assert_eq!(letters[0][dl::F_DELIVERIES], "3");
+    assert_eq!(letters[0][dl::F_ERROR], "transient: dependency down");
+    assert_eq!(pending(&mut conn).await?, 0);
+    assert!(
+        handler.calls(&id) >= 3,
+        "each of the 3 deliveries ran the handler"
+    );
+    // The last-error bookkeeping went with the dead letter.
+    let left: HashMap<String, String> = conn
+        .hgetall(streamfleet_streams::keys::last_error_key("orders", "g"))
+        .await?;
+    assert!(left.is_empty(), "{left:?}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_abandoned_by_a_dead_consumer_are_claimed_and_payload_loss_is_reported()
+-> Result<()> {
+    let (server, mut conn) = setup().await?;
+    let mut ids = Vec::new();
+    for i in 0..4 {
+        ids.push(add(&mut conn, &[("kind", "ok"), ("key", &format!("k{i}"))]).await?);
+    }
+    // A consumer reads them and dies without acking.
+    let opts = redis::streams::StreamReadOptions::default()
+        .group("g", "dead-pod")
+        .count(10);
+    let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
+    assert_eq!(pending(&mut conn).await?, 4);
+    // One payload is deleted while pending.
+    let _: i64 = conn.xdel("orders", &[&ids[3]]).await?;
+
+    let handler = Scripted::default();
+    let worker = Worker::new(config(&server, "survivor", 300, 5), handler.clone());
+    let stats = worker.stats();
+    let (stop, run) = spawn(worker);
+    eventually("claimed and settled", T, || async {
+        Ok(
+            (Stats::get(&stats.processed) == 3 && Stats::get(&stats.payload_missing) == 1)
+                .then_some(()),
+        )
+    })
+    .await?;
+    let _ = stop.send(());
+    run.await??;
+    for id in &ids[..3] {
+        assert_eq!(handler.calls(id), 1);
+    }
+    assert_eq!(
+        handler.calls(&ids[3]),
+        0,
+        "nothing to handle: the payload is gone"
+    );
+    assert_eq!(pending(&mut conn).await?, 0);
+    let letters = dead_letters(&mut conn).await?;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0][dl::F_REASON], "payload-missing");
+    assert_eq!(letters[0][dl::F_SOURCE_ID], ids[3]);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_guard_suppresses_a_completed_business_key() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    let first = add(&mut conn, &[("kind", "ok"), ("key", "order-7")]).await?;
+    // The producer retried: the same order arrives twice.
+    let again = add(&mut conn, &[("kind", "ok"), ("key", "order-7")]).await?;
+    let handler = Scripted::default();
+    let worker = Worker::new(config(&server, "c1", 10_000, 5), handler.clone())
+        .with_idempotency_guard(Duration::from_secs(600));
+    let stats = worker.stats();
+    let (stop, run) = spawn(worker);
+    eventually("settled", T, || async {
+        Ok((Stats::get(&stats.suppressed) == 1).then_some(()))
+    })
+    .await?;
+    let _ = stop.send(());
+    run.await??;
+    assert_eq!(handler.calls(&first), 1);
+    assert_eq!(
+        handler.calls(&again),
+        0,
+        "the duplicate never reached the handler"
+    );
+    assert_eq!(Stats::get(&stats.processed), 1);
+    assert_eq!(pending(&mut conn).await?, 0, "the duplicate was acked");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_finishes_the_batch_in_hand_and_stops_reading() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    for i in 0..20 {
+        add(&mut conn, &[("kind", "ok"), ("key", &format!("k{i}"))]).await?;
+    }
+    let handler = Scripted::default();
+    let worker = Worker::new(config(&server, "c1", 10_000, 5), handler.clone());
+    let stats = worker.stats();
+    let (stop, run) = spawn(worker);
+    eventually("first batch", T, || async {
+        Ok((Stats::get(&stats.processed) == 20).then_some(()))
+    })
+    .await?;
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(5), run).await???;
+    // Work added after the drain is left for the next worker: not read, so
+    // not pending either.
+    add(&mut conn, &[("kind", "ok")]).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(pending(&mut conn).await?, 0);
+    assert_eq!(handler.total(), 20);
+    Ok(())
+}
