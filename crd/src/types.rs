@@ -368,6 +368,15 @@ pub struct StreamConsumerGroupStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_delivery_count: Option<i64>,
 
+    /// Consumers the group knows (live and not yet reaped).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consumers: Option<i64>,
+
+    /// Consumers that own pending entries, most first (at most 10).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 10))]
+    pub consumer_pending: Vec<ConsumerPending>,
+
     /// Length of the stream.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream_length: Option<i64>,
@@ -388,6 +397,16 @@ pub struct StreamConsumerGroupStatus {
     /// The last recovery sweep's outcome.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_recovery: Option<RecoveryStatus>,
+}
+
+/// Pending entries owned by one consumer.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ConsumerPending {
+    /// The consumer (a pod name).
+    pub name: String,
+    /// Entries it holds unacknowledged.
+    pub pending: i64,
 }
 
 /// Desired and current worker replicas.

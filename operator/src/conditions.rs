@@ -5,6 +5,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 pub const READY: &str = "Ready";
 pub const GROUP_READY: &str = "GroupReady";
 pub const WORKERS_AVAILABLE: &str = "WorkersAvailable";
+pub const DEGRADED: &str = "Degraded";
 
 /// Sets condition `type_` in `conditions`; its transition time changes only
 /// when its status does.
@@ -36,9 +37,7 @@ pub fn set(
 }
 
 pub fn is_true(conditions: &[Condition], type_: &str) -> bool {
-    conditions
-        .iter()
-        .any(|c| c.type_ == type_ && c.status == "True")
+    conditions.iter().any(|c| c.type_ == type_ && c.status == "True")
 }
 
 #[cfg(test)]
@@ -52,42 +51,15 @@ mod tests {
     #[test]
     fn transition_time_moves_only_when_status_changes() {
         let mut c = Vec::new();
-        set(
-            &mut c,
-            READY,
-            false,
-            "RedisUnreachable",
-            "down",
-            Some(1),
-            &at(10),
-        );
-        set(
-            &mut c,
-            READY,
-            false,
-            "RedisUnreachable",
-            "still down",
-            Some(1),
-            &at(20),
-        );
+        set(&mut c, READY, false, "RedisUnreachable", "down", Some(1), &at(10));
+        set(&mut c, READY, false, "RedisUnreachable", "still down", Some(1), &at(20));
         assert_eq!(c.len(), 1);
         assert_eq!(c[0].last_transition_time, at(10));
         assert_eq!(c[0].message, "still down");
         set(&mut c, READY, true, "Reconciled", "", Some(2), &at(30));
         assert_eq!(c[0].last_transition_time, at(30));
         assert!(is_true(&c, READY));
-        set(
-            &mut c,
-            GROUP_READY,
-            true,
-            "GroupExists",
-            "",
-            Some(2),
-            &at(30),
-        );
-        assert_eq!(
-            c.iter().map(|c| c.type_.as_str()).collect::<Vec<_>>(),
-            vec![GROUP_READY, READY]
-        );
+        set(&mut c, GROUP_READY, true, "GroupExists", "", Some(2), &at(30));
+        assert_eq!(c.iter().map(|c| c.type_.as_str()).collect::<Vec<_>>(), vec![GROUP_READY, READY]);
     }
 }

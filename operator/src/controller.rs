@@ -4,26 +4,32 @@
 
 use crate::conditions;
 use crate::error::Error;
+use crate::health::{self, HealthMemory};
 use crate::objects::{self, ObjectSettings};
+use crate::reaper;
+use crate::scaling::{self, ScalingMemory};
 use futures::StreamExt as _;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::CronJob;
-use k8s_openapi::api::core::v1::{ObjectReference, Secret};
+use k8s_openapi::api::core::v1::{ObjectReference, Pod, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Patch, PatchParams};
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::watcher;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Api, Client, Resource as _, ResourceExt as _};
 use serde_json::json;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use streamfleet_crd::{
-    DeletionPolicy, RedisMode, ReplicaStatus, StreamConsumerGroup, StreamConsumerGroupStatus,
+    ConsumerPending, DeletionPolicy, Health, RedisMode, ReplicaStatus, StreamConsumerGroup, StreamConsumerGroupStatus,
 };
-use streamfleet_streams::{Connections, Endpoint, GroupCreation, Mode};
+use streamfleet_streams::health::{GroupSnapshot, Lag};
+use streamfleet_streams::{Connections, Endpoint, GroupCreation, Mode, StreamConnection};
 
 /// Present while the group must be destroyed before the resource may go
 /// (`deletionPolicy: Delete`).
@@ -42,21 +48,34 @@ pub struct Context {
     pub recorder: Recorder,
     pub connections: Connections,
     pub settings: ObjectSettings,
+    /// Pods of the workloads this operator owns (a watch cache), for reaping.
+    pods: Store<Pod>,
+    pods_synced: Arc<AtomicBool>,
     failures: Mutex<HashMap<String, u32>>,
+    memory: Mutex<HashMap<String, ResourceMemory>>,
+    clock: Instant,
+}
+
+/// What the policies remember about one resource between polls.
+#[derive(Default)]
+struct ResourceMemory {
+    scaling: ScalingMemory,
+    health: HealthMemory,
 }
 
 impl Context {
-    pub fn new(client: Client, settings: ObjectSettings, instance: Option<String>) -> Self {
-        let reporter = Reporter {
-            controller: "streamfleet".into(),
-            instance,
-        };
+    fn new(client: Client, settings: ObjectSettings, instance: Option<String>, pods: Store<Pod>) -> Self {
+        let reporter = Reporter { controller: "streamfleet".into(), instance };
         Self {
             recorder: Recorder::new(client.clone(), reporter),
             client,
             connections: Connections::default(),
             settings,
+            pods,
+            pods_synced: Arc::new(AtomicBool::new(false)),
             failures: Mutex::new(HashMap::new()),
+            memory: Mutex::new(HashMap::new()),
+            clock: Instant::now(),
         }
     }
 
@@ -77,14 +96,7 @@ impl Context {
         }
     }
 
-    async fn publish(
-        &self,
-        reference: &ObjectReference,
-        type_: EventType,
-        reason: &str,
-        action: &str,
-        note: String,
-    ) {
+    async fn publish(&self, reference: &ObjectReference, type_: EventType, reason: &str, action: &str, note: String) {
         let event = Event {
             type_,
             reason: reason.into(),
@@ -100,11 +112,21 @@ impl Context {
 
 /// Runs the controller until `shutdown` resolves.
 pub async fn run(
-    ctx: Arc<Context>,
+    client: Client,
+    settings: ObjectSettings,
+    instance: Option<String>,
     namespace: Option<String>,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
 ) {
-    let client = ctx.client.clone();
+    let api = |c: &Client| -> (Api<Deployment>, Api<CronJob>, Api<Pod>) {
+        match &namespace {
+            Some(ns) => {
+                (Api::namespaced(c.clone(), ns), Api::namespaced(c.clone(), ns), Api::namespaced(c.clone(), ns))
+            }
+            None => (Api::all(c.clone()), Api::all(c.clone()), Api::all(c.clone())),
+        }
+    };
+    let (deployments, cronjobs, pods) = api(&client);
     // DeserializeGuard: one object that fails to parse is reported, and the
     // watch carries on for all the others.
     let scgs: Api<DeserializeGuard<StreamConsumerGroup>> = match &namespace {
@@ -112,16 +134,24 @@ pub async fn run(
         None => Api::all(client.clone()),
     };
     let owned = watcher::Config::default().labels("app.kubernetes.io/managed-by=streamfleet");
-    let (deployments, cronjobs): (Api<Deployment>, Api<CronJob>) = match &namespace {
-        Some(ns) => (
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client.clone(), ns),
-        ),
-        None => (Api::all(client.clone()), Api::all(client.clone())),
-    };
+    // One pod watch feeds both the reaper's cache and reconcile triggers, so a
+    // worker's deletion is acted on at once.
+    let (pod_store, pod_writer) = reflector::store();
+    let pod_events = reflector::reflector(pod_writer, watcher(pods, owned.clone())).default_backoff().touched_objects();
+    let ctx = Arc::new(Context::new(client, settings, instance, pod_store.clone()));
+    let synced = ctx.pods_synced.clone();
+    tokio::spawn(async move {
+        if pod_store.wait_until_ready().await.is_ok() {
+            synced.store(true, Ordering::SeqCst);
+        }
+    });
     Controller::new(scgs, watcher::Config::default().any_semantic())
         .owns(deployments, owned.clone())
         .owns(cronjobs, owned)
+        .watches_stream(pod_events, |pod: Pod| {
+            let name = pod.labels().get(objects::GROUP_LABEL)?.clone();
+            Some(ObjectRef::new(&name).within(&pod.namespace()?))
+        })
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
         .for_each(|result| async move {
@@ -137,11 +167,7 @@ fn key(scg: &StreamConsumerGroup) -> String {
     format!("{}/{}", scg.namespace().unwrap_or_default(), scg.name_any())
 }
 
-fn error_policy(
-    obj: Arc<DeserializeGuard<StreamConsumerGroup>>,
-    error: &Error,
-    ctx: Arc<Context>,
-) -> Action {
+fn error_policy(obj: Arc<DeserializeGuard<StreamConsumerGroup>>, error: &Error, ctx: Arc<Context>) -> Action {
     let Ok(scg) = &obj.0 else {
         return Action::await_change();
     };
@@ -150,10 +176,7 @@ fn error_policy(
     Action::requeue(backoff)
 }
 
-async fn reconcile(
-    obj: Arc<DeserializeGuard<StreamConsumerGroup>>,
-    ctx: Arc<Context>,
-) -> Result<Action, Error> {
+async fn reconcile(obj: Arc<DeserializeGuard<StreamConsumerGroup>>, ctx: Arc<Context>) -> Result<Action, Error> {
     let scg = match &obj.0 {
         Ok(scg) => scg,
         Err(invalid) => {
@@ -165,14 +188,7 @@ async fn reconcile(
                 uid: invalid.metadata.uid.clone(),
                 ..ObjectReference::default()
             };
-            ctx.publish(
-                &reference,
-                EventType::Warning,
-                "InvalidObject",
-                "Reconcile",
-                invalid.error.clone(),
-            )
-            .await;
+            ctx.publish(&reference, EventType::Warning, "InvalidObject", "Reconcile", invalid.error.clone()).await;
             return Ok(Action::await_change());
         }
     };
@@ -189,14 +205,7 @@ async fn reconcile(
         }
         Err(e) => {
             if e.is_users() {
-                ctx.publish(
-                    &scg.object_ref(&()),
-                    EventType::Warning,
-                    e.reason(),
-                    "Reconcile",
-                    e.to_string(),
-                )
-                .await;
+                ctx.publish(&scg.object_ref(&()), EventType::Warning, e.reason(), "Reconcile", e.to_string()).await;
                 write_status(scg, &ctx, failure_status(scg, &e, &now())).await?;
             }
             Err(e)
@@ -208,49 +217,70 @@ fn now() -> Time {
     Time(k8s_openapi::jiff::Timestamp::now())
 }
 
-/// What a successful apply observed.
+/// What a successful apply observed and decided.
 pub struct Applied {
     pub desired_replicas: i32,
     pub available_replicas: i32,
+    pub snapshot: Option<GroupSnapshot>,
+    pub health: Health,
+    pub health_message: String,
 }
 
 async fn apply(scg: &StreamConsumerGroup, ctx: &Context) -> Result<Applied, Error> {
     let ns = scg.namespace().unwrap_or_default();
+    let spec = &scg.spec;
     let endpoint = resolve_endpoint(&ctx.client, scg).await?;
     let mut conn = ctx.connections.get(&endpoint).await?;
-    let created = streamfleet_streams::ensure_group(
-        &mut conn,
-        &scg.spec.stream,
-        &scg.spec.group,
-        &scg.spec.start_id,
-    )
-    .await?;
+    let created = streamfleet_streams::ensure_group(&mut conn, &spec.stream, &spec.group, &spec.start_id).await?;
     if created == GroupCreation::Created {
-        let note = format!(
-            "created group {:?} on stream {:?} at {}",
-            scg.spec.group, scg.spec.stream, scg.spec.start_id
-        );
-        ctx.publish(
-            &scg.object_ref(&()),
-            EventType::Normal,
-            "GroupCreated",
-            "EnsureGroup",
-            note,
-        )
-        .await;
+        let note = format!("created group {:?} on stream {:?} at {}", spec.group, spec.stream, spec.start_id);
+        ctx.publish(&scg.object_ref(&()), EventType::Normal, "GroupCreated", "EnsureGroup", note).await;
     }
 
-    // Until lag-driven scaling decides, run the floor of the range (at least one).
-    let scaling = &scg.spec.scaling;
-    let replicas = scaling.min_replicas.max(1).min(scaling.max_replicas);
-    let deployment = objects::worker_deployment(scg, replicas)?;
-    let applied: Deployment = Api::<Deployment>::namespaced(ctx.client.clone(), &ns)
-        .patch(
-            &objects::worker_deployment_name(scg),
-            &PatchParams::apply(MANAGER_DEPLOYMENT).force(),
-            &Patch::Apply(&deployment),
-        )
-        .await?;
+    let dead_letter_stream = objects::dead_letter_stream(scg);
+    let snapshot =
+        match streamfleet_streams::health::inspect(&mut conn, &spec.stream, &spec.group, &dead_letter_stream).await {
+            Ok(snapshot) => snapshot,
+            Err(e) => {
+                tracing::warn!(resource = %key(scg), error = %e, "inspecting the group");
+                None
+            }
+        };
+    if let Some(snapshot) = &snapshot {
+        reap(scg, ctx, &mut conn, snapshot).await;
+    }
+
+    let deployments = Api::<Deployment>::namespaced(ctx.client.clone(), &ns);
+    let name = objects::worker_deployment_name(scg);
+    let current = deployments.get_opt(&name).await?.and_then(|d| d.spec.and_then(|s| s.replicas));
+    let now = ctx.clock.elapsed();
+    let (decision, (health, health_message)) = {
+        let mut memory = ctx.memory.lock().map_err(|_| Error::InvalidSpec("internal: poisoned lock".into()))?;
+        let m = memory.entry(key(scg)).or_default();
+        let observed = snapshot.as_ref().map(|s| (s.lag, s.pending));
+        let decision = scaling::decide(&spec.scaling, current.unwrap_or(0), observed, now, &mut m.scaling);
+        if let Some(s) = &snapshot {
+            m.health.record(s, now);
+        }
+        let health = health::classify(&health::Inputs {
+            snapshot: snapshot.as_ref(),
+            memory: &m.health,
+            min_idle: Duration::from_millis(u64::try_from(spec.recovery.min_idle_time_ms).unwrap_or(0)),
+            max_deliveries: u64::try_from(spec.recovery.max_deliveries).unwrap_or(1),
+            target_per_replica: u64::try_from(spec.scaling.target_per_replica).unwrap_or(1),
+            replicas: decision.replicas,
+            payload_lost_recently: payload_lost_recently(scg),
+        });
+        (decision, health)
+    };
+
+    let deployment = objects::worker_deployment(scg, decision.replicas)?;
+    let applied: Deployment =
+        deployments.patch(&name, &PatchParams::apply(MANAGER_DEPLOYMENT).force(), &Patch::Apply(&deployment)).await?;
+    if let Some(current) = current.filter(|c| *c != decision.replicas) {
+        let note = format!("workers {current} -> {}: {}", decision.replicas, decision.reason);
+        ctx.publish(&scg.object_ref(&()), EventType::Normal, "Scaled", "Scale", note).await;
+    }
     let cronjob = objects::recovery_cronjob(scg, &ctx.settings)?;
     Api::<CronJob>::namespaced(ctx.client.clone(), &ns)
         .patch(
@@ -260,35 +290,94 @@ async fn apply(scg: &StreamConsumerGroup, ctx: &Context) -> Result<Applied, Erro
         )
         .await?;
     Ok(Applied {
-        desired_replicas: replicas,
-        available_replicas: applied
-            .status
-            .and_then(|s| s.available_replicas)
-            .unwrap_or(0),
+        desired_replicas: decision.replicas,
+        available_replicas: applied.status.and_then(|s| s.available_replicas).unwrap_or(0),
+        snapshot,
+        health,
+        health_message,
     })
+}
+
+/// Whether the last recovery (within the hour) found payloads gone.
+fn payload_lost_recently(scg: &StreamConsumerGroup) -> bool {
+    let Some(last) = scg.status.as_ref().and_then(|s| s.last_recovery.as_ref()) else { return false };
+    let age = k8s_openapi::jiff::Timestamp::now().duration_since(last.time.0);
+    last.payload_lost > 0 && age < k8s_openapi::jiff::SignedDuration::from_hours(1)
+}
+
+/// Releases the entries of consumers whose pods are gone, and deletes those
+/// consumers once they own nothing (see `reaper`).
+async fn reap(scg: &StreamConsumerGroup, ctx: &Context, conn: &mut StreamConnection, snapshot: &GroupSnapshot) {
+    // Reap only with a complete picture of the pods: a cache still filling
+    // would make live workers look dead.
+    if !ctx.pods_synced.load(Ordering::SeqCst) {
+        return;
+    }
+    let ns = scg.namespace().unwrap_or_default();
+    let live: HashSet<String> = ctx
+        .pods
+        .state()
+        .iter()
+        .filter(|p| p.namespace().as_deref() == Some(ns.as_str()))
+        .map(|p| p.name_any())
+        .collect();
+    let prefixes =
+        [format!("{}-", objects::worker_deployment_name(scg)), format!("{}-", objects::recovery_cronjob_name(scg))];
+    let spec = &scg.spec;
+    let min_idle = Duration::from_millis(u64::try_from(spec.recovery.min_idle_time_ms).unwrap_or(0));
+    let batch = usize::try_from(spec.recovery.batch_size).unwrap_or(100);
+    for dead in reaper::dead_consumers(&snapshot.consumers, &live, &prefixes) {
+        let result = if dead.pending > 0 {
+            streamfleet_streams::consumers::release_pending(
+                conn,
+                &spec.stream,
+                &spec.group,
+                &dead.name,
+                min_idle,
+                batch,
+            )
+            .await
+            .map(|n| {
+                (n > 0).then(|| {
+                    (
+                        "DeadConsumerReleased",
+                        format!("released {n} pending entries of {} (pod gone) for claiming", dead.name),
+                    )
+                })
+            })
+        } else {
+            streamfleet_streams::consumers::delete_if_empty(conn, &spec.stream, &spec.group, &dead.name).await.map(
+                |deleted| {
+                    deleted.then(|| {
+                        ("DeadConsumerDeleted", format!("deleted consumer {} (pod gone, owned nothing)", dead.name))
+                    })
+                },
+            )
+        };
+        match result {
+            Ok(Some((reason, note))) => {
+                tracing::info!(resource = %key(scg), consumer = %dead.name, "{note}");
+                ctx.publish(&scg.object_ref(&()), EventType::Normal, reason, "Reap", note).await;
+            }
+            Ok(None) => {}
+            Err(e) => tracing::warn!(resource = %key(scg), consumer = %dead.name, error = %e, "reaping"),
+        }
+    }
 }
 
 /// Reads the Redis URL (and CA) the spec references.
 async fn resolve_endpoint(client: &Client, scg: &StreamConsumerGroup) -> Result<Endpoint, Error> {
-    let secrets: Api<Secret> =
-        Api::namespaced(client.clone(), &scg.namespace().unwrap_or_default());
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &scg.namespace().unwrap_or_default());
     let read = |r: &streamfleet_crd::SecretKeyRef| {
         let (secrets, r) = (secrets.clone(), r.clone());
         async move {
-            let secret = secrets
-                .get_opt(&r.name)
-                .await?
-                .ok_or_else(|| Error::SecretNotFound {
-                    name: r.name.clone(),
-                })?;
+            let secret =
+                secrets.get_opt(&r.name).await?.ok_or_else(|| Error::SecretNotFound { name: r.name.clone() })?;
             secret
                 .data
                 .and_then(|mut d| d.remove(&r.key))
                 .map(|v| v.0)
-                .ok_or(Error::SecretKeyNotFound {
-                    name: r.name,
-                    key: r.key,
-                })
+                .ok_or(Error::SecretKeyNotFound { name: r.name, key: r.key })
         }
     };
     let redis = &scg.spec.redis;
@@ -302,113 +391,79 @@ async fn resolve_endpoint(client: &Client, scg: &StreamConsumerGroup) -> Result<
         RedisMode::Standalone => Mode::Standalone,
         RedisMode::Cluster => Mode::Cluster,
     };
-    Ok(Endpoint {
-        url: url.trim().to_string(),
-        mode,
-        ca_pem,
-    })
+    Ok(Endpoint { url: url.trim().to_string(), mode, ca_pem })
 }
 
-fn success_status(
-    scg: &StreamConsumerGroup,
-    applied: &Applied,
-    now: &Time,
-) -> StreamConsumerGroupStatus {
+fn success_status(scg: &StreamConsumerGroup, applied: &Applied, now: &Time) -> StreamConsumerGroupStatus {
     let mut status = scg.status.clone().unwrap_or_default();
     let generation = scg.metadata.generation;
     status.observed_generation = generation;
-    let group_msg = format!(
-        "group {:?} exists on stream {:?}",
-        scg.spec.group, scg.spec.stream
-    );
-    conditions::set(
-        &mut status.conditions,
-        conditions::GROUP_READY,
-        true,
-        "GroupExists",
-        &group_msg,
-        generation,
-        now,
-    );
+    let group_msg = format!("group {:?} exists on stream {:?}", scg.spec.group, scg.spec.stream);
+    conditions::set(&mut status.conditions, conditions::GROUP_READY, true, "GroupExists", &group_msg, generation, now);
     let workers_ok = applied.desired_replicas == 0 || applied.available_replicas > 0;
     let (reason, msg) = if workers_ok {
         (
             "WorkersAvailable",
-            format!(
-                "{} of {} workers available",
-                applied.available_replicas, applied.desired_replicas
-            ),
+            format!("{} of {} workers available", applied.available_replicas, applied.desired_replicas),
         )
     } else {
-        (
-            "NoWorkerAvailable",
-            format!("0 of {} workers available", applied.desired_replicas),
-        )
+        ("NoWorkerAvailable", format!("0 of {} workers available", applied.desired_replicas))
+    };
+    conditions::set(&mut status.conditions, conditions::WORKERS_AVAILABLE, workers_ok, reason, &msg, generation, now);
+    let (reason, msg) =
+        if workers_ok { ("Reconciled", "group ready and workers available".to_string()) } else { (reason, msg) };
+    conditions::set(&mut status.conditions, conditions::READY, workers_ok, reason, &msg, generation, now);
+    let degraded = applied.health != Health::Healthy;
+    let degraded_reason = match (applied.health, applied.snapshot.as_ref().map(|s| s.lag)) {
+        (Health::Unknown, Some(Lag::Unknown)) => "LagUnknown".to_string(),
+        (Health::Unknown, _) => "GroupNotInspected".to_string(),
+        (h, _) => format!("{h:?}"),
     };
     conditions::set(
         &mut status.conditions,
-        conditions::WORKERS_AVAILABLE,
-        workers_ok,
-        reason,
-        &msg,
+        conditions::DEGRADED,
+        degraded,
+        &degraded_reason,
+        &applied.health_message,
         generation,
         now,
     );
-    let (reason, msg) = if workers_ok {
-        (
-            "Reconciled",
-            "group ready and workers available".to_string(),
-        )
-    } else {
-        (reason, msg)
-    };
-    conditions::set(
-        &mut status.conditions,
-        conditions::READY,
-        workers_ok,
-        reason,
-        &msg,
-        generation,
-        now,
-    );
+    status.health = Some(applied.health);
     status.replicas = Some(ReplicaStatus {
         desired: applied.desired_replicas,
         current: applied.available_replicas,
-        summary: format!(
-            "{}/{}",
-            applied.available_replicas, applied.desired_replicas
-        ),
+        summary: format!("{}/{}", applied.available_replicas, applied.desired_replicas),
     });
+    if let Some(s) = &applied.snapshot {
+        let int = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        status.lag = s.lag.floor().map(int);
+        status.pending = Some(int(s.pending));
+        let has_pending = s.pending > 0;
+        status.oldest_pending_idle_seconds = s.oldest_pending_idle_ms.filter(|_| has_pending).map(|ms| int(ms / 1000));
+        status.max_delivery_count = s.max_delivery_count.filter(|_| has_pending).map(int);
+        status.stream_length = Some(int(s.stream_length));
+        status.dead_letter_length = Some(int(s.dead_letter_length));
+        status.consumers = Some(int(u64::try_from(s.consumers.len()).unwrap_or(u64::MAX)));
+        let mut owning: Vec<ConsumerPending> = s
+            .consumers
+            .iter()
+            .filter(|c| c.pending > 0)
+            .map(|c| ConsumerPending { name: c.name.clone(), pending: int(c.pending) })
+            .collect();
+        owning.sort_by(|a, b| b.pending.cmp(&a.pending).then_with(|| a.name.cmp(&b.name)));
+        owning.truncate(10);
+        status.consumer_pending = owning;
+    }
     status
 }
 
-fn failure_status(
-    scg: &StreamConsumerGroup,
-    error: &Error,
-    now: &Time,
-) -> StreamConsumerGroupStatus {
+fn failure_status(scg: &StreamConsumerGroup, error: &Error, now: &Time) -> StreamConsumerGroupStatus {
     let mut status = scg.status.clone().unwrap_or_default();
     let generation = scg.metadata.generation;
     status.observed_generation = generation;
     let message = error.to_string();
-    conditions::set(
-        &mut status.conditions,
-        conditions::GROUP_READY,
-        false,
-        error.reason(),
-        &message,
-        generation,
-        now,
-    );
-    conditions::set(
-        &mut status.conditions,
-        conditions::READY,
-        false,
-        error.reason(),
-        &message,
-        generation,
-        now,
-    );
+    conditions::set(&mut status.conditions, conditions::GROUP_READY, false, error.reason(), &message, generation, now);
+    conditions::set(&mut status.conditions, conditions::READY, false, error.reason(), &message, generation, now);
     status
 }
 
@@ -421,19 +476,13 @@ async fn write_status(
     if scg.status.as_ref() == Some(&status) {
         return Ok(());
     }
-    let api: Api<StreamConsumerGroup> =
-        Api::namespaced(ctx.client.clone(), &scg.namespace().unwrap_or_default());
+    let api: Api<StreamConsumerGroup> = Api::namespaced(ctx.client.clone(), &scg.namespace().unwrap_or_default());
     let patch = json!({
         "apiVersion": "streamfleet.io/v1alpha1",
         "kind": "StreamConsumerGroup",
         "status": status,
     });
-    api.patch_status(
-        &scg.name_any(),
-        &PatchParams::apply(MANAGER_STATUS).force(),
-        &Patch::Apply(&patch),
-    )
-    .await?;
+    api.patch_status(&scg.name_any(), &PatchParams::apply(MANAGER_STATUS).force(), &Patch::Apply(&patch)).await?;
     Ok(())
 }
 
@@ -444,34 +493,18 @@ async fn sync_finalizer(scg: &StreamConsumerGroup, ctx: &Context) -> Result<(), 
     if want == has {
         return Ok(());
     }
-    let mut finalizers: Vec<String> = scg
-        .finalizers()
-        .iter()
-        .filter(|f| *f != FINALIZER)
-        .cloned()
-        .collect();
+    let mut finalizers: Vec<String> = scg.finalizers().iter().filter(|f| *f != FINALIZER).cloned().collect();
     if want {
         finalizers.push(FINALIZER.into());
     }
     set_finalizers(scg, ctx, finalizers).await
 }
 
-async fn set_finalizers(
-    scg: &StreamConsumerGroup,
-    ctx: &Context,
-    finalizers: Vec<String>,
-) -> Result<(), Error> {
-    let api: Api<StreamConsumerGroup> =
-        Api::namespaced(ctx.client.clone(), &scg.namespace().unwrap_or_default());
+async fn set_finalizers(scg: &StreamConsumerGroup, ctx: &Context, finalizers: Vec<String>) -> Result<(), Error> {
+    let api: Api<StreamConsumerGroup> = Api::namespaced(ctx.client.clone(), &scg.namespace().unwrap_or_default());
     // The resourceVersion makes this a compare-and-swap against concurrent edits.
-    let patch =
-        json!({"metadata": {"finalizers": finalizers, "resourceVersion": scg.resource_version()}});
-    api.patch(
-        &scg.name_any(),
-        &PatchParams::default(),
-        &Patch::Merge(&patch),
-    )
-    .await?;
+    let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": scg.resource_version()}});
+    api.patch(&scg.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?;
     Ok(())
 }
 
@@ -485,10 +518,7 @@ async fn cleanup(scg: &StreamConsumerGroup, ctx: &Context) -> Result<Action, Err
         let destroyed = async {
             let endpoint = resolve_endpoint(&ctx.client, scg).await?;
             let mut conn = ctx.connections.get(&endpoint).await?;
-            Ok::<_, Error>(
-                streamfleet_streams::destroy_group(&mut conn, &scg.spec.stream, &scg.spec.group)
-                    .await?,
-            )
+            Ok::<_, Error>(streamfleet_streams::destroy_group(&mut conn, &scg.spec.stream, &scg.spec.group).await?)
         }
         .await;
         match destroyed {
@@ -496,24 +526,12 @@ async fn cleanup(scg: &StreamConsumerGroup, ctx: &Context) -> Result<Action, Err
                 tracing::info!(resource = %key(scg), existed, "consumer group destroyed");
             }
             Err(e) => {
-                ctx.publish(
-                    &scg.object_ref(&()),
-                    EventType::Warning,
-                    e.reason(),
-                    "DestroyGroup",
-                    e.to_string(),
-                )
-                .await;
+                ctx.publish(&scg.object_ref(&()), EventType::Warning, e.reason(), "DestroyGroup", e.to_string()).await;
                 return Err(e);
             }
         }
     }
-    let finalizers = scg
-        .finalizers()
-        .iter()
-        .filter(|f| *f != FINALIZER)
-        .cloned()
-        .collect();
+    let finalizers = scg.finalizers().iter().filter(|f| *f != FINALIZER).cloned().collect();
     set_finalizers(scg, ctx, finalizers).await?;
     Ok(Action::await_change())
 }
@@ -532,31 +550,27 @@ mod tests {
         .unwrap()
     }
 
+    fn applied(desired: i32, available: i32) -> Applied {
+        Applied {
+            desired_replicas: desired,
+            available_replicas: available,
+            snapshot: None,
+            health: Health::Unknown,
+            health_message: "not inspected".into(),
+        }
+    }
+
     fn at(s: i64) -> Time {
         Time(k8s_openapi::jiff::Timestamp::from_second(s).unwrap())
     }
 
     #[test]
     fn success_is_ready_only_with_an_available_worker() {
-        let s = success_status(
-            &scg(),
-            &Applied {
-                desired_replicas: 2,
-                available_replicas: 0,
-            },
-            &at(1),
-        );
+        let s = success_status(&scg(), &applied(2, 0), &at(1));
         assert_eq!(s.observed_generation, Some(4));
         assert!(conditions::is_true(&s.conditions, conditions::GROUP_READY));
         assert!(!conditions::is_true(&s.conditions, conditions::READY));
-        let s = success_status(
-            &scg(),
-            &Applied {
-                desired_replicas: 2,
-                available_replicas: 1,
-            },
-            &at(1),
-        );
+        let s = success_status(&scg(), &applied(2, 1), &at(1));
         assert!(conditions::is_true(&s.conditions, conditions::READY));
         assert_eq!(s.replicas.unwrap().summary, "1/2");
     }
@@ -566,15 +580,8 @@ mod tests {
         let mut obj = scg();
         let e = Error::SecretNotFound { name: "r".into() };
         let first = failure_status(&obj, &e, &at(1));
-        let ready = first
-            .conditions
-            .iter()
-            .find(|c| c.type_ == conditions::READY)
-            .unwrap();
-        assert_eq!(
-            (ready.status.as_str(), ready.reason.as_str()),
-            ("False", "SecretNotFound")
-        );
+        let ready = first.conditions.iter().find(|c| c.type_ == conditions::READY).unwrap();
+        assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", "SecretNotFound"));
         obj.status = Some(first.clone());
         // Same failure later: identical status, so nothing is written.
         assert_eq!(failure_status(&obj, &e, &at(99)), first);

@@ -1,53 +1,178 @@
-//! `/healthz` (process alive) and `/readyz` (leading and reconciling, or a
-//! ready standby) over plain HTTP for the kubelet's probes.
+//! Health classification: a pure function of this poll's snapshot and a
+//! short history of earlier ones. First match wins:
+//!
+//! | health | when |
+//! |---|---|
+//! | `Unknown` | the group could not be inspected, or its lag is unknown |
+//! | `PayloadLost` | a recovery found pending entries whose payload was gone (in the last hour) |
+//! | `Stalled` | work is waiting and nothing moves: the oldest pending entry has been idle for over twice min-idle-time, or lag > 0 and the group's read counter has not moved for the whole history (≥ 3 polls, ≥ 30 s) |
+//! | `PoisonForming` | a pending entry has been delivered at least max(2, maxDeliveries − 1) times |
+//! | `Backlogged` | lag + pending exceed what the running replicas are meant to carry |
+//! | `Healthy` | otherwise |
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::net::TcpListener;
+use std::collections::VecDeque;
+use std::time::Duration;
+use streamfleet_crd::Health;
+use streamfleet_streams::health::{GroupSnapshot, Lag};
 
-#[derive(Clone, Default)]
-pub struct Health {
-    ready: Arc<AtomicBool>,
+/// How much history the classification keeps.
+const HISTORY: usize = 6;
+const STALL_MIN_SPAN: Duration = Duration::from_secs(30);
+
+/// What one poll saw about progress.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Progress {
+    pub at: Duration,
+    pub entries_read: Option<u64>,
+    pub last_delivered_id: String,
 }
 
-impl Health {
-    pub fn set_ready(&self, ready: bool) {
-        self.ready.store(ready, Ordering::Relaxed);
+#[derive(Clone, Debug, Default)]
+pub struct HealthMemory {
+    history: VecDeque<Progress>,
+}
+
+impl HealthMemory {
+    pub fn record(&mut self, snapshot: &GroupSnapshot, now: Duration) {
+        self.history.push_back(Progress {
+            at: now,
+            entries_read: snapshot.entries_read,
+            last_delivered_id: snapshot.last_delivered_id.clone(),
+        });
+        while self.history.len() > HISTORY {
+            self.history.pop_front();
+        }
     }
 
-    /// Serves the probes on `listener` forever.
-    pub async fn serve(self, listener: TcpListener) {
-        loop {
-            let Ok((mut stream, _)) = listener.accept().await else {
-                continue;
-            };
-            let ready = self.ready.load(Ordering::Relaxed);
-            tokio::spawn(async move {
-                let mut buf = [0u8; 1024];
-                let n = match tokio::time::timeout(
-                    std::time::Duration::from_secs(5),
-                    stream.read(&mut buf),
-                )
-                .await
-                {
-                    Ok(Ok(n)) => n,
-                    _ => return,
-                };
-                let request = String::from_utf8_lossy(&buf[..n]);
-                let path = request.split_whitespace().nth(1).unwrap_or("/");
-                let (code, body) = match path {
-                    "/healthz" => ("200 OK", "ok"),
-                    "/readyz" if ready => ("200 OK", "ok"),
-                    "/readyz" => ("503 Service Unavailable", "not ready"),
-                    _ => ("404 Not Found", "not found"),
-                };
-                let response = format!(
-                    "HTTP/1.1 {code}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = stream.write_all(response.as_bytes()).await;
-            });
+    /// True when the history spans long enough and nothing was read in it.
+    fn reading_stopped(&self) -> bool {
+        let (Some(first), Some(last)) = (self.history.front(), self.history.back()) else { return false };
+        self.history.len() >= 3
+            && last.at.saturating_sub(first.at) >= STALL_MIN_SPAN
+            && self
+                .history
+                .iter()
+                .all(|p| p.last_delivered_id == first.last_delivered_id && p.entries_read == first.entries_read)
+    }
+}
+
+pub struct Inputs<'a> {
+    pub snapshot: Option<&'a GroupSnapshot>,
+    pub memory: &'a HealthMemory,
+    pub min_idle: Duration,
+    pub max_deliveries: u64,
+    pub target_per_replica: u64,
+    pub replicas: i32,
+    pub payload_lost_recently: bool,
+}
+
+/// The classification and a sentence saying why.
+pub fn classify(i: &Inputs<'_>) -> (Health, String) {
+    let Some(s) = i.snapshot else {
+        return (Health::Unknown, "the group could not be inspected".into());
+    };
+    let Some(lag) = s.lag.floor().filter(|_| s.lag != Lag::Unknown) else {
+        return (Health::Unknown, "lag unknown: Redis reports none and it could not be counted".into());
+    };
+    if i.payload_lost_recently {
+        return (Health::PayloadLost, "recovery found pending entries whose payload was trimmed or deleted".into());
+    }
+    let work = lag + s.pending;
+    let stuck_ms = u64::try_from(i.min_idle.as_millis()).unwrap_or(u64::MAX).saturating_mul(2);
+    if let Some(idle) = s.oldest_pending_idle_ms.filter(|idle| *idle > stuck_ms) {
+        return (Health::Stalled, format!("the oldest pending entry has been idle {}s", idle / 1000));
+    }
+    if lag > 0 && i.memory.reading_stopped() {
+        return (Health::Stalled, format!("lag {lag} and nothing read for the last polls"));
+    }
+    let poison_at = i.max_deliveries.saturating_sub(1).max(2);
+    if let Some(count) = s.max_delivery_count.filter(|c| *c >= poison_at) {
+        return (
+            Health::PoisonForming,
+            format!("an entry was delivered {count} times (dead-lettered after {})", i.max_deliveries),
+        );
+    }
+    let capacity = i.target_per_replica.saturating_mul(u64::try_from(i.replicas.max(0)).unwrap_or(0));
+    if work > capacity {
+        return (
+            Health::Backlogged,
+            format!("lag + pending = {work} above what {} replicas carry ({capacity})", i.replicas),
+        );
+    }
+    (Health::Healthy, format!("lag {lag}, pending {}", s.pending))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snap(lag: Lag, pending: u64) -> GroupSnapshot {
+        GroupSnapshot {
+            lag,
+            pending,
+            entries_read: Some(10),
+            last_delivered_id: "10-0".into(),
+            oldest_pending_idle_ms: (pending > 0).then_some(1_000),
+            max_delivery_count: (pending > 0).then_some(1),
+            consumers: vec![],
+            stream_length: 100,
+            dead_letter_length: 0,
+            commands: 5,
         }
+    }
+
+    fn classify_one(s: Option<&GroupSnapshot>, memory: &HealthMemory, lost: bool) -> Health {
+        classify(&Inputs {
+            snapshot: s,
+            memory,
+            min_idle: Duration::from_secs(10),
+            max_deliveries: 5,
+            target_per_replica: 100,
+            replicas: 2,
+            payload_lost_recently: lost,
+        })
+        .0
+    }
+
+    #[test]
+    fn table() {
+        let m = HealthMemory::default();
+        assert_eq!(classify_one(None, &m, false), Health::Unknown);
+        assert_eq!(classify_one(Some(&snap(Lag::Unknown, 0)), &m, false), Health::Unknown);
+        assert_eq!(classify_one(Some(&snap(Lag::Known(0), 0)), &m, true), Health::PayloadLost);
+        assert_eq!(classify_one(Some(&snap(Lag::Known(50), 10)), &m, false), Health::Healthy);
+        assert_eq!(classify_one(Some(&snap(Lag::Known(250), 0)), &m, false), Health::Backlogged);
+        assert_eq!(classify_one(Some(&snap(Lag::AtLeast(1000), 0)), &m, false), Health::Backlogged);
+        let mut stuck = snap(Lag::Known(0), 1);
+        stuck.oldest_pending_idle_ms = Some(25_000);
+        assert_eq!(classify_one(Some(&stuck), &m, false), Health::Stalled);
+        let mut poison = snap(Lag::Known(0), 1);
+        poison.max_delivery_count = Some(4);
+        assert_eq!(classify_one(Some(&poison), &m, false), Health::PoisonForming);
+        poison.max_delivery_count = Some(3);
+        assert_eq!(classify_one(Some(&poison), &m, false), Health::Healthy);
+    }
+
+    #[test]
+    fn no_reads_across_the_history_with_lag_is_stalled() {
+        let s = snap(Lag::Known(5), 0);
+        let mut m = HealthMemory::default();
+        for t in [0, 10, 20] {
+            m.record(&s, Duration::from_secs(t));
+        }
+        assert_eq!(classify_one(Some(&s), &m, false), Health::Healthy, "20s is too short to call");
+        m.record(&s, Duration::from_secs(30));
+        assert_eq!(classify_one(Some(&s), &m, false), Health::Stalled);
+        let mut moved = s.clone();
+        moved.last_delivered_id = "11-0".into();
+        moved.entries_read = Some(11);
+        m.record(&moved, Duration::from_secs(40));
+        assert_eq!(classify_one(Some(&moved), &m, false), Health::Healthy);
+        let idle = snap(Lag::Known(0), 0);
+        let mut m = HealthMemory::default();
+        for t in [0, 20, 40, 60] {
+            m.record(&idle, Duration::from_secs(t));
+        }
+        assert_eq!(classify_one(Some(&idle), &m, false), Health::Healthy, "idle is not stalled");
     }
 }

@@ -20,19 +20,8 @@ pub struct LeaseLock {
 }
 
 impl LeaseLock {
-    pub fn new(
-        client: Client,
-        namespace: &str,
-        name: &str,
-        identity: &str,
-        duration: Duration,
-    ) -> Self {
-        Self {
-            api: Api::namespaced(client, namespace),
-            name: name.into(),
-            identity: identity.into(),
-            duration,
-        }
+    pub fn new(client: Client, namespace: &str, name: &str, identity: &str, duration: Duration) -> Self {
+        Self { api: Api::namespaced(client, namespace), name: name.into(), identity: identity.into(), duration }
     }
 
     /// Waits until this identity holds the lease.
@@ -74,10 +63,7 @@ impl LeaseLock {
             if spec.holder_identity.as_deref() == Some(&self.identity) {
                 spec.holder_identity = None;
                 spec.renew_time = None;
-                let _ = self
-                    .api
-                    .replace(&self.name, &PostParams::default(), &lease)
-                    .await;
+                let _ = self.api.replace(&self.name, &PostParams::default(), &lease).await;
             }
         }
     }
@@ -88,10 +74,7 @@ impl LeaseLock {
         let seconds = i32::try_from(self.duration.as_secs()).unwrap_or(15);
         let Some(mut lease) = self.api.get_opt(&self.name).await? else {
             let lease = Lease {
-                metadata: ObjectMeta {
-                    name: Some(self.name.clone()),
-                    ..ObjectMeta::default()
-                },
+                metadata: ObjectMeta { name: Some(self.name.clone()), ..ObjectMeta::default() },
                 spec: Some(LeaseSpec {
                     holder_identity: Some(self.identity.clone()),
                     lease_duration_seconds: Some(seconds),
@@ -112,13 +95,8 @@ impl LeaseLock {
         let expired = match (&spec.holder_identity, &spec.renew_time) {
             (None, _) | (_, None) => true,
             (Some(_), Some(MicroTime(renewed))) => {
-                let held_for = SignedDuration::from_secs(i64::from(
-                    spec.lease_duration_seconds.unwrap_or(seconds),
-                ));
-                renewed
-                    .checked_add(held_for)
-                    .map(|t| t < now)
-                    .unwrap_or(true)
+                let held_for = SignedDuration::from_secs(i64::from(spec.lease_duration_seconds.unwrap_or(seconds)));
+                renewed.checked_add(held_for).map(|t| t < now).unwrap_or(true)
             }
         };
         if !ours && !expired {
@@ -131,11 +109,7 @@ impl LeaseLock {
         }
         spec.renew_time = Some(MicroTime(now));
         spec.lease_duration_seconds = Some(seconds);
-        match self
-            .api
-            .replace(&self.name, &PostParams::default(), &lease)
-            .await
-        {
+        match self.api.replace(&self.name, &PostParams::default(), &lease).await {
             Ok(_) => Ok(true),
             // Someone else wrote first: they hold it, or we retry next round.
             Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),

@@ -7,3 +7,6 @@ pub mod error;
 pub mod health;
 pub mod leader;
 pub mod objects;
+pub mod probes;
+pub mod reaper;
+pub mod scaling;

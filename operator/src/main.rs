@@ -5,27 +5,17 @@
 
 use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand, ValueEnum};
-use std::sync::Arc;
 use std::time::Duration;
-use streamfleet_operator::controller::{self, Context};
-use streamfleet_operator::health::Health;
+use streamfleet_operator::controller;
 use streamfleet_operator::leader::LeaseLock;
 use streamfleet_operator::objects::ObjectSettings;
+use streamfleet_operator::probes::Probes;
 
 #[derive(Parser)]
-#[command(
-    name = "streamfleet",
-    version,
-    about = "Runs job pipelines on Redis Streams consumer groups"
-)]
+#[command(name = "streamfleet", version, about = "Runs job pipelines on Redis Streams consumer groups")]
 struct Cli {
     /// Log format.
-    #[arg(
-        long,
-        env = "STREAMFLEET_LOG_FORMAT",
-        default_value = "json",
-        global = true
-    )]
+    #[arg(long, env = "STREAMFLEET_LOG_FORMAT", default_value = "json", global = true)]
     log_format: LogFormat,
     /// Log filter (tracing EnvFilter syntax), e.g. `info` or `streamfleet_operator=debug`.
     #[arg(long, env = "STREAMFLEET_LOG", default_value = "info", global = true)]
@@ -54,11 +44,7 @@ struct RunArgs {
     #[arg(long, env = "STREAMFLEET_WATCH_NAMESPACE")]
     watch_namespace: Option<String>,
     /// The operator's own image, run by recovery sweeps.
-    #[arg(
-        long,
-        env = "STREAMFLEET_OPERATOR_IMAGE",
-        default_value = "streamfleet/streamfleet:latest"
-    )]
+    #[arg(long, env = "STREAMFLEET_OPERATOR_IMAGE", default_value = "streamfleet/streamfleet:latest")]
     operator_image: String,
     /// Address of /healthz and /readyz.
     #[arg(long, env = "STREAMFLEET_HEALTH_ADDR", default_value = "0.0.0.0:8080")]
@@ -79,10 +65,7 @@ async fn main() -> Result<()> {
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_new(&cli.log).context("--log")?;
     match cli.log_format {
-        LogFormat::Json => tracing_subscriber::fmt()
-            .json()
-            .with_env_filter(filter)
-            .init(),
+        LogFormat::Json => tracing_subscriber::fmt().json().with_env_filter(filter).init(),
         LogFormat::Text => tracing_subscriber::fmt().with_env_filter(filter).init(),
     }
     match cli.command {
@@ -95,18 +78,13 @@ async fn main() -> Result<()> {
 }
 
 async fn run(args: RunArgs) -> Result<()> {
-    let client = kube::Client::try_default()
-        .await
-        .context("connecting to the Kubernetes API")?;
-    let identity = args
-        .identity
-        .clone()
-        .unwrap_or_else(|| format!("streamfleet-{}", std::process::id()));
-    let health = Health::default();
+    let client = kube::Client::try_default().await.context("connecting to the Kubernetes API")?;
+    let identity = args.identity.clone().unwrap_or_else(|| format!("streamfleet-{}", std::process::id()));
+    let probes = Probes::default();
     let listener = tokio::net::TcpListener::bind(&args.health_addr)
         .await
         .with_context(|| format!("binding {}", args.health_addr))?;
-    tokio::spawn(health.clone().serve(listener));
+    tokio::spawn(probes.clone().serve(listener));
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -118,17 +96,11 @@ async fn run(args: RunArgs) -> Result<()> {
     };
 
     let lease = args.leader_election.then(|| {
-        LeaseLock::new(
-            client.clone(),
-            &args.lease_namespace,
-            "streamfleet-leader",
-            &identity,
-            Duration::from_secs(15),
-        )
+        LeaseLock::new(client.clone(), &args.lease_namespace, "streamfleet-leader", &identity, Duration::from_secs(15))
     });
     if let Some(lease) = &lease {
         // A standby is healthy and ready: it serves probes and waits its turn.
-        health.set_ready(true);
+        probes.set_ready(true);
         tracing::info!(%identity, "waiting for leadership");
         tokio::select! {
             () = lease.acquire() => {}
@@ -136,13 +108,16 @@ async fn run(args: RunArgs) -> Result<()> {
         }
         tracing::info!(%identity, "leading");
     }
-    health.set_ready(true);
+    probes.set_ready(true);
 
-    let settings = ObjectSettings {
-        operator_image: args.operator_image.clone(),
-    };
-    let ctx = Arc::new(Context::new(client, settings, Some(identity.clone())));
-    let controller = controller::run(ctx, args.watch_namespace.clone(), stopped(stop_rx.clone()));
+    let settings = ObjectSettings { operator_image: args.operator_image.clone() };
+    let controller = controller::run(
+        client,
+        settings,
+        Some(identity.clone()),
+        args.watch_namespace.clone(),
+        stopped(stop_rx.clone()),
+    );
     match &lease {
         Some(lease) => {
             tokio::select! {

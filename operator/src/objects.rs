@@ -5,8 +5,8 @@ use crate::error::Error;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::batch::v1::{CronJob, CronJobSpec, JobSpec, JobTemplateSpec};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EnvVar, EnvVarSource, ObjectFieldSelector, PodSpec, PodTemplateSpec,
-    SeccompProfile, SecretKeySelector, SecurityContext,
+    Capabilities, Container, EnvVar, EnvVarSource, ObjectFieldSelector, PodSpec, PodTemplateSpec, SeccompProfile,
+    SecretKeySelector, SecurityContext,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use kube::{Resource as _, ResourceExt as _};
@@ -35,22 +35,15 @@ pub fn recovery_cronjob_name(scg: &StreamConsumerGroup) -> String {
 
 fn labels(scg: &StreamConsumerGroup, component: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
-        (
-            "app.kubernetes.io/name".to_string(),
-            "streamfleet".to_string(),
-        ),
-        (
-            "app.kubernetes.io/managed-by".to_string(),
-            "streamfleet".to_string(),
-        ),
+        ("app.kubernetes.io/name".to_string(), "streamfleet".to_string()),
+        ("app.kubernetes.io/managed-by".to_string(), "streamfleet".to_string()),
         (COMPONENT_LABEL.to_string(), component.to_string()),
         (GROUP_LABEL.to_string(), scg.name_any()),
     ])
 }
 
 fn owner(scg: &StreamConsumerGroup) -> Result<OwnerReference, Error> {
-    scg.controller_owner_ref(&())
-        .ok_or_else(|| Error::InvalidSpec("the resource has no uid yet".into()))
+    scg.controller_owner_ref(&()).ok_or_else(|| Error::InvalidSpec("the resource has no uid yet".into()))
 }
 
 /// The dead-letter stream: explicit, or the stream's slot-sharing default.
@@ -65,20 +58,12 @@ pub fn dead_letter_stream(scg: &StreamConsumerGroup) -> String {
 /// The env contract (see `streamfleet_crd::env`) for a worker or recovery container.
 pub fn contract_env(scg: &StreamConsumerGroup, mode: &str) -> Vec<EnvVar> {
     let spec = &scg.spec;
-    let value = |name: &str, v: String| EnvVar {
-        name: name.into(),
-        value: Some(v),
-        value_from: None,
-    };
+    let value = |name: &str, v: String| EnvVar { name: name.into(), value: Some(v), value_from: None };
     let secret = |name: &str, r: &streamfleet_crd::SecretKeyRef| EnvVar {
         name: name.into(),
         value: None,
         value_from: Some(EnvVarSource {
-            secret_key_ref: Some(SecretKeySelector {
-                name: r.name.clone(),
-                key: r.key.clone(),
-                optional: Some(false),
-            }),
+            secret_key_ref: Some(SecretKeySelector { name: r.name.clone(), key: r.key.clone(), optional: Some(false) }),
             ..EnvVarSource::default()
         }),
     };
@@ -98,28 +83,17 @@ pub fn contract_env(scg: &StreamConsumerGroup, mode: &str) -> Vec<EnvVar> {
             name: env::CONSUMER.into(),
             value: None,
             value_from: Some(EnvVarSource {
-                field_ref: Some(ObjectFieldSelector {
-                    field_path: "metadata.name".into(),
-                    api_version: None,
-                }),
+                field_ref: Some(ObjectFieldSelector { field_path: "metadata.name".into(), api_version: None }),
                 ..EnvVarSource::default()
             }),
         },
         value(env::MIN_IDLE_MS, spec.recovery.min_idle_time_ms.to_string()),
-        value(
-            env::MAX_DELIVERIES,
-            spec.recovery.max_deliveries.to_string(),
-        ),
+        value(env::MAX_DELIVERIES, spec.recovery.max_deliveries.to_string()),
         value(env::DEAD_LETTER_STREAM, dead_letter_stream(scg)),
         value(env::BATCH_SIZE, spec.recovery.batch_size.to_string()),
         value(env::MODE, mode.into()),
     ];
-    if let Some(ca) = spec
-        .redis
-        .tls
-        .as_ref()
-        .and_then(|t| t.ca_secret_ref.as_ref())
-    {
+    if let Some(ca) = spec.redis.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
         out.push(secret(env::REDIS_CA_PEM, ca));
     }
     out
@@ -128,33 +102,20 @@ pub fn contract_env(scg: &StreamConsumerGroup, mode: &str) -> Vec<EnvVar> {
 /// The user's pod template with our labels and the env contract injected into
 /// the worker container. The user's own env entries of the same names lose:
 /// the contract must be what the operator says it is.
-fn worker_pod_template(
-    scg: &StreamConsumerGroup,
-    component: &str,
-    mode: &str,
-) -> Result<PodTemplateSpec, Error> {
+fn worker_pod_template(scg: &StreamConsumerGroup, component: &str, mode: &str) -> Result<PodTemplateSpec, Error> {
     let mut template = scg.spec.worker.template.clone();
     let meta = template.metadata.get_or_insert_with(ObjectMeta::default);
-    meta.labels
-        .get_or_insert_with(BTreeMap::new)
-        .extend(labels(scg, component));
-    let pod = template
-        .spec
-        .as_mut()
-        .ok_or_else(|| Error::InvalidSpec("spec.worker.template.spec is required".into()))?;
+    meta.labels.get_or_insert_with(BTreeMap::new).extend(labels(scg, component));
+    let pod =
+        template.spec.as_mut().ok_or_else(|| Error::InvalidSpec("spec.worker.template.spec is required".into()))?;
     let container = match scg.spec.worker.container_name.as_deref() {
-        Some(name) => pod
-            .containers
-            .iter_mut()
-            .find(|c| c.name == name)
-            .ok_or_else(|| {
-                Error::InvalidSpec(format!(
-                    "spec.worker.containerName: no container named {name:?} in the template"
-                ))
-            })?,
-        None => pod.containers.first_mut().ok_or_else(|| {
-            Error::InvalidSpec("spec.worker.template.spec.containers must not be empty".into())
+        Some(name) => pod.containers.iter_mut().find(|c| c.name == name).ok_or_else(|| {
+            Error::InvalidSpec(format!("spec.worker.containerName: no container named {name:?} in the template"))
         })?,
+        None => pod
+            .containers
+            .first_mut()
+            .ok_or_else(|| Error::InvalidSpec("spec.worker.template.spec.containers must not be empty".into()))?,
     };
     let contract = contract_env(scg, mode);
     let env = container.env.get_or_insert_with(Vec::new);
@@ -179,10 +140,7 @@ pub fn worker_deployment(scg: &StreamConsumerGroup, replicas: i32) -> Result<Dep
         },
         spec: Some(DeploymentSpec {
             replicas: Some(replicas),
-            selector: LabelSelector {
-                match_labels: Some(selector),
-                match_expressions: None,
-            },
+            selector: LabelSelector { match_labels: Some(selector), match_expressions: None },
             template: worker_pod_template(scg, "worker", "consume")?,
             ..DeploymentSpec::default()
         }),
@@ -192,10 +150,7 @@ pub fn worker_deployment(scg: &StreamConsumerGroup, replicas: i32) -> Result<Dep
 
 /// The recovery CronJob: the operator image's `sweep` in `Sweep` mode, the
 /// worker template in recovery mode in `Worker` mode.
-pub fn recovery_cronjob(
-    scg: &StreamConsumerGroup,
-    settings: &ObjectSettings,
-) -> Result<CronJob, Error> {
+pub fn recovery_cronjob(scg: &StreamConsumerGroup, settings: &ObjectSettings) -> Result<CronJob, Error> {
     let mut template = match scg.spec.recovery.mode {
         RecoveryMode::Worker => worker_pod_template(scg, "recovery", "recovery")?,
         RecoveryMode::Sweep => sweep_pod_template(scg, settings),
@@ -218,15 +173,8 @@ pub fn recovery_cronjob(
             successful_jobs_history_limit: Some(1),
             failed_jobs_history_limit: Some(1),
             job_template: JobTemplateSpec {
-                metadata: Some(ObjectMeta {
-                    labels: Some(labels(scg, "recovery")),
-                    ..ObjectMeta::default()
-                }),
-                spec: Some(JobSpec {
-                    backoff_limit: Some(2),
-                    template,
-                    ..JobSpec::default()
-                }),
+                metadata: Some(ObjectMeta { labels: Some(labels(scg, "recovery")), ..ObjectMeta::default() }),
+                spec: Some(JobSpec { backoff_limit: Some(2), template, ..JobSpec::default() }),
             },
             ..CronJobSpec::default()
         }),
@@ -236,10 +184,7 @@ pub fn recovery_cronjob(
 
 fn sweep_pod_template(scg: &StreamConsumerGroup, settings: &ObjectSettings) -> PodTemplateSpec {
     PodTemplateSpec {
-        metadata: Some(ObjectMeta {
-            labels: Some(labels(scg, "recovery")),
-            ..ObjectMeta::default()
-        }),
+        metadata: Some(ObjectMeta { labels: Some(labels(scg, "recovery")), ..ObjectMeta::default() }),
         spec: Some(PodSpec {
             // The sweep talks only to Redis: no API credentials.
             automount_service_account_token: Some(false),
@@ -262,14 +207,8 @@ pub fn restricted_security_context() -> SecurityContext {
         allow_privilege_escalation: Some(false),
         read_only_root_filesystem: Some(true),
         run_as_non_root: Some(true),
-        capabilities: Some(Capabilities {
-            drop: Some(vec!["ALL".into()]),
-            add: None,
-        }),
-        seccomp_profile: Some(SeccompProfile {
-            type_: "RuntimeDefault".into(),
-            localhost_profile: None,
-        }),
+        capabilities: Some(Capabilities { drop: Some(vec!["ALL".into()]), add: None }),
+        seccomp_profile: Some(SeccompProfile { type_: "RuntimeDefault".into(), localhost_profile: None }),
         ..SecurityContext::default()
     }
 }
@@ -301,18 +240,12 @@ mod tests {
     }
 
     fn env_of(c: &Container) -> BTreeMap<String, EnvVar> {
-        c.env
-            .iter()
-            .flatten()
-            .map(|e| (e.name.clone(), e.clone()))
-            .collect()
+        c.env.iter().flatten().map(|e| (e.name.clone(), e.clone())).collect()
     }
 
     #[test]
     fn deployment_injects_contract_into_the_named_container_and_keeps_user_fields() {
-        let s = scg(
-            json!({"worker": {"containerName": "app", "template": scg(json!({})).spec.worker.template}}),
-        );
+        let s = scg(json!({"worker": {"containerName": "app", "template": scg(json!({})).spec.worker.template}}));
         let d = worker_deployment(&s, 3).unwrap();
         assert_eq!(d.metadata.name.as_deref(), Some("orders-worker"));
         let owner = &d.metadata.owner_references.as_ref().unwrap()[0];
@@ -332,36 +265,14 @@ mod tests {
         assert!(pod.containers[0].env.is_none(), "the sidecar is untouched");
         let env = env_of(&pod.containers[1]);
         assert_eq!(env["OWN"].value.as_deref(), Some("1"));
-        assert_eq!(
-            env[env::GROUP].value.as_deref(),
-            Some("billing"),
-            "the contract wins over the user's value"
-        );
+        assert_eq!(env[env::GROUP].value.as_deref(), Some("billing"), "the contract wins over the user's value");
         assert_eq!(env[env::STREAMS].value.as_deref(), Some("orders"));
-        assert_eq!(
-            env[env::DEAD_LETTER_STREAM].value.as_deref(),
-            Some("orders:dead")
-        );
+        assert_eq!(env[env::DEAD_LETTER_STREAM].value.as_deref(), Some("{orders}:dead"));
         assert_eq!(env[env::MODE].value.as_deref(), Some("consume"));
-        let url = env[env::REDIS_URL]
-            .value_from
-            .as_ref()
-            .unwrap()
-            .secret_key_ref
-            .as_ref()
-            .unwrap();
+        let url = env[env::REDIS_URL].value_from.as_ref().unwrap().secret_key_ref.as_ref().unwrap();
         assert_eq!((url.name.as_str(), url.key.as_str()), ("redis", "url"));
-        assert!(
-            env[env::REDIS_URL].value.is_none(),
-            "the URL is only referenced, never copied"
-        );
-        let consumer = env[env::CONSUMER]
-            .value_from
-            .as_ref()
-            .unwrap()
-            .field_ref
-            .as_ref()
-            .unwrap();
+        assert!(env[env::REDIS_URL].value.is_none(), "the URL is only referenced, never copied");
+        let consumer = env[env::CONSUMER].value_from.as_ref().unwrap().field_ref.as_ref().unwrap();
         assert_eq!(consumer.field_path, "metadata.name");
         assert!(!env.contains_key(env::REDIS_CA_PEM));
     }
@@ -371,9 +282,7 @@ mod tests {
         let d = worker_deployment(&scg(json!({})), 1).unwrap();
         let pod = d.spec.unwrap().template.spec.unwrap();
         assert!(env_of(&pod.containers[0]).contains_key(env::GROUP));
-        let bad = scg(
-            json!({"worker": {"containerName": "nope", "template": scg(json!({})).spec.worker.template}}),
-        );
+        let bad = scg(json!({"worker": {"containerName": "nope", "template": scg(json!({})).spec.worker.template}}));
         let err = worker_deployment(&bad, 1).unwrap_err().to_string();
         assert!(err.contains("spec.worker.containerName"), "{err}");
     }
@@ -383,25 +292,14 @@ mod tests {
         let s = scg(
             json!({"redis": {"urlSecretRef": {"name": "redis", "key": "url"}, "tls": {"caSecretRef": {"name": "ca", "key": "ca.crt"}}}}),
         );
-        let env: BTreeMap<_, _> = contract_env(&s, "consume")
-            .into_iter()
-            .map(|e| (e.name.clone(), e))
-            .collect();
-        let ca = env[env::REDIS_CA_PEM]
-            .value_from
-            .as_ref()
-            .unwrap()
-            .secret_key_ref
-            .as_ref()
-            .unwrap();
+        let env: BTreeMap<_, _> = contract_env(&s, "consume").into_iter().map(|e| (e.name.clone(), e)).collect();
+        let ca = env[env::REDIS_CA_PEM].value_from.as_ref().unwrap().secret_key_ref.as_ref().unwrap();
         assert_eq!((ca.name.as_str(), ca.key.as_str()), ("ca", "ca.crt"));
     }
 
     #[test]
     fn sweep_cronjob_runs_the_operator_image_without_api_credentials() {
-        let settings = ObjectSettings {
-            operator_image: "streamfleet/streamfleet:1".into(),
-        };
+        let settings = ObjectSettings { operator_image: "streamfleet/streamfleet:1".into() };
         let s = scg(json!({"recovery": {"schedule": "*/2 * * * *"}}));
         let cj = recovery_cronjob(&s, &settings).unwrap();
         let spec = cj.spec.unwrap();
@@ -414,35 +312,15 @@ mod tests {
         assert_eq!(c.image.as_deref(), Some("streamfleet/streamfleet:1"));
         assert_eq!(c.args.as_deref(), Some(&["sweep".to_string()][..]));
         assert_eq!(env_of(c)[env::MODE].value.as_deref(), Some("recovery"));
-        assert_eq!(
-            c.security_context
-                .as_ref()
-                .unwrap()
-                .read_only_root_filesystem,
-            Some(true)
-        );
+        assert_eq!(c.security_context.as_ref().unwrap().read_only_root_filesystem, Some(true));
     }
 
     #[test]
     fn worker_mode_recovery_runs_the_worker_template_in_recovery_mode() {
-        let settings = ObjectSettings {
-            operator_image: "op".into(),
-        };
-        let cj =
-            recovery_cronjob(&scg(json!({"recovery": {"mode": "Worker"}})), &settings).unwrap();
-        let pod = cj
-            .spec
-            .unwrap()
-            .job_template
-            .spec
-            .unwrap()
-            .template
-            .spec
-            .unwrap();
+        let settings = ObjectSettings { operator_image: "op".into() };
+        let cj = recovery_cronjob(&scg(json!({"recovery": {"mode": "Worker"}})), &settings).unwrap();
+        let pod = cj.spec.unwrap().job_template.spec.unwrap().template.spec.unwrap();
         assert_eq!(pod.containers[1].image.as_deref(), Some("worker:1"));
-        assert_eq!(
-            env_of(&pod.containers[0])[env::MODE].value.as_deref(),
-            Some("recovery")
-        );
+        assert_eq!(env_of(&pod.containers[0])[env::MODE].value.as_deref(), Some("recovery"));
     }
 }

@@ -52,11 +52,7 @@ pub async fn autoclaim<C: ConnectionLike + Send>(
             fields: fields_from_map(e.map),
         })
         .collect();
-    Ok(Claimed {
-        entries,
-        deleted: reply.deleted_ids,
-        next: reply.next_stream_id,
-    })
+    Ok(Claimed { entries, deleted: reply.deleted_ids, next: reply.next_stream_id })
 }
 
 /// Delivery counts of `ids`: one pipelined round trip of single-entry
@@ -72,20 +68,9 @@ pub async fn delivery_counts<C: ConnectionLike + Send>(
     }
     let mut pipe = redis::pipe();
     for id in ids {
-        pipe.cmd("XPENDING")
-            .arg(stream)
-            .arg(group)
-            .arg(id)
-            .arg(id)
-            .arg(1);
+        pipe.cmd("XPENDING").arg(stream).arg(group).arg(id).arg(id).arg(1);
     }
-    let rows: Vec<Vec<(String, String, u64, u64)>> = pipe
-        .query_async(conn)
-        .await
-        .map_err(|e| StreamError::new("reading delivery counts", e))?;
-    Ok(rows
-        .into_iter()
-        .flatten()
-        .map(|(id, _, _, count)| (id, count))
-        .collect())
+    let rows: Vec<Vec<(String, String, u64, u64)>> =
+        pipe.query_async(conn).await.map_err(|e| StreamError::new("reading delivery counts", e))?;
+    Ok(rows.into_iter().flatten().map(|(id, _, _, count)| (id, count)).collect())
 }

@@ -57,22 +57,13 @@ impl StreamConnection {
     /// A new connection of its own for `XREADGROUP ... BLOCK block`: its
     /// response timeout outlasts the block, and blocking on it never delays
     /// the acks and claims that go over the ordinary connection.
-    pub async fn connect_blocking(
-        endpoint: &Endpoint,
-        block: Duration,
-    ) -> Result<Self, StreamError> {
+    pub async fn connect_blocking(endpoint: &Endpoint, block: Duration) -> Result<Self, StreamError> {
         Self::connect_with(endpoint, block + RESPONSE_TIMEOUT).await
     }
 
-    async fn connect_with(
-        endpoint: &Endpoint,
-        response_timeout: Duration,
-    ) -> Result<Self, StreamError> {
+    async fn connect_with(endpoint: &Endpoint, response_timeout: Duration) -> Result<Self, StreamError> {
         let err = |e| StreamError::new("connecting to Redis", e);
-        let certs = || redis::TlsCertificates {
-            client_tls: None,
-            root_cert: endpoint.ca_pem.clone(),
-        };
+        let certs = || redis::TlsCertificates { client_tls: None, root_cert: endpoint.ca_pem.clone() };
         match endpoint.mode {
             Mode::Standalone => {
                 let client = match endpoint.ca_pem {
@@ -84,21 +75,18 @@ impl StreamConnection {
                     .set_connection_timeout(Some(CONNECT_TIMEOUT))
                     .set_response_timeout(Some(response_timeout))
                     .set_number_of_retries(2);
-                let manager = tokio::time::timeout(
-                    CONNECT_TIMEOUT * 3,
-                    ConnectionManager::new_with_config(client, config),
-                )
-                .await
-                .map_err(|_| err(timeout_error()))?
-                .map_err(err)?;
+                let manager =
+                    tokio::time::timeout(CONNECT_TIMEOUT * 3, ConnectionManager::new_with_config(client, config))
+                        .await
+                        .map_err(|_| err(timeout_error()))?
+                        .map_err(err)?;
                 Ok(Self::Standalone(manager))
             }
             Mode::Cluster => {
-                let mut builder =
-                    redis::cluster::ClusterClientBuilder::new(vec![endpoint.url.as_str()])
-                        .connection_timeout(CONNECT_TIMEOUT)
-                        .response_timeout(response_timeout)
-                        .retries(2);
+                let mut builder = redis::cluster::ClusterClientBuilder::new(vec![endpoint.url.as_str()])
+                    .connection_timeout(CONNECT_TIMEOUT)
+                    .response_timeout(response_timeout)
+                    .retries(2);
                 if endpoint.ca_pem.is_some() {
                     builder = builder.certs(certs());
                 }
@@ -114,10 +102,7 @@ impl StreamConnection {
 }
 
 fn timeout_error() -> redis::RedisError {
-    redis::RedisError::from(std::io::Error::new(
-        std::io::ErrorKind::TimedOut,
-        "connection timed out",
-    ))
+    redis::RedisError::from(std::io::Error::new(std::io::ErrorKind::TimedOut, "connection timed out"))
 }
 
 impl ConnectionLike for StreamConnection {

@@ -62,10 +62,7 @@ pub async fn dead_letter<C: ConnectionLike + Send>(
     entry: &Entry,
     letter: &Letter<'_>,
 ) -> Result<String, StreamError> {
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis())
-        .unwrap_or(0);
+    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
     let mut xadd = redis::cmd("XADD");
     xadd.arg(dead_letter_stream).arg("*");
     let meta = [
@@ -99,10 +96,7 @@ pub async fn dead_letter<C: ConnectionLike + Send>(
         .arg(keys::last_error_key(&entry.stream, letter.group))
         .arg(&entry.id)
         .ignore();
-    let (id,): (String,) = pipe
-        .query_async(conn)
-        .await
-        .map_err(|e| StreamError::new("dead-lettering an entry", e))?;
+    let (id,): (String,) = pipe.query_async(conn).await.map_err(|e| StreamError::new("dead-lettering an entry", e))?;
     Ok(id)
 }
 

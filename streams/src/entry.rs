@@ -14,10 +14,7 @@ pub struct Entry {
 
 impl Entry {
     pub fn field(&self, name: &str) -> Option<&[u8]> {
-        self.fields
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_slice())
+        self.fields.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_slice())
     }
 
     /// A field as UTF-8 text, if it is present and valid.

@@ -45,11 +45,7 @@ impl fmt::Display for StreamError {
 
 impl StreamError {
     pub fn new(action: &'static str, source: redis::RedisError) -> Self {
-        Self {
-            class: classify(&source),
-            action,
-            source,
-        }
+        Self { class: classify(&source), action, source }
     }
 }
 
@@ -68,10 +64,7 @@ pub fn classify(e: &redis::RedisError) -> ErrorClass {
         return ErrorClass::Unreachable;
     }
     let text = e.to_string();
-    if text.contains("WRONGPASS")
-        || text.contains("NOAUTH")
-        || text.contains("invalid username-password")
-    {
+    if text.contains("WRONGPASS") || text.contains("NOAUTH") || text.contains("invalid username-password") {
         return ErrorClass::AuthFailed;
     }
     ErrorClass::Server

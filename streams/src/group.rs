@@ -21,14 +21,8 @@ pub async fn ensure_group<C: ConnectionLike + Send>(
     group: &str,
     start_id: &str,
 ) -> Result<GroupCreation, StreamError> {
-    let created: redis::RedisResult<()> = redis::cmd("XGROUP")
-        .arg("CREATE")
-        .arg(stream)
-        .arg(group)
-        .arg(start_id)
-        .arg("MKSTREAM")
-        .query_async(conn)
-        .await;
+    let created: redis::RedisResult<()> =
+        redis::cmd("XGROUP").arg("CREATE").arg(stream).arg(group).arg(start_id).arg("MKSTREAM").query_async(conn).await;
     match created {
         Ok(()) => Ok(GroupCreation::Created),
         Err(e) if e.code() == Some("BUSYGROUP") => Ok(GroupCreation::AlreadyExisted),
@@ -42,12 +36,8 @@ pub async fn destroy_group<C: ConnectionLike + Send>(
     stream: &str,
     group: &str,
 ) -> Result<bool, StreamError> {
-    let destroyed: redis::RedisResult<i64> = redis::cmd("XGROUP")
-        .arg("DESTROY")
-        .arg(stream)
-        .arg(group)
-        .query_async(conn)
-        .await;
+    let destroyed: redis::RedisResult<i64> =
+        redis::cmd("XGROUP").arg("DESTROY").arg(stream).arg(group).query_async(conn).await;
     match destroyed {
         Ok(n) => Ok(n > 0),
         // The stream itself is gone: so is the group.

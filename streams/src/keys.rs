@@ -47,11 +47,7 @@ mod tests {
     #[test]
     fn hash_tags_follow_redis_rules() {
         assert_eq!(hash_tag("{user1000}.following"), Some("user1000"));
-        assert_eq!(
-            hash_tag("foo{}{bar}"),
-            None,
-            "an empty first tag means the whole key"
-        );
+        assert_eq!(hash_tag("foo{}{bar}"), None, "an empty first tag means the whole key");
         assert_eq!(hash_tag("foo{{bar}}zap"), Some("{bar"));
         assert_eq!(hash_tag("orders"), None);
         assert_eq!(hash_tag("a{b"), None);

@@ -3,10 +3,12 @@
 
 pub mod claim;
 pub mod connection;
+pub mod consumers;
 pub mod deadletter;
 pub mod entry;
 pub mod error;
 pub mod group;
+pub mod health;
 pub mod keys;
 
 pub use connection::{Connections, Endpoint, Mode, StreamConnection};

@@ -5,15 +5,10 @@
 
 use anyhow::Result;
 use redis::AsyncCommands as _;
-use streamfleet_streams::{
-    Connections, Endpoint, ErrorClass, GroupCreation, Mode, destroy_group, ensure_group,
-};
+use streamfleet_streams::{Connections, Endpoint, ErrorClass, GroupCreation, Mode, destroy_group, ensure_group};
 use streamfleet_testbed::{RedisCluster, RedisServer};
 
-async fn last_delivered(
-    conn: &mut streamfleet_streams::StreamConnection,
-    stream: &str,
-) -> Result<String> {
+async fn last_delivered(conn: &mut streamfleet_streams::StreamConnection, stream: &str) -> Result<String> {
     let info: redis::streams::StreamInfoGroupsReply = conn.xinfo_groups(stream).await?;
     Ok(info.groups[0].last_delivered_id.clone())
 }
@@ -22,33 +17,19 @@ async fn last_delivered(
 async fn ensure_group_creates_once_at_the_start_id_and_keeps_position() -> Result<()> {
     let server = RedisServer::start().await?;
     let pool = Connections::default();
-    let endpoint = Endpoint {
-        url: server.url(),
-        mode: Mode::Standalone,
-        ca_pem: None,
-    };
+    let endpoint = Endpoint { url: server.url(), mode: Mode::Standalone, ca_pem: None };
     let mut conn = pool.get(&endpoint).await?;
     let _: String = conn.xadd("orders", "5-1", &[("k", "v")]).await?;
 
-    assert_eq!(
-        ensure_group(&mut conn, "orders", "billing", "0").await?,
-        GroupCreation::Created
-    );
+    assert_eq!(ensure_group(&mut conn, "orders", "billing", "0").await?, GroupCreation::Created);
     assert_eq!(last_delivered(&mut conn, "orders").await?, "0-0");
     // A second call with another start ID is success and moves nothing.
-    assert_eq!(
-        ensure_group(&mut conn, "orders", "billing", "$").await?,
-        GroupCreation::AlreadyExisted
-    );
+    assert_eq!(ensure_group(&mut conn, "orders", "billing", "$").await?, GroupCreation::AlreadyExisted);
     assert_eq!(last_delivered(&mut conn, "orders").await?, "0-0");
     // `$` starts after the last entry.
     ensure_group(&mut conn, "orders", "audit", "$").await?;
     let info: redis::streams::StreamInfoGroupsReply = conn.xinfo_groups("orders").await?;
-    let audit = info
-        .groups
-        .iter()
-        .find(|g| g.name == "audit")
-        .map(|g| g.last_delivered_id.clone());
+    let audit = info.groups.iter().find(|g| g.name == "audit").map(|g| g.last_delivered_id.clone());
     assert_eq!(audit.as_deref(), Some("5-1"));
     // MKSTREAM: a group on a missing stream creates the stream.
     ensure_group(&mut conn, "fresh", "g", "$").await?;
@@ -66,30 +47,15 @@ async fn ensure_group_creates_once_at_the_start_id_and_keeps_position() -> Resul
 #[tokio::test]
 async fn unreachable_and_unauthorised_redis_are_classified() -> Result<()> {
     let port = streamfleet_testbed::process::free_port()?;
-    let endpoint = Endpoint {
-        url: format!("redis://127.0.0.1:{port}/"),
-        mode: Mode::Standalone,
-        ca_pem: None,
-    };
-    let err = Connections::default()
-        .get(&endpoint)
-        .await
-        .err()
-        .expect("nothing listens there");
+    let endpoint = Endpoint { url: format!("redis://127.0.0.1:{port}/"), mode: Mode::Standalone, ca_pem: None };
+    let err = Connections::default().get(&endpoint).await.err().expect("nothing listens there");
     assert_eq!(err.class, ErrorClass::Unreachable, "{err}");
 
     let dir = tempfile_dir()?;
     let server = RedisServer::start_in(dir.path(), &["--requirepass", "right"]).await?;
-    let endpoint = Endpoint {
-        url: format!("redis://:wrong@127.0.0.1:{}/", server.port),
-        mode: Mode::Standalone,
-        ca_pem: None,
-    };
-    let err = Connections::default()
-        .get(&endpoint)
-        .await
-        .err()
-        .expect("wrong password");
+    let endpoint =
+        Endpoint { url: format!("redis://:wrong@127.0.0.1:{}/", server.port), mode: Mode::Standalone, ca_pem: None };
+    let err = Connections::default().get(&endpoint).await.err().expect("wrong password");
     assert_eq!(err.class, ErrorClass::AuthFailed, "{err}");
     assert!(!err.to_string().contains("wrong"), "password leaked: {err}");
     Ok(())
@@ -102,21 +68,11 @@ fn tempfile_dir() -> Result<tempfile::TempDir> {
 #[tokio::test]
 async fn ensure_group_works_on_a_cluster() -> Result<()> {
     let cluster = RedisCluster::start(3).await?;
-    let endpoint = Endpoint {
-        url: cluster.urls()[1].clone(),
-        mode: Mode::Cluster,
-        ca_pem: None,
-    };
+    let endpoint = Endpoint { url: cluster.urls()[1].clone(), mode: Mode::Cluster, ca_pem: None };
     let mut conn = Connections::default().get(&endpoint).await?;
     for key in ["{a}orders", "{b}orders", "{c}orders"] {
-        assert_eq!(
-            ensure_group(&mut conn, key, "g", "0").await?,
-            GroupCreation::Created
-        );
-        assert_eq!(
-            ensure_group(&mut conn, key, "g", "0").await?,
-            GroupCreation::AlreadyExisted
-        );
+        assert_eq!(ensure_group(&mut conn, key, "g", "0").await?, GroupCreation::Created);
+        assert_eq!(ensure_group(&mut conn, key, "g", "0").await?, GroupCreation::AlreadyExisted);
     }
     Ok(())
 }

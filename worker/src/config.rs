@@ -45,18 +45,12 @@ impl WorkerConfig {
 
     /// Parses the contract from any lookup (the environment, or a map in tests).
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
-        let required = |name: &'static str| {
-            get(name)
-                .filter(|v| !v.trim().is_empty())
-                .ok_or(ConfigError::Missing(name))
-        };
+        let required =
+            |name: &'static str| get(name).filter(|v| !v.trim().is_empty()).ok_or(ConfigError::Missing(name));
         let number = |name: &'static str, default: u64| -> Result<u64, ConfigError> {
             match get(name) {
                 None => Ok(default),
-                Some(v) => v.trim().parse::<u64>().map_err(|e| ConfigError::Invalid {
-                    name,
-                    why: e.to_string(),
-                }),
+                Some(v) => v.trim().parse::<u64>().map_err(|e| ConfigError::Invalid { name, why: e.to_string() }),
             }
         };
         let mode = match get(env::REDIS_MODE).as_deref() {
@@ -69,24 +63,15 @@ impl WorkerConfig {
                 });
             }
         };
-        let streams: Vec<String> = required(env::STREAMS)?
-            .split(',')
-            .map(|s| s.trim().to_string())
-            .filter(|s| !s.is_empty())
-            .collect();
+        let streams: Vec<String> =
+            required(env::STREAMS)?.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
         let max_deliveries = number(env::MAX_DELIVERIES, 5)?;
         if max_deliveries == 0 {
-            return Err(ConfigError::Invalid {
-                name: env::MAX_DELIVERIES,
-                why: "must be at least 1".into(),
-            });
+            return Err(ConfigError::Invalid { name: env::MAX_DELIVERIES, why: "must be at least 1".into() });
         }
         let min_idle = Duration::from_millis(number(env::MIN_IDLE_MS, 60_000)?);
         if min_idle < Duration::from_millis(100) {
-            return Err(ConfigError::Invalid {
-                name: env::MIN_IDLE_MS,
-                why: "must be at least 100".into(),
-            });
+            return Err(ConfigError::Invalid { name: env::MIN_IDLE_MS, why: "must be at least 100".into() });
         }
         let first = streams.first().cloned().unwrap_or_default();
         let run_mode = match get(env::MODE).as_deref() {
@@ -111,8 +96,7 @@ impl WorkerConfig {
             max_deliveries,
             dead_letter_stream: get(env::DEAD_LETTER_STREAM)
                 .unwrap_or_else(|| streamfleet_streams::keys::dead_letter_stream(&first)),
-            batch_size: usize::try_from(number(env::BATCH_SIZE, 100)?.clamp(1, 10_000))
-                .unwrap_or(100),
+            batch_size: usize::try_from(number(env::BATCH_SIZE, 100)?.clamp(1, 10_000)).unwrap_or(100),
             block: Duration::from_millis(2_000),
             mode: run_mode,
             streams,
@@ -126,10 +110,7 @@ mod tests {
     use std::collections::HashMap;
 
     fn lookup(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let map: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        let map: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         move |k| map.get(k).cloned()
     }
 
@@ -157,23 +138,13 @@ mod tests {
     fn errors_name_the_variable() {
         let mut pairs = base();
         pairs.retain(|(k, _)| *k != env::GROUP);
-        assert_eq!(
-            WorkerConfig::from_lookup(lookup(&pairs)).unwrap_err(),
-            ConfigError::Missing(env::GROUP)
-        );
+        assert_eq!(WorkerConfig::from_lookup(lookup(&pairs)).unwrap_err(), ConfigError::Missing(env::GROUP));
         let mut pairs = base();
         pairs.push((env::MAX_DELIVERIES, "many"));
-        let err = WorkerConfig::from_lookup(lookup(&pairs))
-            .unwrap_err()
-            .to_string();
+        let err = WorkerConfig::from_lookup(lookup(&pairs)).unwrap_err().to_string();
         assert!(err.starts_with(env::MAX_DELIVERIES), "{err}");
         let mut pairs = base();
         pairs.push((env::MODE, "sideways"));
-        assert!(
-            WorkerConfig::from_lookup(lookup(&pairs))
-                .unwrap_err()
-                .to_string()
-                .contains(env::MODE)
-        );
+        assert!(WorkerConfig::from_lookup(lookup(&pairs)).unwrap_err().to_string().contains(env::MODE));
     }
 }

@@ -63,12 +63,7 @@ pub struct Worker<H> {
 
 impl<H: Handler> Worker<H> {
     pub fn new(config: WorkerConfig, handler: H) -> Self {
-        Self {
-            config,
-            handler: Arc::new(handler),
-            guard: None,
-            stats: Arc::new(Stats::default()),
-        }
+        Self { config, handler: Arc::new(handler), guard: None, stats: Arc::new(Stats::default()) }
     }
 
     /// Turns on the Redis idempotency guard: an entry whose business key was
@@ -87,10 +82,7 @@ impl<H: Handler> Worker<H> {
     /// Runs until `shutdown` resolves (consume mode) or until nothing is left
     /// to claim (recovery mode). On shutdown it stops reading, finishes and
     /// acks the batch in hand, and returns.
-    pub async fn run(
-        self,
-        shutdown: impl Future<Output = ()> + Send + 'static,
-    ) -> Result<(), WorkerError> {
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), WorkerError> {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
         let watcher = tokio::spawn(async move {
@@ -106,14 +98,11 @@ impl<H: Handler> Worker<H> {
         result
     }
 
-    async fn consume(
-        &self,
-        conn: &mut StreamConnection,
-        stop: &AtomicBool,
-    ) -> Result<(), WorkerError> {
-        let mut reader =
-            StreamConnection::connect_blocking(&self.config.endpoint, self.config.block).await?;
-        let claim_every = self.config.min_idle / 2;
+    async fn consume(&self, conn: &mut StreamConnection, stop: &AtomicBool) -> Result<(), WorkerError> {
+        let mut reader = StreamConnection::connect_blocking(&self.config.endpoint, self.config.block).await?;
+        // Often enough that entries released from a dead consumer move within
+        // seconds; XAUTOCLAIM over an empty or fresh PEL is cheap.
+        let claim_every = (self.config.min_idle / 2).min(Duration::from_secs(3));
         let mut next_claim = Instant::now();
         // Never cancel a read in flight: entries it delivered would sit in our
         // PEL unseen until claimed. The short BLOCK bounds the drain instead.
@@ -138,11 +127,7 @@ impl<H: Handler> Worker<H> {
 
     /// Recovery mode: claim every idle entry, re-run handlers, until a full
     /// pass over the PEL claims nothing.
-    async fn recover(
-        &self,
-        conn: &mut StreamConnection,
-        stop: &AtomicBool,
-    ) -> Result<(), WorkerError> {
+    async fn recover(&self, conn: &mut StreamConnection, stop: &AtomicBool) -> Result<(), WorkerError> {
         while !stopping(stop) {
             if self.claim_cycle(conn, stop).await? == 0 {
                 break;
@@ -153,11 +138,7 @@ impl<H: Handler> Worker<H> {
 
     /// One pass of XAUTOCLAIM over each stream's PEL, from `0-0` until the
     /// cursor returns to `0-0`. Returns how many entries were claimed.
-    async fn claim_cycle(
-        &self,
-        conn: &mut StreamConnection,
-        stop: &AtomicBool,
-    ) -> Result<usize, WorkerError> {
+    async fn claim_cycle(&self, conn: &mut StreamConnection, stop: &AtomicBool) -> Result<usize, WorkerError> {
         let mut total = 0;
         for stream in &self.config.streams {
             let mut cursor = "0-0".to_string();
@@ -221,51 +202,32 @@ impl<H: Handler> Worker<H> {
     }
 
     /// Handles a batch and acks what succeeded, in one XACK per stream.
-    async fn process(
-        &self,
-        conn: &mut StreamConnection,
-        entries: Vec<Entry>,
-    ) -> Result<(), WorkerError> {
+    async fn process(&self, conn: &mut StreamConnection, entries: Vec<Entry>) -> Result<(), WorkerError> {
         let mut acks: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for entry in entries {
             if self.settle(conn, &entry).await? {
-                acks.entry(entry.stream.clone())
-                    .or_default()
-                    .push(entry.id.clone());
+                acks.entry(entry.stream.clone()).or_default().push(entry.id.clone());
             }
         }
         if !acks.is_empty() {
             let started = Instant::now();
             let mut pipe = redis::pipe();
             for (stream, ids) in &acks {
-                pipe.cmd("XACK")
-                    .arg(stream)
-                    .arg(&self.config.group)
-                    .arg(ids)
-                    .ignore();
+                pipe.cmd("XACK").arg(stream).arg(&self.config.group).arg(ids).ignore();
             }
-            let () = pipe
-                .query_async(conn)
-                .await
-                .map_err(|e| StreamError::new("acking entries", e))?;
+            let () = pipe.query_async(conn).await.map_err(|e| StreamError::new("acking entries", e))?;
             self.stats.ack_latency.observe(started.elapsed());
         }
         Ok(())
     }
 
     /// Decides one entry. True: ack it with the batch.
-    async fn settle(
-        &self,
-        conn: &mut StreamConnection,
-        entry: &Entry,
-    ) -> Result<bool, WorkerError> {
+    async fn settle(&self, conn: &mut StreamConnection, entry: &Entry) -> Result<bool, WorkerError> {
         let key = self.handler.business_key(entry);
         if entry.deliveries > self.config.max_deliveries {
-            let error =
-                deadletter::last_error(conn, &entry.stream, &self.config.group, &entry.id).await?;
+            let error = deadletter::last_error(conn, &entry.stream, &self.config.group, &entry.id).await?;
             let error = error.unwrap_or_else(|| "delivered too often".into());
-            self.dead_letter(conn, entry, Reason::MaxDeliveries, &error, key.as_deref())
-                .await?;
+            self.dead_letter(conn, entry, Reason::MaxDeliveries, &error, key.as_deref()).await?;
             return Ok(false);
         }
         let token = key.clone().unwrap_or_else(|| entry.id.clone());
@@ -299,21 +261,14 @@ impl<H: Handler> Worker<H> {
                 }
                 let error = format!("transient: {error}");
                 if entry.deliveries >= self.config.max_deliveries {
-                    self.dead_letter(conn, entry, Reason::MaxDeliveries, &error, key.as_deref())
-                        .await?;
+                    self.dead_letter(conn, entry, Reason::MaxDeliveries, &error, key.as_deref()).await?;
                 } else {
                     deadletter::record_last_error(conn, entry, &self.config.group, &error).await?;
                 }
                 Ok(false)
             }
-            Outcome::Permanent(error) => {
-                self.reject(conn, entry, Reason::Permanent, &error, key, &token)
-                    .await
-            }
-            Outcome::Malformed(error) => {
-                self.reject(conn, entry, Reason::Malformed, &error, key, &token)
-                    .await
-            }
+            Outcome::Permanent(error) => self.reject(conn, entry, Reason::Permanent, &error, key, &token).await,
+            Outcome::Malformed(error) => self.reject(conn, entry, Reason::Malformed, &error, key, &token).await,
         }
     }
 
@@ -331,8 +286,7 @@ impl<H: Handler> Worker<H> {
         if let Some(guard) = &self.guard {
             guard.release(conn, &entry.stream, token).await?;
         }
-        self.dead_letter(conn, entry, reason, error, key.as_deref())
-            .await?;
+        self.dead_letter(conn, entry, reason, error, key.as_deref()).await?;
         Ok(false)
     }
 
@@ -366,15 +320,8 @@ impl<H: Handler> Worker<H> {
         error: &str,
         business_key: Option<&str>,
     ) -> Result<(), WorkerError> {
-        let letter = Letter {
-            group: &self.config.group,
-            consumer: &self.config.consumer,
-            reason,
-            error,
-            business_key,
-        };
-        let id =
-            deadletter::dead_letter(conn, &self.config.dead_letter_stream, entry, &letter).await?;
+        let letter = Letter { group: &self.config.group, consumer: &self.config.consumer, reason, error, business_key };
+        let id = deadletter::dead_letter(conn, &self.config.dead_letter_stream, entry, &letter).await?;
         self.stats.add(&self.stats.dead_lettered, 1);
         tracing::warn!(stream = %entry.stream, id = %entry.id, dead_letter = %id, reason = reason.as_str(), error, "dead-lettered");
         Ok(())
@@ -382,26 +329,9 @@ impl<H: Handler> Worker<H> {
 
     /// A pending entry whose payload is gone: never success. Recorded in the
     /// dead-letter stream (XAUTOCLAIM has already dropped it from the PEL).
-    async fn payload_missing(
-        &self,
-        conn: &mut StreamConnection,
-        stream: &str,
-        id: &str,
-    ) -> Result<(), WorkerError> {
-        let entry = Entry {
-            stream: stream.to_string(),
-            id: id.to_string(),
-            fields: Vec::new(),
-            deliveries: 0,
-        };
+    async fn payload_missing(&self, conn: &mut StreamConnection, stream: &str, id: &str) -> Result<(), WorkerError> {
+        let entry = Entry { stream: stream.to_string(), id: id.to_string(), fields: Vec::new(), deliveries: 0 };
         self.stats.add(&self.stats.payload_missing, 1);
-        self.dead_letter(
-            conn,
-            &entry,
-            Reason::PayloadMissing,
-            "payload trimmed or deleted while pending",
-            None,
-        )
-        .await
+        self.dead_letter(conn, &entry, Reason::PayloadMissing, "payload trimmed or deleted while pending", None).await
     }
 }

@@ -32,11 +32,7 @@ pub enum GuardState {
 
 impl Guard {
     pub fn new(config: &WorkerConfig, completed_ttl: Duration) -> Self {
-        Self {
-            group: config.group.clone(),
-            processing_ttl: config.min_idle,
-            completed_ttl,
-        }
+        Self { group: config.group.clone(), processing_ttl: config.min_idle, completed_ttl }
     }
 
     /// Same slot as the stream, so a cluster keeps the guard beside its entries.
@@ -74,12 +70,7 @@ impl Guard {
         })
     }
 
-    pub async fn complete(
-        &self,
-        conn: &mut StreamConnection,
-        stream: &str,
-        token: &str,
-    ) -> Result<(), StreamError> {
+    pub async fn complete(&self, conn: &mut StreamConnection, stream: &str, token: &str) -> Result<(), StreamError> {
         let () = redis::cmd("SET")
             .arg(self.key(stream, token))
             .arg(COMPLETED)
@@ -92,12 +83,7 @@ impl Guard {
     }
 
     /// Lets a failed attempt be retried at once by the next delivery.
-    pub async fn release(
-        &self,
-        conn: &mut StreamConnection,
-        stream: &str,
-        token: &str,
-    ) -> Result<(), StreamError> {
+    pub async fn release(&self, conn: &mut StreamConnection, stream: &str, token: &str) -> Result<(), StreamError> {
         // Only our own `processing` mark: never a `completed` one.
         let script = redis::Script::new(
             "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",

@@ -36,9 +36,6 @@ pub struct Latency {
 impl Latency {
     pub fn observe(&self, d: Duration) {
         self.count.fetch_add(1, Ordering::Relaxed);
-        self.sum_micros.fetch_add(
-            u64::try_from(d.as_micros()).unwrap_or(u64::MAX),
-            Ordering::Relaxed,
-        );
+        self.sum_micros.fetch_add(u64::try_from(d.as_micros()).unwrap_or(u64::MAX), Ordering::Relaxed);
     }
 }

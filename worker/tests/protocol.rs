@@ -52,12 +52,7 @@ impl Handler for Scripted {
     }
 }
 
-fn config(
-    server: &RedisServer,
-    consumer: &str,
-    min_idle_ms: u64,
-    max_deliveries: u64,
-) -> WorkerConfig {
+fn config(server: &RedisServer, consumer: &str, min_idle_ms: u64, max_deliveries: u64) -> WorkerConfig {
     let vars: HashMap<&str, String> = HashMap::from([
         (env::REDIS_URL, server.url()),
         (env::STREAMS, "orders".into()),
@@ -78,10 +73,7 @@ async fn setup() -> Result<(RedisServer, redis::aio::MultiplexedConnection)> {
     Ok((server, conn))
 }
 
-async fn add(
-    conn: &mut redis::aio::MultiplexedConnection,
-    fields: &[(&str, &str)],
-) -> Result<String> {
+async fn add(conn: &mut redis::aio::MultiplexedConnection, fields: &[(&str, &str)]) -> Result<String> {
     Ok(conn.xadd("orders", "*", fields).await?)
 }
 
@@ -109,10 +101,7 @@ async fn dead_letters(conn: &mut redis::aio::MultiplexedConnection) -> Result<De
 /// Runs a worker in the background; the returned sender stops it.
 fn spawn(
     worker: Worker<Scripted>,
-) -> (
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<Result<(), streamfleet_worker::WorkerError>>,
-) {
+) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<Result<(), streamfleet_worker::WorkerError>>) {
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let handle = tokio::spawn(worker.run(async move {
         let _ = rx.await;
@@ -129,43 +118,26 @@ async fn acks_successes_and_dead_letters_refusals_atomically_with_metadata() -> 
     for i in 0..5 {
         ok_ids.push(add(&mut conn, &[("kind", "ok"), ("key", &format!("o{i}"))]).await?);
     }
-    let refused = add(
-        &mut conn,
-        &[("kind", "refused"), ("key", "o-refused"), ("amount", "12")],
-    )
-    .await?;
+    let refused = add(&mut conn, &[("kind", "refused"), ("key", "o-refused"), ("amount", "12")]).await?;
     let garbled = add(&mut conn, &[("kind", "???")]).await?;
     let handler = Scripted::default();
     let worker = Worker::new(config(&server, "c1", 60_000, 5), handler.clone());
     let stats = worker.stats();
     let (stop, run) = spawn(worker);
     eventually("all settled", T, || async {
-        Ok(
-            (Stats::get(&stats.processed) == 5 && Stats::get(&stats.dead_lettered) == 2)
-                .then_some(()),
-        )
+        Ok((Stats::get(&stats.processed) == 5 && Stats::get(&stats.dead_lettered) == 2).then_some(()))
     })
     .await?;
     let _ = stop.send(());
     run.await??;
 
-    assert_eq!(
-        pending(&mut conn).await?,
-        0,
-        "everything acked or dead-lettered"
-    );
+    assert_eq!(pending(&mut conn).await?, 0, "everything acked or dead-lettered");
     for id in &ok_ids {
         assert_eq!(handler.calls(id), 1);
     }
     let letters = dead_letters(&mut conn).await?;
     assert_eq!(letters.len(), 2);
-    let by_id = |id: &str| {
-        letters
-            .iter()
-            .find(|l| l[dl::F_SOURCE_ID] == id)
-            .cloned()
-            .unwrap()
-    };
+    let by_id = |id: &str| letters.iter().find(|l| l[dl::F_SOURCE_ID] == id).cloned().unwrap();
     let r = by_id(&refused);
     assert_eq!(r[dl::F_REASON], "permanent");
     assert_eq!(r[dl::F_ERROR], "business rule says no");
@@ -188,35 +160,24 @@ async fn transient_failures_retry_in_process_with_backoff() -> Result<()> {
     let worker = Worker::new(config(&server, "c1", 10_000, 5), handler.clone());
     let stats = worker.stats();
     let (stop, run) = spawn(worker);
-    eventually("processed", T, || async {
-        Ok((Stats::get(&stats.processed) == 1).then_some(()))
-    })
-    .await?;
+    eventually("processed", T, || async { Ok((Stats::get(&stats.processed) == 1).then_some(())) }).await?;
     let _ = stop.send(());
     run.await??;
-    assert_eq!(
-        handler.calls(&id),
-        3,
-        "two transient failures, then success, in one delivery"
-    );
+    assert_eq!(handler.calls(&id), 3, "two transient failures, then success, in one delivery");
     assert_eq!(Stats::get(&stats.retried), 2);
     assert_eq!(pending(&mut conn).await?, 0);
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_persistently_failing_entry_is_redelivered_then_dead_lettered_at_max_deliveries()
--> Result<()> {
+async fn a_persistently_failing_entry_is_redelivered_then_dead_lettered_at_max_deliveries() -> Result<()> {
     let (server, mut conn) = setup().await?;
     let id = add(&mut conn, &[("kind", "down"), ("key", "o-down")]).await?;
     let handler = Scripted::default();
     let worker = Worker::new(config(&server, "c1", 400, 3), handler.clone());
     let stats = worker.stats();
     let (stop, run) = spawn(worker);
-    eventually("dead-lettered", T, || async {
-        Ok((Stats::get(&stats.dead_lettered) == 1).then_some(()))
-    })
-    .await?;
+    eventually("dead-lettered", T, || async { Ok((Stats::get(&stats.dead_lettered) == 1).then_some(())) }).await?;
     let _ = stop.send(());
     run.await??;
     let letters = dead_letters(&mut conn).await?;
@@ -226,30 +187,22 @@ async fn a_persistently_failing_entry_is_redelivered_then_dead_lettered_at_max_d
     assert_eq!(letters[0][dl::F_DELIVERIES], "3");
     assert_eq!(letters[0][dl::F_ERROR], "transient: dependency down");
     assert_eq!(pending(&mut conn).await?, 0);
-    assert!(
-        handler.calls(&id) >= 3,
-        "each of the 3 deliveries ran the handler"
-    );
+    assert!(handler.calls(&id) >= 3, "each of the 3 deliveries ran the handler");
     // The last-error bookkeeping went with the dead letter.
-    let left: HashMap<String, String> = conn
-        .hgetall(streamfleet_streams::keys::last_error_key("orders", "g"))
-        .await?;
+    let left: HashMap<String, String> = conn.hgetall(streamfleet_streams::keys::last_error_key("orders", "g")).await?;
     assert!(left.is_empty(), "{left:?}");
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn entries_abandoned_by_a_dead_consumer_are_claimed_and_payload_loss_is_reported()
--> Result<()> {
+async fn entries_abandoned_by_a_dead_consumer_are_claimed_and_payload_loss_is_reported() -> Result<()> {
     let (server, mut conn) = setup().await?;
     let mut ids = Vec::new();
     for i in 0..4 {
         ids.push(add(&mut conn, &[("kind", "ok"), ("key", &format!("k{i}"))]).await?);
     }
     // A consumer reads them and dies without acking.
-    let opts = redis::streams::StreamReadOptions::default()
-        .group("g", "dead-pod")
-        .count(10);
+    let opts = redis::streams::StreamReadOptions::default().group("g", "dead-pod").count(10);
     let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
     assert_eq!(pending(&mut conn).await?, 4);
     // One payload is deleted while pending.
@@ -260,10 +213,7 @@ async fn entries_abandoned_by_a_dead_consumer_are_claimed_and_payload_loss_is_re
     let stats = worker.stats();
     let (stop, run) = spawn(worker);
     eventually("claimed and settled", T, || async {
-        Ok(
-            (Stats::get(&stats.processed) == 3 && Stats::get(&stats.payload_missing) == 1)
-                .then_some(()),
-        )
+        Ok((Stats::get(&stats.processed) == 3 && Stats::get(&stats.payload_missing) == 1).then_some(()))
     })
     .await?;
     let _ = stop.send(());
@@ -271,11 +221,7 @@ async fn entries_abandoned_by_a_dead_consumer_are_claimed_and_payload_loss_is_re
     for id in &ids[..3] {
         assert_eq!(handler.calls(id), 1);
     }
-    assert_eq!(
-        handler.calls(&ids[3]),
-        0,
-        "nothing to handle: the payload is gone"
-    );
+    assert_eq!(handler.calls(&ids[3]), 0, "nothing to handle: the payload is gone");
     assert_eq!(pending(&mut conn).await?, 0);
     let letters = dead_letters(&mut conn).await?;
     assert_eq!(letters.len(), 1);
@@ -291,22 +237,15 @@ async fn the_guard_suppresses_a_completed_business_key() -> Result<()> {
     // The producer retried: the same order arrives twice.
     let again = add(&mut conn, &[("kind", "ok"), ("key", "order-7")]).await?;
     let handler = Scripted::default();
-    let worker = Worker::new(config(&server, "c1", 10_000, 5), handler.clone())
-        .with_idempotency_guard(Duration::from_secs(600));
+    let worker =
+        Worker::new(config(&server, "c1", 10_000, 5), handler.clone()).with_idempotency_guard(Duration::from_secs(600));
     let stats = worker.stats();
     let (stop, run) = spawn(worker);
-    eventually("settled", T, || async {
-        Ok((Stats::get(&stats.suppressed) == 1).then_some(()))
-    })
-    .await?;
+    eventually("settled", T, || async { Ok((Stats::get(&stats.suppressed) == 1).then_some(())) }).await?;
     let _ = stop.send(());
     run.await??;
     assert_eq!(handler.calls(&first), 1);
-    assert_eq!(
-        handler.calls(&again),
-        0,
-        "the duplicate never reached the handler"
-    );
+    assert_eq!(handler.calls(&again), 0, "the duplicate never reached the handler");
     assert_eq!(Stats::get(&stats.processed), 1);
     assert_eq!(pending(&mut conn).await?, 0, "the duplicate was acked");
     Ok(())
@@ -322,10 +261,7 @@ async fn shutdown_finishes_the_batch_in_hand_and_stops_reading() -> Result<()> {
     let worker = Worker::new(config(&server, "c1", 10_000, 5), handler.clone());
     let stats = worker.stats();
     let (stop, run) = spawn(worker);
-    eventually("first batch", T, || async {
-        Ok((Stats::get(&stats.processed) == 20).then_some(()))
-    })
-    .await?;
+    eventually("first batch", T, || async { Ok((Stats::get(&stats.processed) == 20).then_some(())) }).await?;
     let _ = stop.send(());
     tokio::time::timeout(Duration::from_secs(5), run).await???;
     // Work added after the drain is left for the next worker: not read, so

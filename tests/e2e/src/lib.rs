@@ -12,12 +12,7 @@ use streamfleet_crd::StreamConsumerGroup;
 use streamfleet_testbed::{TestBed, tools};
 
 /// Runs a Go-built tool (`kubectl`, `helm`) against the test bed; `stdin` is piped in.
-pub async fn run_tool(
-    bed: &TestBed,
-    tool: &str,
-    args: &[&str],
-    stdin: Option<&str>,
-) -> Result<Output> {
+pub async fn run_tool(bed: &TestBed, tool: &str, args: &[&str], stdin: Option<&str>) -> Result<Output> {
     use tokio::io::AsyncWriteExt as _;
     let mut cmd = tokio::process::Command::new(tools::tool(tool)?);
     cmd.args(args)
@@ -36,19 +31,10 @@ pub async fn run_tool(
 }
 
 /// Like [`run_tool`], failing with the tool's stderr unless it succeeded.
-pub async fn run_ok(
-    bed: &TestBed,
-    tool: &str,
-    args: &[&str],
-    stdin: Option<&str>,
-) -> Result<String> {
+pub async fn run_ok(bed: &TestBed, tool: &str, args: &[&str], stdin: Option<&str>) -> Result<String> {
     let out = run_tool(bed, tool, args, stdin).await?;
     if !out.status.success() {
-        bail!(
-            "{tool} {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        bail!("{tool} {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
@@ -61,22 +47,11 @@ pub fn repo_path(rel: &str) -> PathBuf {
 pub async fn ensure_crd(bed: &TestBed) -> Result<()> {
     let crd = repo_path("deploy/crds/streamconsumergroups.streamfleet.io.yaml");
     let crd = crd.display().to_string();
+    run_ok(bed, "kubectl", &["apply", "--server-side", "--force-conflicts", "-f", &crd], None).await?;
     run_ok(
         bed,
         "kubectl",
-        &["apply", "--server-side", "--force-conflicts", "-f", &crd],
-        None,
-    )
-    .await?;
-    run_ok(
-        bed,
-        "kubectl",
-        &[
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            "crd/streamconsumergroups.streamfleet.io",
-        ],
+        &["wait", "--for=condition=Established", "--timeout=60s", "crd/streamconsumergroups.streamfleet.io"],
         None,
     )
     .await?;
@@ -113,36 +88,20 @@ pub async fn install_operator(bed: &TestBed, namespace: &str, extra: &[&str]) ->
     Ok(release)
 }
 
-pub async fn create_redis_secret(
-    client: &Client,
-    namespace: &str,
-    name: &str,
-    url: &str,
-) -> Result<()> {
+pub async fn create_redis_secret(client: &Client, namespace: &str, name: &str, url: &str) -> Result<()> {
     let secret: Secret = serde_json::from_value(serde_json::json!({
         "apiVersion": "v1", "kind": "Secret",
         "metadata": {"name": name}, "stringData": {"url": url}
     }))?;
     Api::<Secret>::namespaced(client.clone(), namespace)
-        .patch(
-            name,
-            &PatchParams::apply("e2e").force(),
-            &Patch::Apply(&secret),
-        )
+        .patch(name, &PatchParams::apply("e2e").force(), &Patch::Apply(&secret))
         .await?;
     Ok(())
 }
 
 /// A StreamConsumerGroup manifest whose workers are the test bed's `testproc`,
 /// recording their env under `record_dir`.
-pub fn scg_yaml(
-    name: &str,
-    secret: &str,
-    stream: &str,
-    group: &str,
-    record_dir: &str,
-    extra_spec: &str,
-) -> String {
+pub fn scg_yaml(name: &str, secret: &str, stream: &str, group: &str, record_dir: &str, extra_spec: &str) -> String {
     format!(
         r#"apiVersion: streamfleet.io/v1alpha1
 kind: StreamConsumerGroup
@@ -183,9 +142,7 @@ pub async fn wait_condition(
     streamfleet_testbed::eventually(&what, timeout, || async {
         let scg = api.get(name).await?;
         let hit = scg.status.as_ref().is_some_and(|s| {
-            s.conditions.iter().any(|c| {
-                c.type_ == type_ && c.status == status && reason.is_none_or(|r| c.reason == r)
-            })
+            s.conditions.iter().any(|c| c.type_ == type_ && c.status == status && reason.is_none_or(|r| c.reason == r))
         });
         Ok(hit.then_some(scg))
     })

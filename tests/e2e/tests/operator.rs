@@ -23,11 +23,7 @@ const T: Duration = Duration::from_secs(90);
 async fn group_info(server: &RedisServer, stream: &str) -> Result<Vec<(String, String)>> {
     let mut conn = server.connection().await?;
     let info: redis::streams::StreamInfoGroupsReply = conn.xinfo_groups(stream).await?;
-    Ok(info
-        .groups
-        .into_iter()
-        .map(|g| (g.name, g.last_delivered_id))
-        .collect())
+    Ok(info.groups.into_iter().map(|g| (g.name, g.last_delivered_id)).collect())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -50,21 +46,12 @@ async fn helm_installed_operator_creates_group_workers_and_recovery() -> Result<
         &records.path().display().to_string(),
         "  startId: \"0\"\n  recovery:\n    schedule: \"*/7 * * * *\"\n",
     );
-    run_ok(
-        bed,
-        "kubectl",
-        &["apply", "-n", &ns.name, "-f", "-"],
-        Some(&manifest),
-    )
-    .await?;
+    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&manifest)).await?;
 
     let scg = wait_condition(&client, &ns.name, "orders", "Ready", "True", None, T).await?;
     let status = scg.status.clone().unwrap_or_default();
     assert_eq!(status.observed_generation, scg.metadata.generation);
-    assert_eq!(
-        group_info(&redis, "orders").await?,
-        vec![("billing".to_string(), "0-0".to_string())]
-    );
+    assert_eq!(group_info(&redis, "orders").await?, vec![("billing".to_string(), "0-0".to_string())]);
     assert!(first.contains('-'));
 
     // Owned worker Deployment carrying the env contract, running for real.
@@ -73,10 +60,7 @@ async fn helm_installed_operator_creates_group_workers_and_recovery() -> Result<
     let owner = d.owner_references().first().cloned().unwrap_or_default();
     assert_eq!(
         (owner.kind.as_str(), owner.uid.as_str()),
-        (
-            "StreamConsumerGroup",
-            scg.uid().unwrap_or_default().as_str()
-        )
+        ("StreamConsumerGroup", scg.uid().unwrap_or_default().as_str())
     );
     let started = eventually("worker process", T, || async {
         let rec = std::fs::read_dir(records.path())?
@@ -93,36 +77,21 @@ async fn helm_installed_operator_creates_group_workers_and_recovery() -> Result<
     assert_eq!(penv[env::STREAMS], "orders");
     assert_eq!(penv[env::GROUP], "billing");
     assert_eq!(penv[env::DEAD_LETTER_STREAM], "{orders}:dead");
-    assert_eq!(
-        penv[env::CONSUMER],
-        penv["TESTPROC_NAME"],
-        "consumer name is the pod name"
-    );
+    assert_eq!(penv[env::CONSUMER], penv["TESTPROC_NAME"], "consumer name is the pod name");
 
     // Owned recovery CronJob.
     let cronjobs: Api<CronJob> = Api::namespaced(client.clone(), &ns.name);
     let cj = cronjobs.get("orders-recovery").await?;
-    assert_eq!(
-        cj.spec.as_ref().map(|s| s.schedule.as_str()),
-        Some("*/7 * * * *")
-    );
-    assert_eq!(
-        cj.owner_references().first().map(|o| o.kind.as_str()),
-        Some("StreamConsumerGroup")
-    );
+    assert_eq!(cj.spec.as_ref().map(|s| s.schedule.as_str()), Some("*/7 * * * *"));
+    assert_eq!(cj.owner_references().first().map(|o| o.kind.as_str()), Some("StreamConsumerGroup"));
 
     let reasons = event_reasons(&client, &ns.name, "orders").await?;
     assert!(reasons.iter().any(|r| r == "GroupCreated"), "{reasons:?}");
 
     // A Deployment someone deletes is repaired.
-    deployments
-        .delete("orders-worker", &DeleteParams::default())
-        .await?;
+    deployments.delete("orders-worker", &DeleteParams::default()).await?;
     eventually("Deployment repaired", T, || async {
-        Ok(deployments
-            .get_opt("orders-worker")
-            .await?
-            .filter(|d| d.metadata.deletion_timestamp.is_none()))
+        Ok(deployments.get_opt("orders-worker").await?.filter(|d| d.metadata.deletion_timestamp.is_none()))
     })
     .await?;
 
@@ -157,102 +126,34 @@ async fn redis_and_secret_failures_become_conditions_and_heal() -> Result<()> {
     let ns = bed.namespace(&client, "e2e-fail").await?;
     install_operator(bed, &ns.name, &[]).await?;
     let records = tempfile::tempdir()?;
-    let manifest = scg_yaml(
-        "p",
-        "redis",
-        "s",
-        "g",
-        &records.path().display().to_string(),
-        "",
-    );
-    run_ok(
-        bed,
-        "kubectl",
-        &["apply", "-n", &ns.name, "-f", "-"],
-        Some(&manifest),
-    )
-    .await?;
+    let manifest = scg_yaml("p", "redis", "s", "g", &records.path().display().to_string(), "");
+    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&manifest)).await?;
 
     // 1. The Secret does not exist.
-    wait_condition(
-        &client,
-        &ns.name,
-        "p",
-        "Ready",
-        "False",
-        Some("SecretNotFound"),
-        T,
-    )
-    .await?;
+    wait_condition(&client, &ns.name, "p", "Ready", "False", Some("SecretNotFound"), T).await?;
     // 2. It names a Redis nobody listens on.
     let closed = streamfleet_testbed::process::free_port()?;
-    create_redis_secret(
-        &client,
-        &ns.name,
-        "redis",
-        &format!("redis://127.0.0.1:{closed}/"),
-    )
-    .await?;
-    wait_condition(
-        &client,
-        &ns.name,
-        "p",
-        "GroupReady",
-        "False",
-        Some("RedisUnreachable"),
-        T,
-    )
-    .await?;
+    create_redis_secret(&client, &ns.name, "redis", &format!("redis://127.0.0.1:{closed}/")).await?;
+    wait_condition(&client, &ns.name, "p", "GroupReady", "False", Some("RedisUnreachable"), T).await?;
     // 3. The password is wrong; it must not leak into the status.
     let dir = tempfile::tempdir()?;
     let redis = RedisServer::start_in(dir.path(), &["--requirepass", "s3cret"]).await?;
-    create_redis_secret(
-        &client,
-        &ns.name,
-        "redis",
-        &format!("redis://:wrong-pw@127.0.0.1:{}/", redis.port),
-    )
-    .await?;
-    let scg = wait_condition(
-        &client,
-        &ns.name,
-        "p",
-        "GroupReady",
-        "False",
-        Some("RedisAuthFailed"),
-        T,
-    )
-    .await?;
+    create_redis_secret(&client, &ns.name, "redis", &format!("redis://:wrong-pw@127.0.0.1:{}/", redis.port)).await?;
+    let scg = wait_condition(&client, &ns.name, "p", "GroupReady", "False", Some("RedisAuthFailed"), T).await?;
     let status_text = serde_json::to_string(&scg.status)?;
-    assert!(
-        !status_text.contains("wrong-pw"),
-        "password in status: {status_text}"
-    );
+    assert!(!status_text.contains("wrong-pw"), "password in status: {status_text}");
     // 4. Fixed: it heals on its own.
-    create_redis_secret(
-        &client,
-        &ns.name,
-        "redis",
-        &format!("redis://:s3cret@127.0.0.1:{}/", redis.port),
-    )
-    .await?;
+    create_redis_secret(&client, &ns.name, "redis", &format!("redis://:s3cret@127.0.0.1:{}/", redis.port)).await?;
     wait_condition(&client, &ns.name, "p", "Ready", "True", None, T).await?;
 
     let reasons = event_reasons(&client, &ns.name, "p").await?;
     for r in ["SecretNotFound", "RedisUnreachable", "RedisAuthFailed"] {
-        assert!(
-            reasons.iter().any(|x| x == r),
-            "no {r} Event in {reasons:?}"
-        );
+        assert!(reasons.iter().any(|x| x == r), "no {r} Event in {reasons:?}");
     }
-    let events: Api<k8s_openapi::api::events::v1::Event> =
-        Api::namespaced(client.clone(), &ns.name);
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), &ns.name);
     for e in events.list(&ListParams::default()).await?.items {
         let note = e.note.unwrap_or_default();
-        assert!(
-            !note.contains("wrong-pw") && !note.contains("s3cret"),
-            "secret in Event: {note}"
-        );
+        assert!(!note.contains("wrong-pw") && !note.contains("s3cret"), "secret in Event: {note}");
     }
     Ok(())
 }
@@ -267,17 +168,8 @@ async fn invalid_specs_are_refused_at_admission_naming_the_field() -> Result<()>
         let manifest = scg_yaml("x", "redis", stream, group, "/tmp", extra);
         let ns = ns.name.clone();
         async move {
-            let out = run_tool(
-                bed,
-                "kubectl",
-                &["apply", "-n", &ns, "-f", "-"],
-                Some(&manifest),
-            )
-            .await?;
-            Ok::<_, anyhow::Error>((
-                out.status.success(),
-                String::from_utf8_lossy(&out.stderr).into_owned(),
-            ))
+            let out = run_tool(bed, "kubectl", &["apply", "-n", &ns, "-f", "-"], Some(&manifest)).await?;
+            Ok::<_, anyhow::Error>((out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned()))
         }
     };
     let cases = [
@@ -286,20 +178,14 @@ async fn invalid_specs_are_refused_at_admission_naming_the_field() -> Result<()>
             "spec.scaling.minReplicas must not exceed spec.scaling.maxReplicas",
         ),
         ("  startId: \"yesterday\"\n", "spec.startId"),
-        (
-            "  recovery: {schedule: \"every minute\"}\n",
-            "spec.recovery.schedule",
-        ),
+        ("  recovery: {schedule: \"every minute\"}\n", "spec.recovery.schedule"),
         ("  scaling: {maxReplicas: 0}\n", "spec.scaling.maxReplicas"),
         ("  deletionPolicy: Shred\n", "spec.deletionPolicy"),
     ];
     for (extra, expected) in cases {
         let (ok, stderr) = apply(extra, "s", "g").await?;
         assert!(!ok, "accepted: {extra}");
-        assert!(
-            stderr.contains(expected),
-            "for {extra:?} expected {expected:?} in: {stderr}"
-        );
+        assert!(stderr.contains(expected), "for {extra:?} expected {expected:?} in: {stderr}");
     }
     let (ok, stderr) = apply("", "", "g").await?;
     assert!(!ok && stderr.contains("spec.stream"), "{stderr}");
@@ -308,15 +194,9 @@ async fn invalid_specs_are_refused_at_admission_naming_the_field() -> Result<()>
     let (ok, stderr) = apply("", "s", "g").await?;
     assert!(ok, "{stderr}");
     let (ok, stderr) = apply("", "s", "other").await?;
-    assert!(
-        !ok && stderr.contains("spec.group is immutable"),
-        "{stderr}"
-    );
+    assert!(!ok && stderr.contains("spec.group is immutable"), "{stderr}");
     let (ok, stderr) = apply("", "s2", "g").await?;
-    assert!(
-        !ok && stderr.contains("spec.stream is immutable"),
-        "{stderr}"
-    );
+    assert!(!ok && stderr.contains("spec.stream is immutable"), "{stderr}");
     Ok(())
 }
 
@@ -331,63 +211,22 @@ async fn deletion_policy_delete_destroys_the_group_and_retain_keeps_it() -> Resu
     let records = tempfile::tempdir()?;
     let dir = records.path().display().to_string();
     let keep = scg_yaml("keep", "redis", "s", "kept", &dir, "");
-    let drop = scg_yaml(
-        "drop",
-        "redis",
-        "s",
-        "dropped",
-        &dir,
-        "  deletionPolicy: Delete\n",
-    );
-    run_ok(
-        bed,
-        "kubectl",
-        &["apply", "-n", &ns.name, "-f", "-"],
-        Some(&format!("{keep}---\n{drop}")),
-    )
-    .await?;
+    let drop = scg_yaml("drop", "redis", "s", "dropped", &dir, "  deletionPolicy: Delete\n");
+    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&format!("{keep}---\n{drop}"))).await?;
     wait_condition(&client, &ns.name, "keep", "GroupReady", "True", None, T).await?;
     let dropped = wait_condition(&client, &ns.name, "drop", "GroupReady", "True", None, T).await?;
-    assert!(
-        dropped
-            .finalizers()
-            .iter()
-            .any(|f| f == "streamfleet.io/delete-group")
-    );
+    assert!(dropped.finalizers().iter().any(|f| f == "streamfleet.io/delete-group"));
     assert_eq!(group_info(&redis, "s").await?.len(), 2);
 
-    run_ok(
-        bed,
-        "kubectl",
-        &[
-            "delete",
-            "-n",
-            &ns.name,
-            "scg",
-            "keep",
-            "drop",
-            "--wait=true",
-            "--timeout=60s",
-        ],
-        None,
-    )
-    .await?;
-    let groups: Vec<String> = group_info(&redis, "s")
-        .await?
-        .into_iter()
-        .map(|(g, _)| g)
-        .collect();
+    run_ok(bed, "kubectl", &["delete", "-n", &ns.name, "scg", "keep", "drop", "--wait=true", "--timeout=60s"], None)
+        .await?;
+    let groups: Vec<String> = group_info(&redis, "s").await?.into_iter().map(|(g, _)| g).collect();
     assert_eq!(groups, vec!["kept".to_string()]);
     // The owned Deployments go with their owners (garbage collector).
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns.name);
     eventually("owned Deployments collected", T, || async {
-        let names: Vec<String> = deployments
-            .list(&ListParams::default())
-            .await?
-            .items
-            .iter()
-            .map(|d| d.name_any())
-            .collect();
+        let names: Vec<String> =
+            deployments.list(&ListParams::default()).await?.items.iter().map(|d| d.name_any()).collect();
         Ok((!names.iter().any(|n| n.ends_with("-worker"))).then_some(()))
     })
     .await?;
@@ -402,10 +241,9 @@ async fn killing_the_leader_hands_over_with_one_leader_at_a_time() -> Result<()>
     install_operator(bed, &ns.name, &["--set", "replicaCount=2"]).await?;
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
     let holder = |l: Lease| l.spec.and_then(|s| s.holder_identity);
-    let leader = eventually("a leader", T, || async {
-        Ok(leases.get_opt("streamfleet-leader").await?.and_then(holder))
-    })
-    .await?;
+    let leader =
+        eventually("a leader", T, || async { Ok(leases.get_opt("streamfleet-leader").await?.and_then(holder)) })
+            .await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
     let operator_pods: Vec<String> = pods
         .list(&ListParams::default().labels("app.kubernetes.io/name=streamfleet-operator"))
@@ -416,52 +254,30 @@ async fn killing_the_leader_hands_over_with_one_leader_at_a_time() -> Result<()>
         .collect();
     assert_eq!(operator_pods.len(), 2);
     assert!(operator_pods.contains(&leader));
-    let standby = operator_pods
-        .iter()
-        .find(|p| **p != leader)
-        .cloned()
-        .unwrap_or_default();
+    let standby = operator_pods.iter().find(|p| **p != leader).cloned().unwrap_or_default();
 
     let redis = RedisServer::start().await?;
     create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
     let records = tempfile::tempdir()?;
     let dir = records.path().display().to_string();
-    run_ok(
-        bed,
-        "kubectl",
-        &["apply", "-n", &ns.name, "-f", "-"],
-        Some(&scg_yaml("a", "redis", "s", "g1", &dir, "")),
-    )
-    .await?;
+    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&scg_yaml("a", "redis", "s", "g1", &dir, "")))
+        .await?;
     wait_condition(&client, &ns.name, "a", "GroupReady", "True", None, T).await?;
     let leading = |pod: &str| {
-        let log = std::fs::read_to_string(bed.pod_dir(&ns.name, pod).join("operator.log"))
-            .unwrap_or_default();
+        let log = std::fs::read_to_string(bed.pod_dir(&ns.name, pod).join("operator.log")).unwrap_or_default();
         log.matches(" leading ").count()
     };
-    assert_eq!(
-        leading(&standby),
-        0,
-        "the standby must not act while the leader holds the lease"
-    );
+    assert_eq!(leading(&standby), 0, "the standby must not act while the leader holds the lease");
 
     // Kill the leader: it releases the lease on SIGTERM and another replica
     // (the standby, or the leader's replacement, whichever asks first) takes it.
     pods.delete(&leader, &DeleteParams::default()).await?;
     let successor = eventually("a new leader", T, || async {
-        Ok(leases
-            .get("streamfleet-leader")
-            .await
-            .ok()
-            .and_then(holder)
-            .filter(|h| *h != leader))
+        Ok(leases.get("streamfleet-leader").await.ok().and_then(holder).filter(|h| *h != leader))
     })
     .await?;
     let live = pods.get_opt(&successor).await?;
-    assert!(
-        live.is_some_and(|p| p.metadata.deletion_timestamp.is_none()),
-        "{successor} is not a live pod"
-    );
+    assert!(live.is_some_and(|p| p.metadata.deletion_timestamp.is_none()), "{successor} is not a live pod");
     // Exactly one replica has become leader since: the successor.
     let all: Vec<String> = pods
         .list(&ListParams::default().labels("app.kubernetes.io/name=streamfleet-operator"))
@@ -472,25 +288,12 @@ async fn killing_the_leader_hands_over_with_one_leader_at_a_time() -> Result<()>
         .filter(|p| *p != leader)
         .collect();
     for pod in &all {
-        assert_eq!(
-            leading(pod),
-            usize::from(*pod == successor),
-            "{pod} leadership log"
-        );
+        assert_eq!(leading(pod), usize::from(*pod == successor), "{pod} leadership log");
     }
-    run_ok(
-        bed,
-        "kubectl",
-        &["apply", "-n", &ns.name, "-f", "-"],
-        Some(&scg_yaml("b", "redis", "s", "g2", &dir, "")),
-    )
-    .await?;
+    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&scg_yaml("b", "redis", "s", "g2", &dir, "")))
+        .await?;
     wait_condition(&client, &ns.name, "b", "GroupReady", "True", None, T).await?;
-    let groups: Vec<String> = group_info(&redis, "s")
-        .await?
-        .into_iter()
-        .map(|(g, _)| g)
-        .collect();
+    let groups: Vec<String> = group_info(&redis, "s").await?.into_iter().map(|(g, _)| g).collect();
     assert_eq!(groups, vec!["g1".to_string(), "g2".to_string()]);
     Ok(())
 }
@@ -519,40 +322,17 @@ spec:
       spec:
         containers: "not a list"
 "#;
-    run_ok(
-        bed,
-        "kubectl",
-        &["apply", "-n", &ns.name, "-f", "-"],
-        Some(broken),
-    )
-    .await?;
+    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(broken)).await?;
     let records = tempfile::tempdir()?;
-    let good = scg_yaml(
-        "good",
-        "redis",
-        "s",
-        "good",
-        &records.path().display().to_string(),
-        "",
-    );
-    run_ok(
-        bed,
-        "kubectl",
-        &["apply", "-n", &ns.name, "-f", "-"],
-        Some(&good),
-    )
-    .await?;
+    let good = scg_yaml("good", "redis", "s", "good", &records.path().display().to_string(), "");
+    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&good)).await?;
     wait_condition(&client, &ns.name, "good", "Ready", "True", None, T).await?;
     eventually("InvalidObject event", T, || async {
         let reasons = event_reasons(&client, &ns.name, "broken").await?;
         Ok(reasons.iter().any(|r| r == "InvalidObject").then_some(()))
     })
     .await?;
-    let groups: Vec<String> = group_info(&redis, "s")
-        .await?
-        .into_iter()
-        .map(|(g, _)| g)
-        .collect();
+    let groups: Vec<String> = group_info(&redis, "s").await?.into_iter().map(|(g, _)| g).collect();
     assert_eq!(groups, vec!["good".to_string()]);
     Ok(())
 }

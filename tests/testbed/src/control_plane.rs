@@ -45,22 +45,12 @@ impl ControlPlane {
         let etcd = etcd.0;
 
         let kubeconfig = dir.join("kubeconfig");
-        std::fs::write(
-            &kubeconfig,
-            kubeconfig_yaml(&server, &pki.ca_pem, &token, "default"),
-        )?;
+        std::fs::write(&kubeconfig, kubeconfig_yaml(&server, &pki.ca_pem, &token, "default"))?;
         let client = client_from(&kubeconfig).await?;
         wait_ready(&client, &mut apiserver).await?;
 
         let controller_manager = start_controller_manager(&logs, &pki, &kubeconfig)?;
-        let mut plane = Self {
-            server,
-            kubeconfig,
-            pki,
-            controller_manager,
-            apiserver,
-            etcd,
-        };
+        let mut plane = Self { server, kubeconfig, pki, controller_manager, apiserver, etcd };
         plane.wait_controllers(&client).await?;
         Ok(plane)
     }
@@ -92,10 +82,7 @@ impl ControlPlane {
             self.controller_manager.check_alive()?;
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        bail!(
-            "kube-controller-manager made no service account in 60s:\n{}",
-            self.controller_manager.log_tail(30)
-        )
+        bail!("kube-controller-manager made no service account in 60s:\n{}", self.controller_manager.log_tail(30))
     }
 }
 
@@ -145,10 +132,7 @@ async fn start_apiserver(
         "--authorization-mode=RBAC".into(),
         "--service-account-issuer=https://kubernetes.default.svc".into(),
         format!("--service-account-key-file={}", pki.sa_pub.display()),
-        format!(
-            "--service-account-signing-key-file={}",
-            pki.sa_key.display()
-        ),
+        format!("--service-account-signing-key-file={}", pki.sa_key.display()),
         "--service-cluster-ip-range=10.96.0.0/16".into(),
         // Loopback cannot be published as the `kubernetes` Service endpoint.
         "--endpoint-reconciler-type=none".into(),
@@ -164,10 +148,7 @@ fn start_controller_manager(logs: &Path, pki: &Pki, kubeconfig: &Path) -> Result
     let args = vec![
         format!("--kubeconfig={}", kubeconfig.display()),
         format!("--controllers={CONTROLLERS}"),
-        format!(
-            "--service-account-private-key-file={}",
-            pki.sa_key.display()
-        ),
+        format!("--service-account-private-key-file={}", pki.sa_key.display()),
         format!("--root-ca-file={}", pki.ca_cert.display()),
         "--leader-elect=false".into(),
         "--secure-port=0".into(),
@@ -191,10 +172,7 @@ async fn wait_ready(client: &Client, apiserver: &mut Daemon) -> Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    bail!(
-        "kube-apiserver not ready after 120s ({last}):\n{}",
-        apiserver.log_tail(30)
-    )
+    bail!("kube-apiserver not ready after 120s ({last}):\n{}", apiserver.log_tail(30))
 }
 
 fn http_get(path: &str) -> http::Request<Vec<u8>> {
@@ -205,8 +183,7 @@ fn http_get(path: &str) -> http::Request<Vec<u8>> {
 
 /// A kube client from a kubeconfig file.
 pub async fn client_from(kubeconfig: &Path) -> Result<Client> {
-    let kc = Kubeconfig::read_from(kubeconfig)
-        .with_context(|| format!("reading {}", kubeconfig.display()))?;
+    let kc = Kubeconfig::read_from(kubeconfig).with_context(|| format!("reading {}", kubeconfig.display()))?;
     let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?;
     Ok(Client::try_from(config)?)
 }
@@ -241,7 +218,5 @@ current-context: testbed
 fn random_token() -> String {
     use rand::Rng as _;
     let mut rng = rand::rng();
-    (0..32)
-        .map(|_| char::from(b"abcdefghijklmnopqrstuvwxyz0123456789"[rng.random_range(0..36)]))
-        .collect()
+    (0..32).map(|_| char::from(b"abcdefghijklmnopqrstuvwxyz0123456789"[rng.random_range(0..36)])).collect()
 }

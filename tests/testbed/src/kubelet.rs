@@ -65,15 +65,11 @@ pub struct ImageMap {
 impl ImageMap {
     /// Maps `streamfleet/NAME` to `bin_dir/NAME`.
     pub fn with_bin_dir(bin_dir: PathBuf) -> Self {
-        Self {
-            explicit: HashMap::new(),
-            bin_dir: Some(bin_dir),
-        }
+        Self { explicit: HashMap::new(), bin_dir: Some(bin_dir) }
     }
 
     pub fn insert(&mut self, image: &str, binary: PathBuf) {
-        self.explicit
-            .insert(image_repository(image).to_string(), binary);
+        self.explicit.insert(image_repository(image).to_string(), binary);
     }
 
     pub fn resolve(&self, image: &str) -> Option<PathBuf> {
@@ -115,21 +111,8 @@ pub struct Kubelet {
 }
 
 impl Kubelet {
-    pub fn new(
-        client: Client,
-        images: ImageMap,
-        root: PathBuf,
-        server: String,
-        ca_pem: String,
-    ) -> Self {
-        Self {
-            next_pod: std::sync::atomic::AtomicU32::new(0),
-            client,
-            images,
-            root,
-            server,
-            ca_pem,
-        }
+    pub fn new(client: Client, images: ImageMap, root: PathBuf, server: String, ca_pem: String) -> Self {
+        Self { next_pod: std::sync::atomic::AtomicU32::new(0), client, images, root, server, ca_pem }
     }
 
     /// Registers the node and runs pods until the future is dropped (which
@@ -206,9 +189,7 @@ impl Kubelet {
                          "containerRuntimeVersion": "local-process://", "kernelVersion": "", "osImage": "",
                          "kubeProxyVersion": "", "machineID": "", "systemUUID": "", "bootID": ""}
         }});
-        nodes
-            .patch_status(NODE_NAME, &PatchParams::default(), &Patch::Merge(&status))
-            .await?;
+        nodes.patch_status(NODE_NAME, &PatchParams::default(), &Patch::Merge(&status)).await?;
         Ok(())
     }
 
@@ -235,10 +216,7 @@ impl Kubelet {
                 }
                 let dp = DeleteParams {
                     grace_period_seconds: Some(0),
-                    preconditions: Some(Preconditions {
-                        uid: pod.metadata.uid.clone(),
-                        resource_version: None,
-                    }),
+                    preconditions: Some(Preconditions { uid: pod.metadata.uid.clone(), resource_version: None }),
                     ..DeleteParams::default()
                 };
                 let _ = api.delete(&name, &dp).await;
@@ -257,8 +235,7 @@ impl Kubelet {
                             runtime = Some(rt);
                         }
                         Err(StartError::Config(reason, message)) => {
-                            patch_status(&api, &name, waiting_status(&pod, &reason, &message))
-                                .await;
+                            patch_status(&api, &name, waiting_status(&pod, &reason, &message)).await;
                             // Retry: the Secret or image may appear later.
                             tokio::select! {
                                 _ = tokio::time::sleep(backoff) => {}
@@ -319,29 +296,19 @@ impl Kubelet {
     async fn start(&self, pod: &Pod) -> Result<PodRuntime, StartError> {
         let ns = pod.namespace().unwrap_or_default();
         let name = pod.name_any();
-        let spec = pod
-            .spec
-            .as_ref()
-            .ok_or_else(|| StartError::Other(anyhow!("pod has no spec")))?;
+        let spec = pod.spec.as_ref().ok_or_else(|| StartError::Other(anyhow!("pod has no spec")))?;
         let dir = self.root.join(&ns).join(&name);
         std::fs::create_dir_all(&dir).map_err(|e| StartError::Other(e.into()))?;
         let kubeconfig = self.identity(pod, &dir).await?;
-        let ip = pod_ip(
-            self.next_pod
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-        );
+        let ip = pod_ip(self.next_pod.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
         let mut containers = Vec::new();
         for c in &spec.containers {
-            let binary = c
-                .image
-                .as_deref()
-                .and_then(|image| self.images.resolve(image))
-                .ok_or_else(|| {
-                    StartError::Config(
-                        "ErrImagePull".into(),
-                        format!("image {:?} is not mapped to a local binary", c.image),
-                    )
-                })?;
+            let binary = c.image.as_deref().and_then(|image| self.images.resolve(image)).ok_or_else(|| {
+                StartError::Config(
+                    "ErrImagePull".into(),
+                    format!("image {:?} is not mapped to a local binary", c.image),
+                )
+            })?;
             let env = self.resolve_env(pod, &ip, c).await?;
             containers.push(ContainerRuntime {
                 spec: c.clone(),
@@ -361,10 +328,7 @@ impl Kubelet {
         }
         let mut rt = PodRuntime {
             containers,
-            restart_policy: spec
-                .restart_policy
-                .clone()
-                .unwrap_or_else(|| "Always".into()),
+            restart_policy: spec.restart_policy.clone().unwrap_or_else(|| "Always".into()),
             started: Time(k8s_openapi::jiff::Timestamp::now()),
             pod_ip: ip,
         };
@@ -381,9 +345,7 @@ impl Kubelet {
             return Ok(None);
         }
         let ns = pod.namespace().unwrap_or_default();
-        let sa = spec
-            .and_then(|s| s.service_account_name.clone())
-            .unwrap_or_else(|| "default".into());
+        let sa = spec.and_then(|s| s.service_account_name.clone()).unwrap_or_else(|| "default".into());
         let api: Api<ServiceAccount> = Api::namespaced(self.client.clone(), &ns);
         let request = TokenRequest {
             metadata: ObjectMeta::default(),
@@ -399,10 +361,7 @@ impl Kubelet {
             },
             status: None,
         };
-        let issued: TokenRequest = match api
-            .create_subresource("token", &sa, &PostParams::default(), &request)
-            .await
-        {
+        let issued: TokenRequest = match api.create_subresource("token", &sa, &PostParams::default(), &request).await {
             Ok(t) => t,
             Err(e) => {
                 return Err(StartError::Config(
@@ -413,20 +372,12 @@ impl Kubelet {
         };
         let token = issued.status.map(|s| s.token).unwrap_or_default();
         let path = dir.join("kubeconfig");
-        std::fs::write(
-            &path,
-            kubeconfig_yaml(&self.server, &self.ca_pem, &token, &ns),
-        )
-        .map_err(|e| StartError::Other(e.into()))?;
+        std::fs::write(&path, kubeconfig_yaml(&self.server, &self.ca_pem, &token, &ns))
+            .map_err(|e| StartError::Other(e.into()))?;
         Ok(Some(path))
     }
 
-    async fn resolve_env(
-        &self,
-        pod: &Pod,
-        pod_ip: &str,
-        c: &Container,
-    ) -> Result<Vec<(String, String)>, StartError> {
+    async fn resolve_env(&self, pod: &Pod, pod_ip: &str, c: &Container) -> Result<Vec<(String, String)>, StartError> {
         let ns = pod.namespace().unwrap_or_default();
         let secrets: Api<Secret> = Api::namespaced(self.client.clone(), &ns);
         let maps: Api<ConfigMap> = Api::namespaced(self.client.clone(), &ns);
@@ -435,79 +386,48 @@ impl Kubelet {
         for from in c.env_from.iter().flatten() {
             let prefix = from.prefix.clone().unwrap_or_default();
             if let Some(r) = &from.secret_ref {
-                match secrets
-                    .get_opt(&r.name)
-                    .await
-                    .map_err(|e| StartError::Other(e.into()))?
-                {
-                    Some(s) => out.extend(
-                        secret_data(&s)
-                            .into_iter()
-                            .map(|(k, v)| (format!("{prefix}{k}"), v)),
-                    ),
+                match secrets.get_opt(&r.name).await.map_err(|e| StartError::Other(e.into()))? {
+                    Some(s) => out.extend(secret_data(&s).into_iter().map(|(k, v)| (format!("{prefix}{k}"), v))),
                     None if r.optional == Some(true) => {}
                     None => return Err(config_err(format!("secret {:?} not found", r.name))),
                 }
             }
             if let Some(r) = &from.config_map_ref {
-                match maps
-                    .get_opt(&r.name)
-                    .await
-                    .map_err(|e| StartError::Other(e.into()))?
-                {
-                    Some(m) => out.extend(
-                        m.data
-                            .unwrap_or_default()
-                            .into_iter()
-                            .map(|(k, v)| (format!("{prefix}{k}"), v)),
-                    ),
+                match maps.get_opt(&r.name).await.map_err(|e| StartError::Other(e.into()))? {
+                    Some(m) => {
+                        out.extend(m.data.unwrap_or_default().into_iter().map(|(k, v)| (format!("{prefix}{k}"), v)))
+                    }
                     None if r.optional == Some(true) => {}
                     None => return Err(config_err(format!("configmap {:?} not found", r.name))),
                 }
             }
         }
-        for EnvVar {
-            name,
-            value,
-            value_from,
-        } in c.env.iter().flatten()
-        {
+        for EnvVar { name, value, value_from } in c.env.iter().flatten() {
             let resolved = match (value, value_from) {
                 (Some(v), _) => Some(expand_vars(v, &out)),
                 (None, None) => Some(String::new()),
                 (None, Some(from)) => {
                     if let Some(f) = &from.field_ref {
-                        Some(field_value(pod, pod_ip, &f.field_path).ok_or_else(|| {
-                            config_err(format!("unsupported fieldRef {:?}", f.field_path))
-                        })?)
+                        Some(
+                            field_value(pod, pod_ip, &f.field_path)
+                                .ok_or_else(|| config_err(format!("unsupported fieldRef {:?}", f.field_path)))?,
+                        )
                     } else if let Some(r) = &from.secret_key_ref {
-                        let secret = secrets
-                            .get_opt(&r.name)
-                            .await
-                            .map_err(|e| StartError::Other(e.into()))?;
+                        let secret = secrets.get_opt(&r.name).await.map_err(|e| StartError::Other(e.into()))?;
                         match secret.and_then(|s| secret_data(&s).remove(&r.key)) {
                             Some(v) => Some(v),
                             None if r.optional == Some(true) => None,
                             None => {
-                                return Err(config_err(format!(
-                                    "secret {:?} key {:?} not found",
-                                    r.name, r.key
-                                )));
+                                return Err(config_err(format!("secret {:?} key {:?} not found", r.name, r.key)));
                             }
                         }
                     } else if let Some(r) = &from.config_map_key_ref {
-                        let map = maps
-                            .get_opt(&r.name)
-                            .await
-                            .map_err(|e| StartError::Other(e.into()))?;
+                        let map = maps.get_opt(&r.name).await.map_err(|e| StartError::Other(e.into()))?;
                         match map.and_then(|m| m.data.unwrap_or_default().remove(&r.key)) {
                             Some(v) => Some(v),
                             None if r.optional == Some(true) => None,
                             None => {
-                                return Err(config_err(format!(
-                                    "configmap {:?} key {:?} not found",
-                                    r.name, r.key
-                                )));
+                                return Err(config_err(format!("configmap {:?} key {:?} not found", r.name, r.key)));
                             }
                         }
                     } else {
@@ -557,11 +477,8 @@ fn expand_vars(value: &str, env: &[(String, String)]) -> String {
 pub fn field_value(pod: &Pod, pod_ip: &str, path: &str) -> Option<String> {
     let meta = &pod.metadata;
     let spec = pod.spec.as_ref();
-    let subscript = |prefix: &str| -> Option<String> {
-        path.strip_prefix(prefix)?
-            .strip_suffix("']")
-            .map(str::to_string)
-    };
+    let subscript =
+        |prefix: &str| -> Option<String> { path.strip_prefix(prefix)?.strip_suffix("']").map(str::to_string) };
     match path {
         "metadata.name" => meta.name.clone(),
         "metadata.namespace" => meta.namespace.clone(),
@@ -575,13 +492,7 @@ pub fn field_value(pod: &Pod, pod_ip: &str, path: &str) -> Option<String> {
                 return Some(meta.labels.as_ref()?.get(&key).cloned().unwrap_or_default());
             }
             if let Some(key) = subscript("metadata.annotations['") {
-                return Some(
-                    meta.annotations
-                        .as_ref()?
-                        .get(&key)
-                        .cloned()
-                        .unwrap_or_default(),
-                );
+                return Some(meta.annotations.as_ref()?.get(&key).cloned().unwrap_or_default());
             }
             None
         }
@@ -597,11 +508,7 @@ async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
 
 /// One readiness probe: `httpGet` (HTTP only; 200-399 passes) and `tcpSocket`
 /// are run against the pod IP; `exec` and `grpc` are not emulated and pass.
-async fn probe_once(
-    probe: &k8s_openapi::api::core::v1::Probe,
-    c: &Container,
-    pod_ip: &str,
-) -> bool {
+async fn probe_once(probe: &k8s_openapi::api::core::v1::Probe, c: &Container, pod_ip: &str) -> bool {
     use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let port_of = |p: &IntOrString| match p {
@@ -613,36 +520,24 @@ async fn probe_once(
             .find(|cp| cp.name.as_deref() == Some(name.as_str()))
             .and_then(|cp| u16::try_from(cp.container_port).ok()),
     };
-    let timeout =
-        Duration::from_secs(u64::try_from(probe.timeout_seconds.unwrap_or(1).max(1)).unwrap_or(1));
+    let timeout = Duration::from_secs(u64::try_from(probe.timeout_seconds.unwrap_or(1).max(1)).unwrap_or(1));
     let attempt = async {
         if let Some(http) = &probe.http_get {
             let host = http.host.clone().unwrap_or_else(|| pod_ip.to_string());
             let port = port_of(&http.port)?;
-            let mut stream = tokio::net::TcpStream::connect((host.as_str(), port))
-                .await
-                .ok()?;
+            let mut stream = tokio::net::TcpStream::connect((host.as_str(), port)).await.ok()?;
             let path = http.path.clone().unwrap_or_else(|| "/".into());
-            let request =
-                format!("GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n");
+            let request = format!("GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n");
             stream.write_all(request.as_bytes()).await.ok()?;
             let mut head = [0u8; 64];
             let n = stream.read(&mut head).await.ok()?;
-            let code: u16 = String::from_utf8_lossy(&head[..n])
-                .split_whitespace()
-                .nth(1)?
-                .parse()
-                .ok()?;
+            let code: u16 = String::from_utf8_lossy(&head[..n]).split_whitespace().nth(1)?.parse().ok()?;
             return Some((200..400).contains(&code));
         }
         if let Some(tcp) = &probe.tcp_socket {
             let host = tcp.host.clone().unwrap_or_else(|| pod_ip.to_string());
             let port = port_of(&tcp.port)?;
-            return Some(
-                tokio::net::TcpStream::connect((host.as_str(), port))
-                    .await
-                    .is_ok(),
-            );
+            return Some(tokio::net::TcpStream::connect((host.as_str(), port)).await.is_ok());
         }
         Some(true)
     };
@@ -668,21 +563,14 @@ fn restart_backoff(restarts: i32) -> Duration {
 }
 
 fn pod_is_finished(pod: &Pod) -> bool {
-    matches!(
-        pod.status.as_ref().and_then(|s| s.phase.as_deref()),
-        Some("Succeeded") | Some("Failed")
-    )
+    matches!(pod.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded") | Some("Failed"))
 }
 
 fn grace_period(pod: &Pod) -> Duration {
     let secs = pod
         .metadata
         .deletion_grace_period_seconds
-        .or_else(|| {
-            pod.spec
-                .as_ref()
-                .and_then(|s| s.termination_grace_period_seconds)
-        })
+        .or_else(|| pod.spec.as_ref().and_then(|s| s.termination_grace_period_seconds))
         .unwrap_or(30);
     Duration::from_secs(u64::try_from(secs).unwrap_or(0))
 }
@@ -693,23 +581,15 @@ async fn bind(api: &Api<Pod>, name: &str) -> Result<()> {
         "metadata": {"name": name},
         "target": {"apiVersion": "v1", "kind": "Node", "name": NODE_NAME},
     });
-    api.create_subresource::<_, serde_json::Value>(
-        "binding",
-        name,
-        &PostParams::default(),
-        &binding,
-    )
-    .await
-    .context("binding pod")?;
+    api.create_subresource::<_, serde_json::Value>("binding", name, &PostParams::default(), &binding)
+        .await
+        .context("binding pod")?;
     Ok(())
 }
 
 async fn patch_status(api: &Api<Pod>, name: &str, status: serde_json::Value) {
     let patch = json!({ "status": status });
-    if let Err(e) = api
-        .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-    {
+    if let Err(e) = api.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch)).await {
         tracing::debug!("pod status {name}: {e}");
     }
 }
@@ -719,8 +599,10 @@ fn waiting_status(pod: &Pod, reason: &str, message: &str) -> serde_json::Value {
         .spec
         .iter()
         .flat_map(|s| s.containers.iter())
-        .map(|c| json!({"name": c.name, "image": c.image, "imageID": "", "ready": false, "restartCount": 0,
-                        "state": {"waiting": {"reason": reason, "message": message}}}))
+        .map(|c| {
+            json!({"name": c.name, "image": c.image, "imageID": "", "ready": false, "restartCount": 0,
+                        "state": {"waiting": {"reason": reason, "message": message}}})
+        })
         .collect();
     json!({"phase": "Pending", "hostIP": HOST_IP, "containerStatuses": statuses,
            "conditions": [{"type": "PodScheduled", "status": "True"},
@@ -762,13 +644,8 @@ impl ContainerRuntime {
         } else {
             cmd.current_dir(&self.home);
         }
-        let log = std::fs::File::options()
-            .create(true)
-            .append(true)
-            .open(&self.log)?;
-        cmd.stdout(log.try_clone()?)
-            .stderr(log)
-            .stdin(std::process::Stdio::null());
+        let log = std::fs::File::options().create(true).append(true).open(&self.log)?;
+        cmd.stdout(log.try_clone()?).stderr(log).stdin(std::process::Stdio::null());
         cmd.kill_on_drop(true);
         Ok(cmd)
     }
@@ -789,17 +666,11 @@ enum ExitAction {
 
 impl PodRuntime {
     async fn restart(&mut self, index: usize) -> Result<()> {
-        let c = self
-            .containers
-            .get_mut(index)
-            .context("no such container")?;
+        let c = self.containers.get_mut(index).context("no such container")?;
         let mut cmd = c.command()?;
         let std_cmd = cmd.as_std_mut();
         crate::process::die_with_parent(std_cmd);
-        c.child = Some(
-            cmd.spawn()
-                .with_context(|| format!("starting {}", c.binary.display()))?,
-        );
+        c.child = Some(cmd.spawn().with_context(|| format!("starting {}", c.binary.display()))?);
         c.started_at = Some(Time(k8s_openapi::jiff::Timestamp::now()));
         c.restart_at = None;
         let probe = c.spec.readiness_probe.as_ref();
@@ -817,11 +688,7 @@ impl PodRuntime {
             .containers
             .iter_mut()
             .enumerate()
-            .filter_map(|(i, c)| {
-                c.child
-                    .as_mut()
-                    .map(|ch| Box::pin(async move { (i, ch.wait().await) }))
-            })
+            .filter_map(|(i, c)| c.child.as_mut().map(|ch| Box::pin(async move { (i, ch.wait().await) })))
             .collect();
         if waits.is_empty() {
             return futures::future::pending().await;
@@ -860,10 +727,7 @@ impl PodRuntime {
         if self.containers.iter().any(|c| c.child.is_some()) {
             return ExitAction::Wait;
         }
-        let failed = self
-            .containers
-            .iter()
-            .any(|c| c.last_exit.unwrap_or(0) != 0);
+        let failed = self.containers.iter().any(|c| c.last_exit.unwrap_or(0) != 0);
         ExitAction::Finish(if failed { "Failed" } else { "Succeeded" })
     }
 
@@ -877,9 +741,7 @@ impl PodRuntime {
         let deadline = tokio::time::Instant::now() + grace;
         for c in &mut self.containers {
             if let Some(child) = c.child.as_mut()
-                && tokio::time::timeout_at(deadline, child.wait())
-                    .await
-                    .is_err()
+                && tokio::time::timeout_at(deadline, child.wait()).await.is_err()
             {
                 let _ = child.kill().await;
             }
@@ -904,11 +766,7 @@ impl PodRuntime {
 
     /// The earliest due readiness probe.
     fn next_probe(&self) -> Option<tokio::time::Instant> {
-        self.containers
-            .iter()
-            .filter(|c| c.child.is_some())
-            .filter_map(|c| c.next_probe)
-            .min()
+        self.containers.iter().filter(|c| c.child.is_some()).filter_map(|c| c.next_probe).min()
     }
 
     /// Runs the readiness probes that are due; true when readiness changed.
@@ -933,11 +791,7 @@ impl PodRuntime {
 
     /// The earliest scheduled restart: (when, container index).
     fn next_restart(&self) -> Option<(tokio::time::Instant, usize)> {
-        self.containers
-            .iter()
-            .enumerate()
-            .filter_map(|(i, c)| c.restart_at.map(|t| (t, i)))
-            .min()
+        self.containers.iter().enumerate().filter_map(|(i, c)| c.restart_at.map(|t| (t, i))).min()
     }
 
     fn status(&self, finished: Option<&str>) -> serde_json::Value {
@@ -961,11 +815,7 @@ impl PodRuntime {
                 s
             })
             .collect();
-        let all_ready = finished.is_none()
-            && self
-                .containers
-                .iter()
-                .all(|c| c.child.is_some() && c.probe_ok);
+        let all_ready = finished.is_none() && self.containers.iter().all(|c| c.child.is_some() && c.probe_ok);
         let ready = if all_ready { "True" } else { "False" };
         let phase = finished.unwrap_or("Running");
         json!({
@@ -988,19 +838,10 @@ mod tests {
 
     #[test]
     fn image_repository_strips_tag_and_digest_but_not_registry_port() {
-        assert_eq!(
-            image_repository("streamfleet/testproc:0.1"),
-            "streamfleet/testproc"
-        );
-        assert_eq!(
-            image_repository("streamfleet/testproc"),
-            "streamfleet/testproc"
-        );
+        assert_eq!(image_repository("streamfleet/testproc:0.1"), "streamfleet/testproc");
+        assert_eq!(image_repository("streamfleet/testproc"), "streamfleet/testproc");
         assert_eq!(image_repository("reg:5000/a/b"), "reg:5000/a/b");
-        assert_eq!(
-            image_repository("reg:5000/a/b:v1@sha256:abc"),
-            "reg:5000/a/b"
-        );
+        assert_eq!(image_repository("reg:5000/a/b:v1@sha256:abc"), "reg:5000/a/b");
     }
 
     #[test]
@@ -1012,23 +853,11 @@ mod tests {
         .unwrap();
         let ip = "127.1.0.7";
         assert_eq!(field_value(&pod, ip, "metadata.name").as_deref(), Some("p"));
-        assert_eq!(
-            field_value(&pod, ip, "metadata.namespace").as_deref(),
-            Some("n")
-        );
-        assert_eq!(
-            field_value(&pod, ip, "metadata.labels['app']").as_deref(),
-            Some("x")
-        );
-        assert_eq!(
-            field_value(&pod, ip, "spec.nodeName").as_deref(),
-            Some(NODE_NAME)
-        );
+        assert_eq!(field_value(&pod, ip, "metadata.namespace").as_deref(), Some("n"));
+        assert_eq!(field_value(&pod, ip, "metadata.labels['app']").as_deref(), Some("x"));
+        assert_eq!(field_value(&pod, ip, "spec.nodeName").as_deref(), Some(NODE_NAME));
         assert_eq!(field_value(&pod, ip, "status.podIP").as_deref(), Some(ip));
-        assert_eq!(
-            field_value(&pod, ip, "status.hostIP").as_deref(),
-            Some(HOST_IP)
-        );
+        assert_eq!(field_value(&pod, ip, "status.hostIP").as_deref(), Some(HOST_IP));
         assert_eq!(field_value(&pod, ip, "spec.bogus"), None);
     }
 
@@ -1038,10 +867,7 @@ mod tests {
         assert_eq!(ips.len(), 70_000);
         for ip in &ips {
             let addr: std::net::Ipv4Addr = ip.parse().unwrap();
-            assert!(
-                addr.is_loopback() && addr != std::net::Ipv4Addr::LOCALHOST,
-                "{ip}"
-            );
+            assert!(addr.is_loopback() && addr != std::net::Ipv4Addr::LOCALHOST, "{ip}");
             assert!(!ip.ends_with(".0") && !ip.ends_with(".255"), "{ip}");
         }
     }

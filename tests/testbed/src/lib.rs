@@ -60,52 +60,45 @@ impl TestBed {
         std::fs::create_dir_all(&dir)?;
         let (tx, rx) = std::sync::mpsc::channel::<Result<TestBed>>();
         let thread_dir = dir.clone();
-        std::thread::Builder::new()
-            .name("testbed".into())
-            .spawn(move || {
-                let runtime = match tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(2)
-                    .enable_all()
-                    .build()
-                {
-                    Ok(rt) => rt,
+        std::thread::Builder::new().name("testbed".into()).spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = tx.send(Err(e.into()));
+                    return;
+                }
+            };
+            let handle = runtime.handle().clone();
+            runtime.block_on(async move {
+                let plane = match ControlPlane::start(&thread_dir).await {
+                    Ok(p) => p,
                     Err(e) => {
-                        let _ = tx.send(Err(e.into()));
+                        let _ = tx.send(Err(e));
                         return;
                     }
                 };
-                let handle = runtime.handle().clone();
-                runtime.block_on(async move {
-                    let plane = match ControlPlane::start(&thread_dir).await {
-                        Ok(p) => p,
-                        Err(e) => {
-                            let _ = tx.send(Err(e));
-                            return;
-                        }
-                    };
-                    let kubelet = match kubelet_for(&plane, &thread_dir).await {
-                        Ok(k) => k,
-                        Err(e) => {
-                            let _ = tx.send(Err(e));
-                            return;
-                        }
-                    };
-                    let _ = tx.send(Ok(TestBed {
-                        dir: thread_dir.clone(),
-                        kubeconfig: plane.kubeconfig.clone(),
-                        server: plane.server.clone(),
-                        runtime: handle,
-                    }));
-                    if let Err(e) = kubelet.run().await {
-                        tracing::error!("kubelet stand-in stopped: {e:#}");
+                let kubelet = match kubelet_for(&plane, &thread_dir).await {
+                    Ok(k) => k,
+                    Err(e) => {
+                        let _ = tx.send(Err(e));
+                        return;
                     }
-                    // Keep the control plane (owned here) alive with the process.
-                    let _plane = plane;
-                    futures::future::pending::<()>().await;
-                });
-            })?;
-        rx.recv_timeout(Duration::from_secs(300))
-            .context("test bed did not start within 300s")?
+                };
+                let _ = tx.send(Ok(TestBed {
+                    dir: thread_dir.clone(),
+                    kubeconfig: plane.kubeconfig.clone(),
+                    server: plane.server.clone(),
+                    runtime: handle,
+                }));
+                if let Err(e) = kubelet.run().await {
+                    tracing::error!("kubelet stand-in stopped: {e:#}");
+                }
+                // Keep the control plane (owned here) alive with the process.
+                let _plane = plane;
+                futures::future::pending::<()>().await;
+            });
+        })?;
+        rx.recv_timeout(Duration::from_secs(300)).context("test bed did not start within 300s")?
     }
 
     /// A new admin client for the calling runtime.
@@ -117,16 +110,9 @@ impl TestBed {
     /// returned guard drops, even if the test fails.
     pub async fn namespace(&self, client: &Client, prefix: &str) -> Result<TestNamespace> {
         let name = format!("{prefix}-{}", random_suffix());
-        let ns: Namespace =
-            serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?;
-        Api::<Namespace>::all(client.clone())
-            .create(&PostParams::default(), &ns)
-            .await?;
-        Ok(TestNamespace {
-            name,
-            kubeconfig: self.kubeconfig.clone(),
-            runtime: self.runtime.clone(),
-        })
+        let ns: Namespace = serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?;
+        Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
+        Ok(TestNamespace { name, kubeconfig: self.kubeconfig.clone(), runtime: self.runtime.clone() })
     }
 
     /// Where the kubelet stand-in keeps a pod's files (logs, kubeconfig).
@@ -150,9 +136,7 @@ impl Drop for TestNamespace {
         let (name, kubeconfig) = (self.name.clone(), self.kubeconfig.clone());
         self.runtime.spawn(async move {
             if let Ok(client) = control_plane::client_from(&kubeconfig).await {
-                let _ = Api::<Namespace>::all(client)
-                    .delete(&name, &DeleteParams::default())
-                    .await;
+                let _ = Api::<Namespace>::all(client).delete(&name, &DeleteParams::default()).await;
             }
         });
     }
@@ -181,10 +165,7 @@ fn clean_stale_runs() {
     };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name
-            .strip_prefix("run-")
-            .and_then(|p| p.parse::<u32>().ok())
-        else {
+        let Some(pid) = name.strip_prefix("run-").and_then(|p| p.parse::<u32>().ok()) else {
             continue;
         };
         if !Path::new(&format!("/proc/{pid}")).exists() {
@@ -196,9 +177,7 @@ fn clean_stale_runs() {
 pub fn random_suffix() -> String {
     use rand::Rng as _;
     let mut rng = rand::rng();
-    (0..6)
-        .map(|_| char::from(b"abcdefghijklmnopqrstuvwxyz0123456789"[rng.random_range(0..36)]))
-        .collect()
+    (0..6).map(|_| char::from(b"abcdefghijklmnopqrstuvwxyz0123456789"[rng.random_range(0..36)])).collect()
 }
 
 /// Polls `f` every 100ms until it returns `Some`, or fails after `timeout`.

@@ -25,14 +25,8 @@ impl Daemon {
         let mut cmd = Command::new(program);
         cmd.args(args).stdin(Stdio::null()).stdout(out).stderr(err);
         die_with_parent(&mut cmd);
-        let child = cmd
-            .spawn()
-            .with_context(|| format!("starting {name} ({})", program.display()))?;
-        Ok(Self {
-            name: name.to_string(),
-            child,
-            log,
-        })
+        let child = cmd.spawn().with_context(|| format!("starting {name} ({})", program.display()))?;
+        Ok(Self { name: name.to_string(), child, log })
     }
 
     pub fn pid(&self) -> u32 {
@@ -42,11 +36,7 @@ impl Daemon {
     /// Fails with the tail of the log if the process has already exited.
     pub fn check_alive(&mut self) -> Result<()> {
         if let Some(status) = self.child.try_wait()? {
-            anyhow::bail!(
-                "{} exited ({status}); last log lines:\n{}",
-                self.name,
-                self.log_tail(40)
-            );
+            anyhow::bail!("{} exited ({status}); last log lines:\n{}", self.name, self.log_tail(40));
         }
         Ok(())
     }
@@ -101,8 +91,7 @@ pub fn die_with_parent(cmd: &mut Command) {
     #[allow(unsafe_code)]
     unsafe {
         cmd.pre_exec(|| {
-            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
-                .map_err(std::io::Error::from)
+            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL).map_err(std::io::Error::from)
         });
     }
 }
@@ -118,10 +107,7 @@ pub fn free_port() -> Result<u16> {
 pub async fn wait_for_port(port: u16, timeout: Duration) -> Result<()> {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_ok()
-        {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
             return Ok(());
         }
         if tokio::time::Instant::now() > deadline {

@@ -18,9 +18,7 @@ pub struct RedisServer {
 impl RedisServer {
     /// A fresh server in its own temporary folder.
     pub async fn start() -> Result<Self> {
-        let dir = tempfile::Builder::new()
-            .prefix("streamfleet-redis-")
-            .tempdir()?;
+        let dir = tempfile::Builder::new().prefix("streamfleet-redis-").tempdir()?;
         let path = dir.path().to_path_buf();
         let mut server = Self::start_in(&path, &[]).await?;
         server._dir = Some(dir);
@@ -59,11 +57,7 @@ impl RedisServer {
             let mut daemon = Daemon::spawn(&format!("redis-{port}"), &bin, &args, &data)?;
             match wait_for_port(port, Duration::from_secs(10)).await {
                 Ok(()) => {
-                    return Ok(Self {
-                        port,
-                        daemon,
-                        _dir: None,
-                    });
+                    return Ok(Self { port, daemon, _dir: None });
                 }
                 Err(e) => {
                     last_err = Some(daemon.check_alive().err().unwrap_or(e));
@@ -99,9 +93,7 @@ impl RedisCluster {
         if masters < 3 {
             bail!("Redis Cluster needs at least 3 masters");
         }
-        let dir = tempfile::Builder::new()
-            .prefix("streamfleet-cluster-")
-            .tempdir()?;
+        let dir = tempfile::Builder::new().prefix("streamfleet-cluster-").tempdir()?;
         let mut nodes = Vec::with_capacity(masters);
         for i in 0..masters {
             let conf = dir.path().join(format!("nodes-{i}.conf"));
@@ -109,14 +101,7 @@ impl RedisCluster {
             nodes.push(
                 RedisServer::start_in(
                     dir.path(),
-                    &[
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        &conf,
-                        "--cluster-node-timeout",
-                        "5000",
-                    ],
+                    &["--cluster-enabled", "yes", "--cluster-config-file", &conf, "--cluster-node-timeout", "5000"],
                 )
                 .await?,
             );
@@ -128,10 +113,7 @@ impl RedisCluster {
             cmd.arg(format!("127.0.0.1:{}", n.port));
         }
         cmd.args(["--cluster-replicas", "0", "--cluster-yes"]);
-        let out = cmd
-            .output()
-            .await
-            .context("running redis-cli --cluster create")?;
+        let out = cmd.output().await.context("running redis-cli --cluster create")?;
         if !out.status.success() {
             bail!(
                 "redis-cli --cluster create failed: {}{}",
@@ -165,10 +147,7 @@ impl RedisCluster {
             let mut all_ok = true;
             for n in &self.nodes {
                 let mut conn = n.connection().await?;
-                let info: String = redis::cmd("CLUSTER")
-                    .arg("INFO")
-                    .query_async(&mut conn)
-                    .await?;
+                let info: String = redis::cmd("CLUSTER").arg("INFO").query_async(&mut conn).await?;
                 all_ok &= info.contains("cluster_state:ok");
             }
             if all_ok {

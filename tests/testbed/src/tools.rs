@@ -26,10 +26,7 @@ pub fn tool(name: &str) -> Result<PathBuf> {
         .unwrap_or_else(|| workspace_root().join("target/tools/bin"));
     let path = dir.join(name);
     if !path.exists() {
-        bail!(
-            "{} not found; run scripts/build-tools.sh (or set STREAMFLEET_TOOLS_BIN)",
-            path.display()
-        );
+        bail!("{} not found; run scripts/build-tools.sh (or set STREAMFLEET_TOOLS_BIN)", path.display());
     }
     Ok(path)
 }
@@ -46,10 +43,7 @@ pub fn system(name: &str) -> Result<PathBuf> {
 /// The cargo target folder holding this workspace's binaries.
 pub fn cargo_bin_dir() -> Result<PathBuf> {
     let exe = std::env::current_exe().context("locating the running executable")?;
-    let mut dir = exe
-        .parent()
-        .context("executable has no folder")?
-        .to_path_buf();
+    let mut dir = exe.parent().context("executable has no folder")?.to_path_buf();
     if dir.ends_with("deps") {
         dir.pop();
     }
@@ -60,10 +54,7 @@ pub fn cargo_bin_dir() -> Result<PathBuf> {
 pub fn cargo_bin(name: &str) -> Result<PathBuf> {
     let path = cargo_bin_dir()?.join(name);
     if !path.is_file() {
-        bail!(
-            "{} not built; run `cargo build --workspace --bins`",
-            path.display()
-        );
+        bail!("{} not built; run `cargo build --workspace --bins`", path.display());
     }
     Ok(path)
 }

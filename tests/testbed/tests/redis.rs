@@ -11,22 +11,11 @@ use redis::streams::{StreamReadOptions, StreamReadReply};
 use streamfleet_testbed::{RedisCluster, RedisServer};
 
 async fn group_cycle<C: ConnectionLike + Send + Sync>(conn: &mut C, stream: &str) -> Result<()> {
-    let () = redis::cmd("XGROUP")
-        .arg("CREATE")
-        .arg(stream)
-        .arg("g")
-        .arg("0")
-        .arg("MKSTREAM")
-        .query_async(conn)
-        .await?;
+    let () = redis::cmd("XGROUP").arg("CREATE").arg(stream).arg("g").arg("0").arg("MKSTREAM").query_async(conn).await?;
     let id: String = conn.xadd(stream, "*", &[("order", "42")]).await?;
     let opts = StreamReadOptions::default().group("g", "c1").count(10);
     let reply: StreamReadReply = conn.xread_options(&[stream], &[">"], &opts).await?;
-    let ids: Vec<String> = reply
-        .keys
-        .iter()
-        .flat_map(|k| k.ids.iter().map(|e| e.id.clone()))
-        .collect();
+    let ids: Vec<String> = reply.keys.iter().flat_map(|k| k.ids.iter().map(|e| e.id.clone())).collect();
     assert_eq!(ids, vec![id.clone()]);
     let entry = &reply.keys[0].ids[0];
     assert_eq!(entry.get::<String>("order").as_deref(), Some("42"));
@@ -44,10 +33,7 @@ async fn group_cycle<C: ConnectionLike + Send + Sync>(conn: &mut C, stream: &str
 async fn standalone_server_runs_the_consumer_group_cycle() -> Result<()> {
     let server = RedisServer::start().await?;
     let mut conn = server.connection().await?;
-    let version: String = redis::cmd("INFO")
-        .arg("server")
-        .query_async(&mut conn)
-        .await?;
+    let version: String = redis::cmd("INFO").arg("server").query_async(&mut conn).await?;
     assert!(version.contains("redis_version:"), "{version}");
     group_cycle(&mut conn, "orders").await
 }
@@ -61,11 +47,7 @@ async fn cluster_runs_the_cycle_on_streams_in_different_slots() -> Result<()> {
     let mut owners = std::collections::BTreeSet::new();
     for key in keys {
         group_cycle(&mut conn, key).await?;
-        let slot: i64 = redis::cmd("CLUSTER")
-            .arg("KEYSLOT")
-            .arg(key)
-            .query_async(&mut conn)
-            .await?;
+        let slot: i64 = redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query_async(&mut conn).await?;
         owners.insert(owner_of(&cluster, slot).await?);
     }
     assert!(owners.len() >= 2, "keys landed on {owners:?}");
@@ -76,10 +58,7 @@ async fn cluster_runs_the_cycle_on_streams_in_different_slots() -> Result<()> {
 async fn owner_of(cluster: &RedisCluster, slot: i64) -> Result<u16> {
     let mut conn = cluster.nodes[0].connection().await?;
     // Each range: [start, end, [ip, port, id, ...] (master), replicas...].
-    let ranges: Vec<Vec<redis::Value>> = redis::cmd("CLUSTER")
-        .arg("SLOTS")
-        .query_async(&mut conn)
-        .await?;
+    let ranges: Vec<Vec<redis::Value>> = redis::cmd("CLUSTER").arg("SLOTS").query_async(&mut conn).await?;
     ranges
         .iter()
         .find_map(|r| {
@@ -87,9 +66,7 @@ async fn owner_of(cluster: &RedisCluster, slot: i64) -> Result<u16> {
             let hi: i64 = redis::from_redis_value_ref(r.get(1)?).ok()?;
             let master: Vec<redis::Value> = redis::from_redis_value_ref(r.get(2)?).ok()?;
             let port: i64 = redis::from_redis_value_ref(master.get(1)?).ok()?;
-            (lo..=hi)
-                .contains(&slot)
-                .then(|| u16::try_from(port).unwrap_or(0))
+            (lo..=hi).contains(&slot).then(|| u16::try_from(port).unwrap_or(0))
         })
         .ok_or_else(|| anyhow::anyhow!("no owner for slot {slot}"))
 }

@@ -40,9 +40,7 @@ fn count_with_ext(dir: &Path, ext: &str) -> usize {
 
 fn pid_alive(pid: u64) -> bool {
     // A zombie is a process that already exited and has not been reaped yet.
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| !s.contains(") Z "))
-        .unwrap_or(false)
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).map(|s| !s.contains(") Z ")).unwrap_or(false)
 }
 
 fn testproc_deployment(name: &str, replicas: i32, out_dir: &Path) -> Result<Deployment> {
@@ -75,23 +73,13 @@ fn testproc_deployment(name: &str, replicas: i32, out_dir: &Path) -> Result<Depl
 
 async fn scale(client: &Client, ns: &str, name: &str, replicas: i32) -> Result<()> {
     let api: Api<Deployment> = Api::namespaced(client.clone(), ns);
-    api.patch(
-        name,
-        &PatchParams::default(),
-        &Patch::Merge(json!({"spec": {"replicas": replicas}})),
-    )
-    .await?;
+    api.patch(name, &PatchParams::default(), &Patch::Merge(json!({"spec": {"replicas": replicas}}))).await?;
     Ok(())
 }
 
 async fn ready_replicas(client: &Client, ns: &str, name: &str) -> Result<i32> {
     let api: Api<Deployment> = Api::namespaced(client.clone(), ns);
-    Ok(api
-        .get(name)
-        .await?
-        .status
-        .and_then(|s| s.ready_replicas)
-        .unwrap_or(0))
+    Ok(api.get(name).await?.status.and_then(|s| s.ready_replicas).unwrap_or(0))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -104,16 +92,9 @@ async fn deployment_replicas_become_local_processes_and_stop_with_sigterm() -> R
     let secret: Secret = serde_json::from_value(json!({
         "metadata": {"name": "redis"}, "stringData": {"url": "redis://127.0.0.1:1/"}
     }))?;
-    Api::<Secret>::namespaced(client.clone(), &ns.name)
-        .create(&PostParams::default(), &secret)
-        .await?;
+    Api::<Secret>::namespaced(client.clone(), &ns.name).create(&PostParams::default(), &secret).await?;
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns.name);
-    deployments
-        .create(
-            &PostParams::default(),
-            &testproc_deployment("tp", 2, out.path())?,
-        )
-        .await?;
+    deployments.create(&PostParams::default(), &testproc_deployment("tp", 2, out.path())?).await?;
 
     // Two replicas → two real processes, each with its own resolved env.
     let records = eventually("2 processes", TIMEOUT, || async {
@@ -122,24 +103,10 @@ async fn deployment_replicas_become_local_processes_and_stop_with_sigterm() -> R
     })
     .await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
-    let pod_names: Vec<String> = pods
-        .list(&ListParams::default())
-        .await?
-        .items
-        .iter()
-        .map(|p| p.name_any())
-        .collect();
+    let pod_names: Vec<String> = pods.list(&ListParams::default()).await?.items.iter().map(|p| p.name_any()).collect();
     for r in &records {
         let env = &r["env"];
-        assert!(
-            pod_names.contains(
-                &env["TESTPROC_NAME"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_string()
-            ),
-            "{env}"
-        );
+        assert!(pod_names.contains(&env["TESTPROC_NAME"].as_str().unwrap_or_default().to_string()), "{env}");
         assert_eq!(env["POD_NAMESPACE"], ns.name.as_str());
         assert_eq!(env["REDIS_URL"], "redis://127.0.0.1:1/");
         assert_eq!(env["GREETING"], format!("hello-{}", ns.name));
@@ -151,34 +118,20 @@ async fn deployment_replicas_become_local_processes_and_stop_with_sigterm() -> R
     .await?;
 
     // The pod runs as its ServiceAccount: authenticated, and denied by RBAC.
-    let kubeconfig = records[0]["env"]["KUBECONFIG"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
-    let pod_client =
-        streamfleet_testbed::control_plane::client_from(Path::new(&kubeconfig)).await?;
-    let denied = Api::<Pod>::namespaced(pod_client, &ns.name)
-        .list(&ListParams::default())
-        .await;
+    let kubeconfig = records[0]["env"]["KUBECONFIG"].as_str().unwrap_or_default().to_string();
+    let pod_client = streamfleet_testbed::control_plane::client_from(Path::new(&kubeconfig)).await?;
+    let denied = Api::<Pod>::namespaced(pod_client, &ns.name).list(&ListParams::default()).await;
     match denied {
         Err(kube::Error::Api(s)) => {
             assert_eq!(s.code, 403);
-            assert!(
-                s.message
-                    .contains(&format!("system:serviceaccount:{}:default", ns.name)),
-                "{}",
-                s.message
-            );
+            assert!(s.message.contains(&format!("system:serviceaccount:{}:default", ns.name)), "{}", s.message);
         }
         other => panic!("expected 403 for the default service account, got {other:?}"),
     }
 
     // Scale up: one more process.
     scale(&client, &ns.name, "tp", 3).await?;
-    eventually("3rd process", TIMEOUT, || async {
-        Ok((started(out.path()).len() == 3).then_some(()))
-    })
-    .await?;
+    eventually("3rd process", TIMEOUT, || async { Ok((started(out.path()).len() == 3).then_some(())) }).await?;
     eventually("3 ready replicas", TIMEOUT, || async {
         Ok((ready_replicas(&client, &ns.name, "tp").await? == 3).then_some(()))
     })
@@ -186,25 +139,15 @@ async fn deployment_replicas_become_local_processes_and_stop_with_sigterm() -> R
 
     // Scale to zero: every process gets SIGTERM, exits, and its pod goes away.
     scale(&client, &ns.name, "tp", 0).await?;
-    eventually("3 SIGTERMs", TIMEOUT, || async {
-        Ok((count_with_ext(out.path(), "sigterm") == 3).then_some(()))
-    })
-    .await?;
+    eventually("3 SIGTERMs", TIMEOUT, || async { Ok((count_with_ext(out.path(), "sigterm") == 3).then_some(())) })
+        .await?;
     eventually("pods removed", TIMEOUT, || async {
-        Ok(pods
-            .list(&ListParams::default())
-            .await?
-            .items
-            .is_empty()
-            .then_some(()))
+        Ok(pods.list(&ListParams::default()).await?.items.is_empty().then_some(()))
     })
     .await?;
     for r in started(out.path()) {
         let pid = r["pid"].as_u64().unwrap_or(0);
-        eventually("process exit", TIMEOUT, || async {
-            Ok((!pid_alive(pid)).then_some(()))
-        })
-        .await?;
+        eventually("process exit", TIMEOUT, || async { Ok((!pid_alive(pid)).then_some(())) }).await?;
     }
     Ok(())
 }
@@ -247,29 +190,15 @@ async fn cronjob_controller_creates_a_job_that_runs_to_succeeded() -> Result<()>
         "metadata": {"name": "sweep"},
         "spec": {"schedule": "* * * * *", "concurrencyPolicy": "Forbid", "jobTemplate": job_template(out.path(), 0)}
     }))?;
-    Api::<CronJob>::namespaced(client.clone(), &ns.name)
-        .create(&PostParams::default(), &cron)
-        .await?;
+    Api::<CronJob>::namespaced(client.clone(), &ns.name).create(&PostParams::default(), &cron).await?;
 
     // The real cronjob controller fires at the next minute boundary.
     let jobs: Api<Job> = Api::namespaced(client.clone(), &ns.name);
-    let job = eventually(
-        "a Job from the CronJob",
-        Duration::from_secs(90),
-        || async {
-            Ok(jobs
-                .list(&ListParams::default())
-                .await?
-                .items
-                .into_iter()
-                .next())
-        },
-    )
+    let job = eventually("a Job from the CronJob", Duration::from_secs(90), || async {
+        Ok(jobs.list(&ListParams::default()).await?.items.into_iter().next())
+    })
     .await?;
-    let owner = job
-        .owner_references()
-        .first()
-        .map(|o| (o.kind.clone(), o.name.clone()));
+    let owner = job.owner_references().first().map(|o| (o.kind.clone(), o.name.clone()));
     assert_eq!(owner, Some(("CronJob".to_string(), "sweep".to_string())));
     let name = job.name_any();
     eventually("Job Complete", TIMEOUT, || async {
@@ -290,19 +219,13 @@ async fn failing_container_fails_its_job() -> Result<()> {
     let mut job: Value = job_template(out.path(), 3);
     job["metadata"] = json!({"name": "fails"});
     let jobs: Api<Job> = Api::namespaced(client.clone(), &ns.name);
-    jobs.create(&PostParams::default(), &serde_json::from_value(job)?)
-        .await?;
+    jobs.create(&PostParams::default(), &serde_json::from_value(job)?).await?;
     eventually("Job Failed", TIMEOUT, || async {
         Ok(job_condition(&jobs.get("fails").await?, "Failed").then_some(()))
     })
     .await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
-    let pod = pods
-        .list(&ListParams::default())
-        .await?
-        .items
-        .into_iter()
-        .next();
+    let pod = pods.list(&ListParams::default()).await?.items.into_iter().next();
     let status = pod.and_then(|p| p.status).unwrap_or_default();
     assert_eq!(status.phase.as_deref(), Some("Failed"));
     let exit = status.container_statuses.unwrap_or_default()[0]

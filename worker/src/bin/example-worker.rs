@@ -28,11 +28,7 @@ struct Orders {
 }
 
 fn percent(name: &str) -> f64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse::<f64>().ok())
-        .unwrap_or(0.0)
-        .clamp(0.0, 100.0)
+    std::env::var(name).ok().and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0).clamp(0.0, 100.0)
 }
 
 impl Handler for Orders {
@@ -44,13 +40,8 @@ impl Handler for Orders {
         let Some(order) = entry.field_str("order_id") else {
             return Outcome::Malformed("no order_id field".into());
         };
-        let Some(amount) = entry
-            .field_str("amount_cents")
-            .and_then(|a| a.parse::<u64>().ok())
-        else {
-            return Outcome::Malformed(format!(
-                "order {order}: amount_cents missing or not a number"
-            ));
+        let Some(amount) = entry.field_str("amount_cents").and_then(|a| a.parse::<u64>().ok()) else {
+            return Outcome::Malformed(format!("order {order}: amount_cents missing or not a number"));
         };
         if entry.field_str("poison") == Some("1") {
             return Outcome::Permanent(format!("order {order}: card declined"));
@@ -62,23 +53,15 @@ impl Handler for Orders {
             return Outcome::Transient("payment gateway timeout".into());
         }
         let mut ledger = self.ledger.clone();
-        let charged: redis::RedisResult<i64> = redis::cmd("HSETNX")
-            .arg("ledger:charges")
-            .arg(order)
-            .arg(amount)
-            .query_async(&mut ledger)
-            .await;
+        let charged: redis::RedisResult<i64> =
+            redis::cmd("HSETNX").arg("ledger:charges").arg(order).arg(amount).query_async(&mut ledger).await;
         match charged {
             Ok(1) => {}
             // The ledger refused a second charge for this order: the effect
             // already happened, so this delivery is done too.
             Ok(_) => {
-                let _: redis::RedisResult<i64> = redis::cmd("HINCRBY")
-                    .arg("ledger:duplicates")
-                    .arg(order)
-                    .arg(1)
-                    .query_async(&mut ledger)
-                    .await;
+                let _: redis::RedisResult<i64> =
+                    redis::cmd("HINCRBY").arg("ledger:duplicates").arg(order).arg(1).query_async(&mut ledger).await;
             }
             Err(e) => return Outcome::Transient(format!("ledger: {e}")),
         }
@@ -94,9 +77,7 @@ impl Handler for Orders {
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .init();
     let config = match WorkerConfig::from_env() {
         Ok(c) => c,
@@ -106,10 +87,7 @@ async fn main() -> std::process::ExitCode {
         }
     };
     let ledger_endpoint = match std::env::var("EXAMPLE_LEDGER_URL") {
-        Ok(url) => Endpoint {
-            url,
-            ..config.endpoint.clone()
-        },
+        Ok(url) => Endpoint { url, ..config.endpoint.clone() },
         Err(_) => config.endpoint.clone(),
     };
     let ledger = match StreamConnection::connect(&ledger_endpoint).await {
@@ -124,15 +102,11 @@ async fn main() -> std::process::ExitCode {
         transient_percent: percent("EXAMPLE_TRANSIENT_PERCENT"),
         crash_percent: percent("EXAMPLE_CRASH_PERCENT"),
         handler_time: Duration::from_millis(
-            std::env::var("EXAMPLE_HANDLER_MS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0),
+            std::env::var("EXAMPLE_HANDLER_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
         ),
     };
     let ttl = config.min_idle * u32::try_from(config.max_deliveries + 1).unwrap_or(u32::MAX) * 2;
-    let worker =
-        Worker::new(config, handler).with_idempotency_guard(ttl.max(Duration::from_secs(3600)));
+    let worker = Worker::new(config, handler).with_idempotency_guard(ttl.max(Duration::from_secs(3600)));
     let stats = worker.stats();
     let result = worker.run(streamfleet_worker::shutdown_signal()).await;
     tracing::info!(?stats, "exiting");

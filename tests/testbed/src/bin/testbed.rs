@@ -25,23 +25,15 @@ enum Command {
 #[tokio::main]
 async fn main() -> Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .init();
     let Command::Up { dir } = Cli::parse().command;
     let dir = std::path::absolute(&dir)?;
     let bed = TestBed::start_detached(dir.clone()).context("starting the control plane")?;
-    let redis = RedisServer::start_in(&dir, &[])
-        .await
-        .context("starting redis-server")?;
+    let redis = RedisServer::start_in(&dir, &[]).await.context("starting redis-server")?;
     std::fs::write(dir.join("redis-url"), redis.url())?;
     std::fs::write(dir.join("ready"), "")?;
-    println!(
-        "control plane: {}  (KUBECONFIG={})",
-        bed.server,
-        bed.kubeconfig.display()
-    );
+    println!("control plane: {}  (KUBECONFIG={})", bed.server, bed.kubeconfig.display());
     println!("redis:         {}", redis.url());
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {

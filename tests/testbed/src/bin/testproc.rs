@@ -30,16 +30,11 @@ async fn main() -> std::process::ExitCode {
             std::process::ExitCode::from(code)
         }
         _ => {
-            let Ok(mut term) =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            else {
+            let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) else {
                 return std::process::ExitCode::from(4);
             };
             term.recv().await;
-            let _ = std::fs::write(
-                dir.join(format!("{name}.sigterm")),
-                std::process::id().to_string(),
-            );
+            let _ = std::fs::write(dir.join(format!("{name}.sigterm")), std::process::id().to_string());
             std::process::ExitCode::SUCCESS
         }
     }
