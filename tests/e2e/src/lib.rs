@@ -149,6 +149,21 @@ pub async fn wait_condition(
     .await
 }
 
+/// How many times Events about `name` with `reason` occurred (the recorder
+/// folds repeats of one reason into a series on one Event).
+pub async fn event_count(client: &Client, namespace: &str, name: &str, reason: &str) -> Result<i32> {
+    let api: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), namespace);
+    Ok(api
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+        .filter(|e| e.reason.as_deref() == Some(reason))
+        .map(|e| e.series.map(|s| s.count).unwrap_or(1))
+        .sum())
+}
+
 /// The reasons of Events about `name` in `namespace`.
 pub async fn event_reasons(client: &Client, namespace: &str, name: &str) -> Result<Vec<String>> {
     let api: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), namespace);

@@ -1,0 +1,276 @@
+//! Pipelines with the example order worker: lag-driven scaling up, down and
+//! to zero; NULL lag never read as idle; entries of a killed worker claimed
+//! within seconds through dead-consumer reaping.
+
+// A test fails by panicking.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use anyhow::Result;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::api::{DeleteParams, ListParams};
+use redis::AsyncCommands as _;
+use std::time::{Duration, Instant};
+use streamfleet_crd::StreamConsumerGroup;
+use streamfleet_e2e::*;
+use streamfleet_testbed::{RedisServer, TestBed, eventually};
+
+const T: Duration = Duration::from_secs(120);
+
+fn pipeline_yaml(name: &str, image: &str, env: &str, spec: &str) -> String {
+    format!(
+        r#"apiVersion: streamfleet.io/v1alpha1
+kind: StreamConsumerGroup
+metadata:
+  name: {name}
+spec:
+  redis:
+    urlSecretRef: {{name: redis, key: url}}
+  stream: orders
+  group: billing
+{spec}
+  worker:
+    template:
+      spec:
+        terminationGracePeriodSeconds: 10
+        containers:
+          - name: worker
+            image: {image}
+            env:
+{env}
+"#
+    )
+}
+
+async fn produce(conn: &mut redis::aio::MultiplexedConnection, from: usize, to: usize) -> Result<()> {
+    let mut pipe = redis::pipe();
+    for i in from..to {
+        pipe.cmd("XADD").arg("orders").arg("*").arg("order_id").arg(i).arg("amount_cents").arg(100 + i).ignore();
+    }
+    let () = pipe.query_async(conn).await?;
+    Ok(())
+}
+
+async fn replicas(deployments: &Api<Deployment>, name: &str) -> Result<Option<i32>> {
+    Ok(deployments.get_opt(name).await?.and_then(|d| d.spec.and_then(|s| s.replicas)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_scales_workers_up_then_down_then_to_zero_and_wakes_them() -> Result<()> {
+    let bed = TestBed::shared()?;
+    let client = bed.client().await?;
+    let ns = bed.namespace(&client, "e2e-scale").await?;
+    install_operator(bed, &ns.name, &[]).await?;
+    let redis = RedisServer::start().await?;
+    let mut conn = redis.connection().await?;
+    produce(&mut conn, 0, 300).await?;
+    create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
+    let env = "              - {name: EXAMPLE_HANDLER_MS, value: \"25\"}";
+    let spec = "  startId: \"0\"\n  scaling: {minReplicas: 0, maxReplicas: 4, targetPerReplica: 100, scaleDownStabilizationSeconds: 6, cooldownSeconds: 8, pollIntervalSeconds: 1}\n  recovery: {minIdleTimeMs: 10000, batchSize: 20}";
+    run_ok(
+        bed,
+        "kubectl",
+        &["apply", "-n", &ns.name, "-f", "-"],
+        Some(&pipeline_yaml("orders", "streamfleet/example-worker", env, spec)),
+    )
+    .await?;
+
+    // Watch the Deployment's replicas while the backlog drains.
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns.name);
+    let mut seen = Vec::new();
+    let started = Instant::now();
+    loop {
+        let r = replicas(&deployments, "orders-worker").await?;
+        if let Some(r) = r {
+            if seen.last() != Some(&r) {
+                seen.push(r);
+            }
+        }
+        let charged: usize = conn.hlen("ledger:charges").await?;
+        if seen.last() == Some(&0) && charged == 300 {
+            break;
+        }
+        assert!(started.elapsed() < T, "replicas seen {seen:?}, charged {charged}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(seen.first(), Some(&3), "ceil(300 / 100) at once: {seen:?}");
+    assert_eq!(seen.iter().max(), Some(&3), "{seen:?}");
+    assert_eq!(seen.last(), Some(&0), "{seen:?}");
+    let duplicates: usize = conn.hlen("ledger:duplicates").await?;
+    assert_eq!(duplicates, 0);
+
+    // At rest, the status says what Redis says.
+    let scgs: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), &ns.name);
+    let status = eventually("status at rest", T, || async {
+        let s = scgs.get("orders").await?.status.unwrap_or_default();
+        Ok((s.pending == Some(0) && s.lag == Some(0)).then_some(s))
+    })
+    .await?;
+    let xlen: i64 = conn.xlen("orders").await?;
+    assert_eq!(status.stream_length, Some(xlen));
+    assert_eq!(status.dead_letter_length, Some(0));
+    assert_eq!(status.health, Some(streamfleet_crd::Health::Healthy));
+    let scaled = event_count(&client, &ns.name, "orders", "Scaled").await?;
+    assert!(scaled >= 2, "{scaled} Scaled events");
+
+    // New work wakes the pipeline from zero.
+    produce(&mut conn, 300, 310).await?;
+    eventually("woken and drained", T, || async {
+        let charged: usize = conn.clone().hlen("ledger:charges").await?;
+        Ok((charged == 310).then_some(()))
+    })
+    .await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn null_lag_with_work_waiting_is_counted_and_never_scaled_to_zero() -> Result<()> {
+    let bed = TestBed::shared()?;
+    let client = bed.client().await?;
+    let ns = bed.namespace(&client, "e2e-nulllag").await?;
+    install_operator(bed, &ns.name, &[]).await?;
+    let redis = RedisServer::start().await?;
+    let mut conn = redis.connection().await?;
+    let mut ids = Vec::new();
+    for i in 0..50 {
+        ids.push(conn.xadd::<_, _, _, _, String>("orders", "*", &[("order_id", i)]).await?);
+    }
+    create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
+    // A group created at an arbitrary ID: Redis reports its lag as NULL. The
+    // workers here (testproc) never consume, so the work stays waiting.
+    let records = tempfile::tempdir()?;
+    let env = format!("              - {{name: TESTPROC_DIR, value: \"{}\"}}", records.path().display());
+    let spec = format!(
+        "  startId: \"{}\"\n  scaling: {{minReplicas: 0, maxReplicas: 3, targetPerReplica: 100, scaleDownStabilizationSeconds: 1, cooldownSeconds: 1, pollIntervalSeconds: 1}}",
+        ids[9]
+    );
+    run_ok(
+        bed,
+        "kubectl",
+        &["apply", "-n", &ns.name, "-f", "-"],
+        Some(&pipeline_yaml("nl", "streamfleet/testproc", &env, &spec)),
+    )
+    .await?;
+    wait_condition(&client, &ns.name, "nl", "GroupReady", "True", None, T).await?;
+    let info: redis::streams::StreamInfoGroupsReply = conn.xinfo_groups("orders").await?;
+    assert_eq!(info.groups[0].lag, None, "Redis cannot tell this group's lag");
+
+    let scgs: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), &ns.name);
+    eventually("lag counted", T, || async {
+        Ok((scgs.get("nl").await?.status.and_then(|s| s.lag) == Some(40)).then_some(()))
+    })
+    .await?;
+    // Entries deleted past the last delivered ID: still NULL in Redis, still counted.
+    let _: i64 = conn.xdel("orders", &[&ids[20], &ids[21]]).await?;
+    eventually("lag recounted", T, || async {
+        Ok((scgs.get("nl").await?.status.and_then(|s| s.lag) == Some(38)).then_some(()))
+    })
+    .await?;
+    // Well past cooldown and stabilization: one worker keeps running.
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns.name);
+    for _ in 0..20 {
+        assert_eq!(replicas(&deployments, "nl-worker").await?, Some(1), "scaled a pipeline with waiting work");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_workers_entries_are_claimed_within_seconds_and_live_ones_untouched() -> Result<()> {
+    let bed = TestBed::shared()?;
+    let client = bed.client().await?;
+    let ns = bed.namespace(&client, "e2e-reap").await?;
+    install_operator(bed, &ns.name, &[]).await?;
+    let redis = RedisServer::start().await?;
+    let mut conn = redis.connection().await?;
+    create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
+    // Slow handlers and a long min-idle-time: without reaping, a dead worker's
+    // entries would wait 60 s.
+    let env = "              - {name: EXAMPLE_HANDLER_MS, value: \"1500\"}";
+    let spec = "  startId: \"0\"\n  scaling: {minReplicas: 3, maxReplicas: 3, pollIntervalSeconds: 2}\n  recovery: {minIdleTimeMs: 60000, batchSize: 4}";
+    run_ok(
+        bed,
+        "kubectl",
+        &["apply", "-n", &ns.name, "-f", "-"],
+        Some(&pipeline_yaml("orders", "streamfleet/example-worker", env, spec)),
+    )
+    .await?;
+    wait_condition(&client, &ns.name, "orders", "Ready", "True", None, T).await?;
+    eventually("3 consumers", T, || async {
+        let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
+        let ready = pods.list(&ListParams::default().labels("app.kubernetes.io/component=worker")).await?.items.len();
+        Ok((ready == 3).then_some(()))
+    })
+    .await?;
+    produce(&mut conn, 0, 36).await?;
+
+    // Wait until every worker holds entries, then kill one outright.
+    let victim = eventually("all workers holding entries", T, || async {
+        let consumers: redis::streams::StreamInfoConsumersReply =
+            conn.clone().xinfo_consumers("orders", "billing").await?;
+        let holding: Vec<String> =
+            consumers.consumers.iter().filter(|c| c.pending > 0).map(|c| c.name.clone()).collect();
+        Ok((holding.len() == 3).then(|| holding[0].clone()))
+    })
+    .await?;
+    // Its batch takes 4 x 1.5 s: it dies holding entries it cannot have acked.
+    let held: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg("orders")
+        .arg("billing")
+        .arg("-")
+        .arg("+")
+        .arg(100)
+        .arg(&victim)
+        .query_async(&mut conn)
+        .await?;
+    assert!(!held.is_empty());
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
+    let killed_at = Instant::now();
+    pods.delete(&victim, &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
+    eventually("victim's entries claimed by survivors", T, || async {
+        let mut c = conn.clone();
+        for (id, ..) in &held {
+            let owner: Vec<(String, String, u64, u64)> =
+                redis::cmd("XPENDING").arg("orders").arg("billing").arg(id).arg(id).arg(1).query_async(&mut c).await?;
+            // Still pending under the victim: not claimed yet.
+            if owner.first().is_some_and(|(_, consumer, ..)| *consumer == victim) {
+                return Ok(None);
+            }
+        }
+        Ok(Some(()))
+    })
+    .await?;
+    let claimed_in = killed_at.elapsed();
+    println!("entries of the killed worker claimed {claimed_in:?} after its deletion (min-idle-time 60s)");
+    assert!(claimed_in < Duration::from_secs(20), "took {claimed_in:?}");
+
+    eventually("all charged", T, || async {
+        let charged: usize = conn.clone().hlen("ledger:charges").await?;
+        Ok((charged == 36).then_some(()))
+    })
+    .await?;
+    eventually("dead consumer deleted", T, || async {
+        let consumers: redis::streams::StreamInfoConsumersReply =
+            conn.clone().xinfo_consumers("orders", "billing").await?;
+        Ok((!consumers.consumers.iter().any(|c| c.name == victim)).then_some(()))
+    })
+    .await?;
+    // Reaping touched the killed worker only; live (slow) workers kept theirs.
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), &ns.name);
+    let notes: Vec<String> = events
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref().is_some_and(|r| r.starts_with("DeadConsumer")))
+        .filter_map(|e| e.note)
+        .collect();
+    assert!(!notes.is_empty());
+    for note in &notes {
+        assert!(note.contains(&victim), "reaped a live consumer: {note}");
+    }
+    let duplicates: std::collections::HashMap<String, i64> = conn.hgetall("ledger:duplicates").await?;
+    assert!(duplicates.len() <= 1, "only the entry in the killed worker's hands may be charged twice: {duplicates:?}");
+    Ok(())
+}
