@@ -82,10 +82,10 @@ async fn a_backlog_scales_workers_up_then_down_then_to_zero_and_wakes_them() -> 
     let started = Instant::now();
     loop {
         let r = replicas(&deployments, "orders-worker").await?;
-        if let Some(r) = r {
-            if seen.last() != Some(&r) {
-                seen.push(r);
-            }
+        if let Some(r) = r
+            && seen.last() != Some(&r)
+        {
+            seen.push(r);
         }
         let charged: usize = conn.hlen("ledger:charges").await?;
         if seen.last() == Some(&0) && charged == 300 {
