@@ -5,6 +5,7 @@
 use crate::conditions;
 use crate::error::Error;
 use crate::health::{self, HealthMemory};
+use crate::metrics::Metrics;
 use crate::objects::{self, ObjectSettings};
 use crate::reaper;
 use crate::scaling::{self, ScalingMemory};
@@ -48,6 +49,7 @@ pub struct Context {
     pub recorder: Recorder,
     pub connections: Connections,
     pub settings: ObjectSettings,
+    pub metrics: Arc<Metrics>,
     /// Pods of the workloads this operator owns (a watch cache), for reaping.
     pods: Store<Pod>,
     pods_synced: Arc<AtomicBool>,
@@ -64,13 +66,20 @@ struct ResourceMemory {
 }
 
 impl Context {
-    fn new(client: Client, settings: ObjectSettings, instance: Option<String>, pods: Store<Pod>) -> Self {
+    fn new(
+        client: Client,
+        settings: ObjectSettings,
+        metrics: Arc<Metrics>,
+        instance: Option<String>,
+        pods: Store<Pod>,
+    ) -> Self {
         let reporter = Reporter { controller: "streamfleet".into(), instance };
         Self {
             recorder: Recorder::new(client.clone(), reporter),
             client,
             connections: Connections::default(),
             settings,
+            metrics,
             pods,
             pods_synced: Arc::new(AtomicBool::new(false)),
             failures: Mutex::new(HashMap::new()),
@@ -114,6 +123,7 @@ impl Context {
 pub async fn run(
     client: Client,
     settings: ObjectSettings,
+    metrics: Arc<Metrics>,
     instance: Option<String>,
     namespace: Option<String>,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
@@ -138,7 +148,7 @@ pub async fn run(
     // worker's deletion is acted on at once.
     let (pod_store, pod_writer) = reflector::store();
     let pod_events = reflector::reflector(pod_writer, watcher(pods, owned.clone())).default_backoff().touched_objects();
-    let ctx = Arc::new(Context::new(client, settings, instance, pod_store.clone()));
+    let ctx = Arc::new(Context::new(client, settings, metrics, instance, pod_store.clone()));
     let synced = ctx.pods_synced.clone();
     tokio::spawn(async move {
         if pod_store.wait_until_ready().await.is_ok() {
@@ -171,12 +181,20 @@ fn error_policy(obj: Arc<DeserializeGuard<StreamConsumerGroup>>, error: &Error, 
     let Ok(scg) = &obj.0 else {
         return Action::await_change();
     };
+    ctx.metrics.failed(error.reason());
     let backoff = ctx.next_backoff(&key(scg));
     tracing::warn!(resource = %key(scg), reason = error.reason(), error = %error, retry_in = ?backoff, "reconcile failed");
     Action::requeue(backoff)
 }
 
 async fn reconcile(obj: Arc<DeserializeGuard<StreamConsumerGroup>>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let started = Instant::now();
+    let result = reconcile_guarded(&obj, &ctx).await;
+    ctx.metrics.reconciled(started.elapsed());
+    result
+}
+
+async fn reconcile_guarded(obj: &DeserializeGuard<StreamConsumerGroup>, ctx: &Arc<Context>) -> Result<Action, Error> {
     let scg = match &obj.0 {
         Ok(scg) => scg,
         Err(invalid) => {
@@ -193,20 +211,20 @@ async fn reconcile(obj: Arc<DeserializeGuard<StreamConsumerGroup>>, ctx: Arc<Con
         }
     };
     if scg.metadata.deletion_timestamp.is_some() {
-        return cleanup(scg, &ctx).await;
+        return cleanup(scg, ctx).await;
     }
-    sync_finalizer(scg, &ctx).await?;
-    match apply(scg, &ctx).await {
+    sync_finalizer(scg, ctx).await?;
+    match apply(scg, ctx).await {
         Ok(applied) => {
             ctx.reset_backoff(&key(scg));
-            write_status(scg, &ctx, success_status(scg, &applied, &now())).await?;
+            write_status(scg, ctx, success_status(scg, &applied, &now())).await?;
             let poll = u64::try_from(scg.spec.scaling.poll_interval_seconds.max(1)).unwrap_or(10);
             Ok(Action::requeue(Duration::from_secs(poll)))
         }
         Err(e) => {
             if e.is_users() {
                 ctx.publish(&scg.object_ref(&()), EventType::Warning, e.reason(), "Reconcile", e.to_string()).await;
-                write_status(scg, &ctx, failure_status(scg, &e, &now())).await?;
+                write_status(scg, ctx, failure_status(scg, &e, &now())).await?;
             }
             Err(e)
         }
@@ -473,6 +491,7 @@ async fn write_status(
     ctx: &Context,
     status: StreamConsumerGroupStatus,
 ) -> Result<(), Error> {
+    ctx.metrics.observe(&scg.namespace().unwrap_or_default(), &scg.name_any(), &status);
     if scg.status.as_ref() == Some(&status) {
         return Ok(());
     }

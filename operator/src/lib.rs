@@ -6,6 +6,7 @@ pub mod controller;
 pub mod error;
 pub mod health;
 pub mod leader;
+pub mod metrics;
 pub mod objects;
 pub mod probes;
 pub mod reaper;

@@ -5,9 +5,11 @@
 
 use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand, ValueEnum};
+use std::sync::Arc;
 use std::time::Duration;
 use streamfleet_operator::controller;
 use streamfleet_operator::leader::LeaseLock;
+use streamfleet_operator::metrics::Metrics;
 use streamfleet_operator::objects::ObjectSettings;
 use streamfleet_operator::probes::Probes;
 
@@ -46,7 +48,7 @@ struct RunArgs {
     /// The operator's own image, run by recovery sweeps.
     #[arg(long, env = "STREAMFLEET_OPERATOR_IMAGE", default_value = "streamfleet/streamfleet:latest")]
     operator_image: String,
-    /// Address of /healthz and /readyz.
+    /// Address of /healthz, /readyz and /metrics.
     #[arg(long, env = "STREAMFLEET_HEALTH_ADDR", default_value = "0.0.0.0:8080")]
     health_addr: String,
     /// Lease used for leader election; disable with --leader-election=false.
@@ -84,7 +86,8 @@ async fn run(args: RunArgs) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(&args.health_addr)
         .await
         .with_context(|| format!("binding {}", args.health_addr))?;
-    tokio::spawn(probes.clone().serve(listener));
+    let metrics = Arc::new(Metrics::default());
+    tokio::spawn(probes.clone().serve(listener, metrics.clone()));
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -114,6 +117,7 @@ async fn run(args: RunArgs) -> Result<()> {
     let controller = controller::run(
         client,
         settings,
+        metrics,
         Some(identity.clone()),
         args.watch_namespace.clone(),
         stopped(stop_rx.clone()),

@@ -24,6 +24,59 @@ impl Stats {
     pub fn get(counter: &AtomicU64) -> u64 {
         counter.load(Ordering::Relaxed)
     }
+
+    /// Prometheus text exposition of every counter and latency summary.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let counters = [
+            ("processed", "Entries handled and acked", &self.processed),
+            ("failed", "Handler attempts that failed (transient, permanent or malformed)", &self.failed),
+            ("retried", "In-process retries of transient failures", &self.retried),
+            ("dead_lettered", "Entries moved to the dead-letter stream", &self.dead_lettered),
+            ("suppressed_duplicates", "Redeliveries acked without running the handler (guard)", &self.suppressed),
+            ("claimed", "Idle entries claimed from other consumers", &self.claimed),
+            ("payload_missing", "Pending entries found with their payload gone", &self.payload_missing),
+        ];
+        for (name, help, counter) in counters {
+            out.push_str(&format!(
+                "# HELP streamfleet_worker_{name} {help}\n# TYPE streamfleet_worker_{name} counter\nstreamfleet_worker_{name}_total {}\n",
+                Self::get(counter)
+            ));
+        }
+        for (name, help, latency) in [
+            ("handler_seconds", "Handler latency", &self.handler_latency),
+            ("ack_seconds", "Ack latency (one pipelined XACK per batch)", &self.ack_latency),
+        ] {
+            let micros = latency.sum_micros.load(Ordering::Relaxed);
+            out.push_str(&format!(
+                "# HELP streamfleet_worker_{name} {help}\n# TYPE streamfleet_worker_{name} summary\nstreamfleet_worker_{name}_sum {}\nstreamfleet_worker_{name}_count {}\n",
+                micros as f64 / 1e6,
+                latency.count.load(Ordering::Relaxed)
+            ));
+        }
+        out
+    }
+
+    /// Serves `render()` at `/metrics` on `listener` until the task is dropped.
+    pub async fn serve(self: std::sync::Arc<Self>, listener: tokio::net::TcpListener) {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        loop {
+            let Ok((mut stream, _)) = listener.accept().await else { continue };
+            let stats = self.clone();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 1024];
+                if !matches!(tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf)).await, Ok(Ok(_))) {
+                    return;
+                }
+                let body = stats.render();
+                let response = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = stream.write_all(response.as_bytes()).await;
+            });
+        }
+    }
 }
 
 /// Count and sum of observed durations (a Prometheus summary without quantiles).
@@ -37,5 +90,23 @@ impl Latency {
     pub fn observe(&self, d: Duration) {
         self.count.fetch_add(1, Ordering::Relaxed);
         self.sum_micros.fetch_add(u64::try_from(d.as_micros()).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counters_and_summaries() {
+        let s = Stats::default();
+        s.add(&s.processed, 3);
+        s.add(&s.suppressed, 1);
+        s.handler_latency.observe(Duration::from_millis(1500));
+        let text = s.render();
+        assert!(text.contains("streamfleet_worker_processed_total 3"), "{text}");
+        assert!(text.contains("streamfleet_worker_suppressed_duplicates_total 1"));
+        assert!(text.contains("streamfleet_worker_handler_seconds_sum 1.5"));
+        assert!(text.contains("streamfleet_worker_handler_seconds_count 1"));
     }
 }

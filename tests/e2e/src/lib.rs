@@ -176,3 +176,22 @@ pub async fn event_reasons(client: &Client, namespace: &str, name: &str) -> Resu
         .filter_map(|e| e.reason)
         .collect())
 }
+
+/// GET `path` from the operator pod of `namespace` (its probes/metrics port
+/// on its pod IP) and return the body.
+pub async fn operator_http(client: &Client, namespace: &str, path: &str) -> Result<String> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), namespace);
+    let list =
+        pods.list(&kube::api::ListParams::default().labels("app.kubernetes.io/name=streamfleet-operator")).await?;
+    let ip = list
+        .items
+        .iter()
+        .find_map(|p| p.status.as_ref().and_then(|s| s.pod_ip.clone()))
+        .context("no operator pod IP")?;
+    let mut stream = tokio::net::TcpStream::connect((ip.as_str(), 8080)).await?;
+    stream.write_all(format!("GET {path} HTTP/1.1\r\nHost: {ip}\r\nConnection: close\r\n\r\n").as_bytes()).await?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await?;
+    Ok(response.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).unwrap_or_default())
+}

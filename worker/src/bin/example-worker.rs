@@ -108,6 +108,14 @@ async fn main() -> std::process::ExitCode {
     let ttl = config.min_idle * u32::try_from(config.max_deliveries + 1).unwrap_or(u32::MAX) * 2;
     let worker = Worker::new(config, handler).with_idempotency_guard(ttl.max(Duration::from_secs(3600)));
     let stats = worker.stats();
+    if let Ok(addr) = std::env::var("STREAMFLEET_METRICS_ADDR") {
+        match tokio::net::TcpListener::bind(&addr).await {
+            Ok(listener) => {
+                tokio::spawn(stats.clone().serve(listener));
+            }
+            Err(e) => tracing::warn!("metrics on {addr}: {e}"),
+        }
+    }
     let result = worker.run(streamfleet_worker::shutdown_signal()).await;
     tracing::info!(?stats, "exiting");
     match result {
