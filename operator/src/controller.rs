@@ -27,7 +27,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use streamfleet_crd::{
-    ConsumerPending, DeletionPolicy, Health, RedisMode, ReplicaStatus, StreamConsumerGroup, StreamConsumerGroupStatus,
+    ConsumerPending, DeletionPolicy, Health, RecoveryStatus, RedisMode, ReplicaStatus, StreamConsumerGroup,
+    StreamConsumerGroupStatus,
 };
 use streamfleet_streams::health::{GroupSnapshot, Lag};
 use streamfleet_streams::{Connections, Endpoint, GroupCreation, Mode, StreamConnection};
@@ -237,6 +238,7 @@ fn now() -> Time {
 
 /// What a successful apply observed and decided.
 pub struct Applied {
+    pub last_recovery: Option<RecoveryStatus>,
     pub desired_replicas: i32,
     pub available_replicas: i32,
     pub snapshot: Option<GroupSnapshot>,
@@ -267,6 +269,15 @@ async fn apply(scg: &StreamConsumerGroup, ctx: &Context) -> Result<Applied, Erro
     if let Some(snapshot) = &snapshot {
         reap(scg, ctx, &mut conn, snapshot).await;
     }
+    let last_recovery = match streamfleet_streams::recovery::read_report(&mut conn, &spec.stream, &spec.group).await {
+        Ok(report) => report,
+        Err(e) => {
+            tracing::warn!(resource = %key(scg), error = %e, "reading the recovery report");
+            None
+        }
+    };
+    let last_recovery = last_recovery.map(recovery_status);
+    announce_recovery(scg, ctx, last_recovery.as_ref()).await;
 
     let deployments = Api::<Deployment>::namespaced(ctx.client.clone(), &ns);
     let name = objects::worker_deployment_name(scg);
@@ -287,7 +298,7 @@ async fn apply(scg: &StreamConsumerGroup, ctx: &Context) -> Result<Applied, Erro
             max_deliveries: u64::try_from(spec.recovery.max_deliveries).unwrap_or(1),
             target_per_replica: u64::try_from(spec.scaling.target_per_replica).unwrap_or(1),
             replicas: decision.replicas,
-            payload_lost_recently: payload_lost_recently(scg),
+            payload_lost_recently: payload_lost_recently(last_recovery.as_ref()),
         });
         (decision, health)
     };
@@ -308,6 +319,7 @@ async fn apply(scg: &StreamConsumerGroup, ctx: &Context) -> Result<Applied, Erro
         )
         .await?;
     Ok(Applied {
+        last_recovery,
         desired_replicas: decision.replicas,
         available_replicas: applied.status.and_then(|s| s.available_replicas).unwrap_or(0),
         snapshot,
@@ -316,9 +328,40 @@ async fn apply(scg: &StreamConsumerGroup, ctx: &Context) -> Result<Applied, Erro
     })
 }
 
+fn recovery_status(r: streamfleet_streams::recovery::RecoveryReport) -> RecoveryStatus {
+    let int = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+    let ms = i64::try_from(r.finished_at_ms).unwrap_or(0);
+    RecoveryStatus {
+        time: Time(k8s_openapi::jiff::Timestamp::from_millisecond(ms).unwrap_or_default()),
+        claimed: int(r.claimed),
+        dead_lettered: int(r.dead_lettered),
+        payload_lost: int(r.payload_lost),
+    }
+}
+
+/// One Event per new recovery run: a Warning when it lost payloads or
+/// dead-lettered entries (defect signals), Normal otherwise.
+async fn announce_recovery(scg: &StreamConsumerGroup, ctx: &Context, latest: Option<&RecoveryStatus>) {
+    let Some(latest) = latest else { return };
+    let previous = scg.status.as_ref().and_then(|s| s.last_recovery.as_ref());
+    if previous.is_some_and(|p| p.time == latest.time) {
+        return;
+    }
+    let note = format!(
+        "recovery claimed {}, dead-lettered {}, found {} pending entries without payload",
+        latest.claimed, latest.dead_lettered, latest.payload_lost
+    );
+    let (kind, reason) = match (latest.payload_lost > 0, latest.dead_lettered > 0) {
+        (true, _) => (EventType::Warning, "PayloadLost"),
+        (false, true) => (EventType::Warning, "DeadLettered"),
+        _ => (EventType::Normal, "RecoveryCompleted"),
+    };
+    ctx.publish(&scg.object_ref(&()), kind, reason, "Recover", note).await;
+}
+
 /// Whether the last recovery (within the hour) found payloads gone.
-fn payload_lost_recently(scg: &StreamConsumerGroup) -> bool {
-    let Some(last) = scg.status.as_ref().and_then(|s| s.last_recovery.as_ref()) else { return false };
+fn payload_lost_recently(last: Option<&RecoveryStatus>) -> bool {
+    let Some(last) = last else { return false };
     let age = k8s_openapi::jiff::Timestamp::now().duration_since(last.time.0);
     last.payload_lost > 0 && age < k8s_openapi::jiff::SignedDuration::from_hours(1)
 }
@@ -447,6 +490,9 @@ fn success_status(scg: &StreamConsumerGroup, applied: &Applied, now: &Time) -> S
         now,
     );
     status.health = Some(applied.health);
+    if applied.last_recovery.is_some() {
+        status.last_recovery = applied.last_recovery.clone();
+    }
     status.replicas = Some(ReplicaStatus {
         desired: applied.desired_replicas,
         current: applied.available_replicas,
@@ -571,6 +617,7 @@ mod tests {
 
     fn applied(desired: i32, available: i32) -> Applied {
         Applied {
+            last_recovery: None,
             desired_replicas: desired,
             available_replicas: available,
             snapshot: None,

@@ -11,3 +11,4 @@ pub mod objects;
 pub mod probes;
 pub mod reaper;
 pub mod scaling;
+pub mod tools;

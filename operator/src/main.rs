@@ -2,6 +2,8 @@
 //!
 //! * `streamfleet run`: the controller (leader-elected).
 //! * `streamfleet crd`: prints the CRD YAML.
+//! * `streamfleet sweep`: the recovery sweep (run by the recovery CronJob).
+//! * `streamfleet dead-letters list|replay`: dead-letter tools.
 
 use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand, ValueEnum};
@@ -38,6 +40,12 @@ enum Command {
     Run(RunArgs),
     /// Print the StreamConsumerGroup CRD as YAML.
     Crd,
+    /// One recovery sweep over the PEL (what the recovery CronJob runs):
+    /// dead-letter entries past maxDeliveries, record lost payloads, leave the
+    /// rest to the workers. Configured by the STREAMFLEET_* env contract.
+    Sweep,
+    /// Inspect and replay a dead-letter stream.
+    DeadLetters(streamfleet_operator::tools::DeadLetterArgs),
 }
 
 #[derive(clap::Args)]
@@ -76,6 +84,8 @@ async fn main() -> Result<()> {
             Ok(())
         }
         Command::Run(args) => run(args).await,
+        Command::Sweep => streamfleet_operator::tools::run_sweep().await,
+        Command::DeadLetters(args) => streamfleet_operator::tools::run_dead_letters(args).await,
     }
 }
 

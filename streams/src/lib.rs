@@ -10,6 +10,9 @@ pub mod error;
 pub mod group;
 pub mod health;
 pub mod keys;
+pub mod recovery;
+pub mod replay;
+pub mod sweep;
 
 pub use connection::{Connections, Endpoint, Mode, StreamConnection};
 pub use entry::Entry;

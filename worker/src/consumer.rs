@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use streamfleet_streams::claim::autoclaim;
 use streamfleet_streams::deadletter::{self, Letter, Reason};
 use streamfleet_streams::entry::fields_from_map;
+use streamfleet_streams::recovery::{RecoveryReport, now_ms, write_report};
 use streamfleet_streams::{Entry, StreamConnection, StreamError};
 
 fn stopping(stop: &AtomicBool) -> bool {
@@ -128,11 +129,26 @@ impl<H: Handler> Worker<H> {
     /// Recovery mode: claim every idle entry, re-run handlers, until a full
     /// pass over the PEL claims nothing.
     async fn recover(&self, conn: &mut StreamConnection, stop: &AtomicBool) -> Result<(), WorkerError> {
+        let mut claimed = 0;
         while !stopping(stop) {
-            if self.claim_cycle(conn, stop).await? == 0 {
+            let n = self.claim_cycle(conn, stop).await?;
+            claimed += n;
+            if n == 0 {
                 break;
             }
         }
+        // The same report a sweep writes: the operator shows it as lastRecovery.
+        let report = RecoveryReport {
+            finished_at_ms: now_ms(),
+            scanned: u64::try_from(claimed).unwrap_or(u64::MAX),
+            claimed: u64::try_from(claimed).unwrap_or(u64::MAX),
+            dead_lettered: Stats::get(&self.stats.dead_lettered),
+            payload_lost: Stats::get(&self.stats.payload_missing),
+        };
+        for stream in &self.config.streams {
+            write_report(conn, stream, &self.config.group, &report).await?;
+        }
+        tracing::info!(?report, "recovery finished");
         Ok(())
     }
 

@@ -1,0 +1,136 @@
+//! Replay: re-add dead letters to their source stream with their original
+//! fields (business key included) and remove them from the dead-letter
+//! stream, each in one MULTI/EXEC.
+
+use crate::deadletter::{F_BUSINESS_KEY, F_REASON, F_SOURCE_STREAM, PREFIX};
+use crate::entry::fields_from_map;
+use crate::error::StreamError;
+use redis::aio::ConnectionLike;
+
+/// Which dead letters to replay.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Selection {
+    Ids(Vec<String>),
+    /// Inclusive ID range of the dead-letter stream (`-` and `+` allowed).
+    Range {
+        from: String,
+        to: String,
+    },
+    All,
+}
+
+/// What happened to one dead letter.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Replayed {
+    Requeued {
+        dead_letter_id: String,
+        source_stream: String,
+        new_id: String,
+        business_key: Option<String>,
+    },
+    /// Left in place, with why (no source stream, a payload-missing record, not found).
+    Skipped {
+        dead_letter_id: String,
+        why: String,
+    },
+}
+
+const PAGE: usize = 500;
+
+pub async fn replay<C: ConnectionLike + Send>(
+    conn: &mut C,
+    dead_letter_stream: &str,
+    selection: &Selection,
+    dry_run: bool,
+) -> Result<Vec<Replayed>, StreamError> {
+    let letters = select(conn, dead_letter_stream, selection).await?;
+    let mut out = Vec::with_capacity(letters.len());
+    for (id, fields) in letters {
+        let Some(fields) = fields else {
+            out.push(Replayed::Skipped { dead_letter_id: id, why: "not found".into() });
+            continue;
+        };
+        let text = |k: &str| fields.iter().find(|(f, _)| f == k).map(|(_, v)| String::from_utf8_lossy(v).into_owned());
+        let Some(source) = text(F_SOURCE_STREAM) else {
+            out.push(Replayed::Skipped {
+                dead_letter_id: id,
+                why: "no source stream: not a streamfleet dead letter".into(),
+            });
+            continue;
+        };
+        if text(F_REASON).as_deref() == Some("payload-missing") {
+            out.push(Replayed::Skipped { dead_letter_id: id, why: "payload-missing: nothing to replay".into() });
+            continue;
+        }
+        let original: Vec<&(String, Vec<u8>)> = fields.iter().filter(|(k, _)| !k.starts_with(PREFIX)).collect();
+        let business_key = text(F_BUSINESS_KEY);
+        if dry_run {
+            out.push(Replayed::Requeued {
+                dead_letter_id: id,
+                source_stream: source,
+                new_id: "(dry run)".into(),
+                business_key,
+            });
+            continue;
+        }
+        let mut xadd = redis::cmd("XADD");
+        xadd.arg(&source).arg("*");
+        for (k, v) in original {
+            xadd.arg(k).arg(v.as_slice());
+        }
+        let mut pipe = redis::pipe();
+        pipe.atomic().add_command(xadd).cmd("XDEL").arg(dead_letter_stream).arg(&id).ignore();
+        let (new_id,): (String,) =
+            pipe.query_async(conn).await.map_err(|e| StreamError::new("replaying a dead letter", e))?;
+        out.push(Replayed::Requeued { dead_letter_id: id, source_stream: source, new_id, business_key });
+    }
+    Ok(out)
+}
+
+type Letter = (String, Option<Vec<(String, Vec<u8>)>>);
+
+async fn select<C: ConnectionLike + Send>(
+    conn: &mut C,
+    stream: &str,
+    selection: &Selection,
+) -> Result<Vec<Letter>, StreamError> {
+    let err = |e| StreamError::new("reading dead letters", e);
+    let range = |from: String, to: String| (from, to);
+    let (from, to) = match selection {
+        Selection::Ids(ids) => {
+            let mut pipe = redis::pipe();
+            for id in ids {
+                pipe.cmd("XRANGE").arg(stream).arg(id).arg(id);
+            }
+            let found: Vec<redis::streams::StreamRangeReply> = pipe.query_async(conn).await.map_err(err)?;
+            return Ok(ids
+                .iter()
+                .zip(found)
+                .map(|(id, r)| (id.clone(), r.ids.into_iter().next().map(|e| fields_from_map(e.map))))
+                .collect());
+        }
+        Selection::Range { from, to } => range(from.clone(), to.clone()),
+        Selection::All => range("-".into(), "+".into()),
+    };
+    let mut out = Vec::new();
+    let mut start = from;
+    loop {
+        let page: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+            .arg(stream)
+            .arg(&start)
+            .arg(&to)
+            .arg("COUNT")
+            .arg(PAGE)
+            .query_async(conn)
+            .await
+            .map_err(err)?;
+        let n = page.ids.len();
+        let Some(last) = page.ids.last().map(|e| e.id.clone()) else { break };
+        out.extend(page.ids.into_iter().map(|e| (e.id, Some(fields_from_map(e.map)))));
+        if n < PAGE {
+            break;
+        }
+        start = format!("({last}");
+    }
+    Ok(out)
+}

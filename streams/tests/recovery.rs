@@ -1,0 +1,146 @@
+//! The recovery sweep and dead-letter replay against a real redis-server.
+
+// A test fails by panicking.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use anyhow::Result;
+use redis::AsyncCommands as _;
+use std::collections::HashMap;
+use std::time::Duration;
+use streamfleet_streams::deadletter::{self as dl};
+use streamfleet_streams::recovery::{read_report, write_report};
+use streamfleet_streams::replay::{Replayed, Selection, replay};
+use streamfleet_streams::sweep::{SweepSettings, sweep};
+use streamfleet_streams::{Entry, ensure_group};
+use streamfleet_testbed::RedisServer;
+
+type Conn = redis::aio::MultiplexedConnection;
+
+async fn deliver(conn: &mut Conn, consumer: &str, id: &str, times: usize) -> Result<()> {
+    for _ in 0..times {
+        let _: redis::Value =
+            redis::cmd("XCLAIM").arg("orders").arg("g").arg(consumer).arg(0).arg(id).query_async(conn).await?;
+    }
+    Ok(())
+}
+
+async fn owners(conn: &mut Conn) -> Result<HashMap<String, (String, u64)>> {
+    let rows: Vec<(String, String, u64, u64)> =
+        redis::cmd("XPENDING").arg("orders").arg("g").arg("-").arg("+").arg(100).query_async(conn).await?;
+    Ok(rows.into_iter().map(|(id, c, _, n)| (id, (c, n))).collect())
+}
+
+async fn letters(conn: &mut Conn) -> Result<Vec<(String, HashMap<String, String>)>> {
+    let r: redis::streams::StreamRangeReply = conn.xrange_all("{orders}:dead").await?;
+    Ok(r.ids
+        .into_iter()
+        .map(|e| {
+            let f = streamfleet_streams::entry::fields_from_map(e.map)
+                .into_iter()
+                .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
+                .collect();
+            (e.id, f)
+        })
+        .collect())
+}
+
+#[tokio::test]
+async fn sweep_dead_letters_poison_records_lost_payloads_and_leaves_the_rest() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    ensure_group(&mut conn, "orders", "g", "0").await?;
+    let mut ids = Vec::new();
+    for name in ["young", "poison", "lost", "busy"] {
+        ids.push(conn.xadd::<_, _, _, _, String>("orders", "*", &[("order_id", name), ("amount_cents", "5")]).await?);
+    }
+    let opts = redis::streams::StreamReadOptions::default().group("g", "w1").count(10);
+    let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
+    deliver(&mut conn, "w1", &ids[1], 4).await?; // poison: 5 deliveries
+    deliver(&mut conn, "w1", &ids[3], 4).await?; // busy: 5 deliveries...
+    let poison = Entry { stream: "orders".into(), id: ids[1].clone(), fields: vec![], deliveries: 5 };
+    dl::record_last_error(&mut conn, &poison, "g", "transient: gateway timeout").await?;
+    let _: i64 = conn.xdel("orders", &[&ids[2]]).await?; // lost: trimmed while pending
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    deliver(&mut conn, "w2", &ids[3], 1).await?; // ...but a live worker just took it
+
+    let settings = SweepSettings {
+        stream: "orders",
+        group: "g",
+        consumer: "sweep-pod",
+        dead_letter_stream: "{orders}:dead",
+        min_idle: Duration::from_millis(200),
+        max_deliveries: 5,
+        batch: 2,
+    };
+    let report = sweep(&mut conn, &settings).await?;
+    assert_eq!((report.scanned, report.claimed, report.dead_lettered, report.payload_lost), (3, 1, 1, 1), "{report:?}");
+
+    let pel = owners(&mut conn).await?;
+    assert_eq!(pel.len(), 2);
+    assert_eq!(pel[&ids[0]], ("w1".to_string(), 1), "young entry left to the workers");
+    assert_eq!(pel[&ids[3]].0, "w2", "a live worker's entry is not taken");
+    let found = letters(&mut conn).await?;
+    let by_source = |id: &str| found.iter().find(|(_, f)| f[dl::F_SOURCE_ID] == id).map(|(_, f)| f.clone()).unwrap();
+    let p = by_source(&ids[1]);
+    assert_eq!(p[dl::F_REASON], "max-deliveries");
+    assert_eq!(p[dl::F_ERROR], "transient: gateway timeout");
+    assert_eq!(p[dl::F_DELIVERIES], "5");
+    assert_eq!(p[dl::F_CONSUMER], "w1", "the last consumer that held it");
+    assert_eq!(p["order_id"], "poison");
+    let l = by_source(&ids[2]);
+    assert_eq!(l[dl::F_REASON], "payload-missing");
+    let consumers: redis::streams::StreamInfoConsumersReply = conn.xinfo_consumers("orders", "g").await?;
+    assert!(!consumers.consumers.iter().any(|c| c.name == "sweep-pod"), "the sweep's consumer is removed");
+
+    write_report(&mut conn, "orders", "g", &report).await?;
+    assert_eq!(read_report(&mut conn, "orders", "g").await?, Some(report));
+    assert_eq!(read_report(&mut conn, "orders", "other").await?, None);
+    Ok(())
+}
+
+#[tokio::test]
+async fn replay_requeues_original_fields_and_removes_the_dead_letter() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    ensure_group(&mut conn, "orders", "g", "0").await?;
+    let mut dead = Vec::new();
+    for (i, reason) in
+        [dl::Reason::Permanent, dl::Reason::Permanent, dl::Reason::PayloadMissing].into_iter().enumerate()
+    {
+        let id = conn.xadd::<_, _, _, _, String>("orders", "*", &[("order_id", format!("o{i}"))]).await?;
+        let opts = redis::streams::StreamReadOptions::default().group("g", "w").count(1);
+        let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
+        let fields = if reason == dl::Reason::PayloadMissing {
+            vec![]
+        } else {
+            vec![("order_id".to_string(), format!("o{i}").into_bytes())]
+        };
+        let entry = Entry { stream: "orders".into(), id, fields, deliveries: 1 };
+        let key = format!("o{i}");
+        let letter = dl::Letter { group: "g", consumer: "w", reason, error: "no", business_key: Some(&key) };
+        dead.push(dl::dead_letter(&mut conn, "{orders}:dead", &entry, &letter).await?);
+    }
+    let before: usize = conn.xlen("orders").await?;
+
+    let dry = replay(&mut conn, "{orders}:dead", &Selection::All, true).await?;
+    assert_eq!(dry.iter().filter(|r| matches!(r, Replayed::Requeued { .. })).count(), 2);
+    assert_eq!(letters(&mut conn).await?.len(), 3, "a dry run changes nothing");
+
+    let one = replay(&mut conn, "{orders}:dead", &Selection::Ids(vec![dead[0].clone(), "1-1".into()]), false).await?;
+    let Replayed::Requeued { new_id, business_key, source_stream, .. } = &one[0] else { panic!("{one:?}") };
+    assert_eq!((source_stream.as_str(), business_key.as_deref()), ("orders", Some("o0")));
+    assert!(matches!(&one[1], Replayed::Skipped { why, .. } if why == "not found"));
+    let requeued: redis::streams::StreamRangeReply = conn.xrange("orders", new_id, new_id).await?;
+    let fields = streamfleet_streams::entry::fields_from_map(requeued.ids[0].map.clone());
+    assert_eq!(fields, vec![("order_id".to_string(), b"o0".to_vec())], "original fields only");
+
+    let rest =
+        replay(&mut conn, "{orders}:dead", &Selection::Range { from: "-".into(), to: "+".into() }, false).await?;
+    assert!(matches!(&rest[0], Replayed::Requeued { business_key, .. } if business_key.as_deref() == Some("o1")));
+    assert!(matches!(&rest[1], Replayed::Skipped { why, .. } if why.contains("payload-missing")));
+    let left = letters(&mut conn).await?;
+    assert_eq!(left.len(), 1, "only the payload-missing record stays");
+    let after: usize = conn.xlen("orders").await?;
+    assert_eq!(after, before + 2);
+    Ok(())
+}

@@ -1,0 +1,175 @@
+//! Recovery through the real CronJob template: `Sweep` mode (the operator
+//! image) dead-letters poison and records lost payloads; `Worker` mode (the
+//! user's image) re-runs handlers on abandoned entries; results reach the
+//! resource's status and Events; the replay command puts dead letters back.
+
+// A test fails by panicking.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use anyhow::Result;
+use k8s_openapi::api::batch::v1::Job;
+use kube::Api;
+use redis::AsyncCommands as _;
+use std::time::Duration;
+use streamfleet_crd::{Health, StreamConsumerGroup};
+use streamfleet_e2e::*;
+use streamfleet_testbed::{RedisServer, TestBed, eventually, tools};
+
+const T: Duration = Duration::from_secs(120);
+
+/// Entries read by a consumer that is not a pod of the pipeline (so reaping
+/// leaves it alone) and never acked.
+async fn abandon(conn: &mut redis::aio::MultiplexedConnection, n: usize) -> Result<Vec<String>> {
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let id: String =
+            conn.xadd("orders", "*", &[("order_id", format!("o{i}")), ("amount_cents", "100".into())]).await?;
+        ids.push(id);
+    }
+    let opts = redis::streams::StreamReadOptions::default().group("billing", "ghost").count(n);
+    let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
+    Ok(ids)
+}
+
+async fn run_recovery_now(bed: &TestBed, ns: &str, name: &str) -> Result<()> {
+    let cronjob = format!("cronjob/{name}-recovery");
+    run_ok(bed, "kubectl", &["create", "job", "-n", ns, "recover-now", "--from", &cronjob], None).await?;
+    let client = bed.client().await?;
+    let jobs: Api<Job> = Api::namespaced(client, ns);
+    eventually("recovery Job complete", T, || async {
+        let job = jobs.get("recover-now").await?;
+        let done = job.status.and_then(|s| s.succeeded).unwrap_or(0) >= 1;
+        Ok(done.then_some(()))
+    })
+    .await
+}
+
+fn scg(image: &str, env: &str, recovery: &str) -> String {
+    format!(
+        r#"apiVersion: streamfleet.io/v1alpha1
+kind: StreamConsumerGroup
+metadata:
+  name: p
+spec:
+  redis:
+    urlSecretRef: {{name: redis, key: url}}
+  stream: orders
+  group: billing
+  startId: "0"
+  scaling: {{minReplicas: 1, maxReplicas: 1, pollIntervalSeconds: 2}}
+  recovery: {recovery}
+  worker:
+    template:
+      spec:
+        containers:
+          - name: worker
+            image: {image}
+            env:
+{env}
+"#
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sweep_dead_letters_poison_reports_lost_payloads_and_replay_requeues() -> Result<()> {
+    let bed = TestBed::shared()?;
+    let client = bed.client().await?;
+    let ns = bed.namespace(&client, "e2e-sweep").await?;
+    install_operator(bed, &ns.name, &[]).await?;
+    let redis = RedisServer::start().await?;
+    let mut conn = redis.connection().await?;
+    streamfleet_streams::ensure_group(&mut conn, "orders", "billing", "0").await?;
+    let ids = abandon(&mut conn, 3).await?;
+    // ids[0]: delivered twice (= maxDeliveries); ids[1]: payload trimmed; ids[2]: delivered once.
+    let _: redis::Value = redis::cmd("XCLAIM")
+        .arg("orders")
+        .arg("billing")
+        .arg("ghost")
+        .arg(0)
+        .arg(&ids[0])
+        .query_async(&mut conn)
+        .await?;
+    let _: i64 = conn.xdel("orders", &[&ids[1]]).await?;
+    create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
+    // Workers that never consume (testproc): the PEL stays as arranged.
+    let records = tempfile::tempdir()?;
+    let env = format!("              - {{name: TESTPROC_DIR, value: \"{}\"}}", records.path().display());
+    let manifest =
+        scg("streamfleet/testproc", &env, "{schedule: \"0 0 1 1 *\", maxDeliveries: 2, minIdleTimeMs: 1000}");
+    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&manifest)).await?;
+    wait_condition(&client, &ns.name, "p", "Ready", "True", None, T).await?;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+
+    run_recovery_now(bed, &ns.name, "p").await?;
+    let scgs: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), &ns.name);
+    let status = eventually("lastRecovery in status", T, || async {
+        let s = scgs.get("p").await?.status.unwrap_or_default();
+        Ok(s.last_recovery.clone().filter(|_| s.health == Some(Health::PayloadLost)).map(|r| (r, s)))
+    })
+    .await?;
+    let (last, status) = status;
+    assert_eq!((last.claimed, last.dead_lettered, last.payload_lost), (1, 1, 1), "{last:?}");
+    assert_eq!(status.dead_letter_length, Some(2));
+    assert_eq!(status.pending, Some(1), "the young entry is left to the workers");
+    eventually("PayloadLost Event", T, || async {
+        Ok((event_count(&client, &ns.name, "p", "PayloadLost").await? >= 1).then_some(()))
+    })
+    .await?;
+
+    // Replay with the operator binary: the poison order goes back, the
+    // payload-missing record stays.
+    let out = tokio::process::Command::new(tools::cargo_bin("streamfleet")?)
+        .args(["dead-letters", "--dead-letter-stream", "{orders}:dead", "replay", "--all"])
+        .env("STREAMFLEET_REDIS_URL", redis.url())
+        .env("STREAMFLEET_LOG_FORMAT", "text")
+        .output()
+        .await?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("requeued ") && stdout.contains("-> orders ") && stdout.contains("skipped"), "{stdout}");
+    let dlq: usize = conn.xlen("{orders}:dead").await?;
+    assert_eq!(dlq, 1);
+    let last_entry: redis::streams::StreamRangeReply = conn.xrevrange_count("orders", "+", "-", 1).await?;
+    let fields = streamfleet_streams::entry::fields_from_map(last_entry.ids[0].map.clone());
+    assert!(fields.contains(&("order_id".to_string(), b"o0".to_vec())), "{fields:?}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_mode_recovery_reruns_handlers_on_abandoned_entries() -> Result<()> {
+    let bed = TestBed::shared()?;
+    let client = bed.client().await?;
+    let ns = bed.namespace(&client, "e2e-wrecover").await?;
+    install_operator(bed, &ns.name, &[]).await?;
+    let redis = RedisServer::start().await?;
+    let mut conn = redis.connection().await?;
+    streamfleet_streams::ensure_group(&mut conn, "orders", "billing", "0").await?;
+    abandon(&mut conn, 5).await?;
+    create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
+    // The Deployment is paused at zero so only the recovery Job can charge.
+    let manifest = scg(
+        "streamfleet/example-worker",
+        "              - {name: RUST_LOG, value: info}",
+        "{schedule: \"0 0 1 1 *\", mode: Worker, minIdleTimeMs: 1000}",
+    )
+    .replace(
+        "scaling: {minReplicas: 1, maxReplicas: 1, pollIntervalSeconds: 2}",
+        "scaling: {minReplicas: 0, maxReplicas: 1, paused: true}",
+    );
+    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&manifest)).await?;
+    wait_condition(&client, &ns.name, "p", "GroupReady", "True", None, T).await?;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+
+    run_recovery_now(bed, &ns.name, "p").await?;
+    let charged: usize = conn.hlen("ledger:charges").await?;
+    assert_eq!(charged, 5, "the recovery Job ran the handler on every abandoned order");
+    let pending: redis::streams::StreamPendingReply = conn.xpending("orders", "billing").await?;
+    assert_eq!(pending.count(), 0);
+    let scgs: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), &ns.name);
+    let last =
+        eventually("lastRecovery", T, || async { Ok(scgs.get("p").await?.status.and_then(|s| s.last_recovery)) })
+            .await?;
+    assert_eq!(last.claimed, 5);
+    assert_eq!(last.payload_lost, 0);
+    Ok(())
+}
