@@ -252,6 +252,7 @@ impl<H: Handler> Worker<H> {
                 GuardState::Acquired => {}
                 GuardState::Completed => {
                     self.stats.add(&self.stats.suppressed, 1);
+                    guard.count_suppressed(conn, &entry.stream).await?;
                     return Ok(true);
                 }
                 // Someone is on it (or crashed mid-way): leave it pending; it

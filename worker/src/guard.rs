@@ -82,6 +82,17 @@ impl Guard {
         Ok(())
     }
 
+    /// Keeps a durable count of suppressed duplicates per group beside the
+    /// stream (`suppressed_key`), which outlives the worker processes.
+    pub async fn count_suppressed(&self, conn: &mut StreamConnection, stream: &str) -> Result<(), StreamError> {
+        let _: i64 = redis::cmd("INCR")
+            .arg(suppressed_key(stream, &self.group))
+            .query_async(conn)
+            .await
+            .map_err(|e| StreamError::new("idempotency guard", e))?;
+        Ok(())
+    }
+
     /// Lets a failed attempt be retried at once by the next delivery.
     pub async fn release(&self, conn: &mut StreamConnection, stream: &str, token: &str) -> Result<(), StreamError> {
         // Only our own `processing` mark: never a `completed` one.
@@ -96,6 +107,11 @@ impl Guard {
             .map_err(|e| StreamError::new("idempotency guard", e))?;
         Ok(())
     }
+}
+
+/// The durable count of duplicates the guard suppressed for `group`.
+pub fn suppressed_key(stream: &str, group: &str) -> String {
+    keys::companion_key(stream, &format!("suppressed:{group}"))
 }
 
 fn millis(d: Duration) -> u64 {

@@ -1,0 +1,194 @@
+//! The crash drill: 10,000 orders (DRILL_ORDERS) through the example
+//! pipeline while workers crash between charge and ack, are SIGKILLed from
+//! outside, hit transient gateway failures, and one slow but alive worker
+//! shares the group; 1% of orders are poison. At the end every order is
+//! charged exactly once, every entry is acked or dead-lettered, each poison
+//! order is a dead letter with its metadata, and the PEL is empty.
+//!
+//! By hand: `cargo test -p streamfleet-e2e --test drill -- --nocapture`.
+
+// A test fails by panicking.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use anyhow::Result;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{DeleteParams, ListParams, PostParams};
+use kube::{Api, ResourceExt as _};
+use rand::Rng as _;
+use redis::AsyncCommands as _;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+use streamfleet_e2e::*;
+use streamfleet_streams::deadletter as dl;
+use streamfleet_testbed::{RedisServer, TestBed, eventually};
+
+const MIN_IDLE_MS: u64 = 3000;
+
+fn pipeline() -> String {
+    format!(
+        r#"apiVersion: streamfleet.io/v1alpha1
+kind: StreamConsumerGroup
+metadata:
+  name: orders
+spec:
+  redis:
+    urlSecretRef: {{name: redis, key: url}}
+  stream: orders
+  group: billing
+  startId: "0"
+  scaling: {{minReplicas: 3, maxReplicas: 3, pollIntervalSeconds: 2}}
+  recovery: {{minIdleTimeMs: {MIN_IDLE_MS}, maxDeliveries: 4, batchSize: 50}}
+  worker:
+    template:
+      spec:
+        terminationGracePeriodSeconds: 5
+        containers:
+          - name: worker
+            image: streamfleet/example-worker
+            env:
+              - {{name: EXAMPLE_TRANSIENT_PERCENT, value: "3"}}
+              - {{name: EXAMPLE_CRASH_PERCENT, value: "0.05"}}
+"#
+    )
+}
+
+/// A worker outside the operator's Deployment, in the same group: slow, but
+/// alive, holding at most two entries for well under min-idle-time.
+fn slow_worker(redis_url: &str) -> Result<Deployment> {
+    let env: Vec<serde_json::Value> = [
+        ("STREAMFLEET_REDIS_URL", redis_url.to_string()),
+        ("STREAMFLEET_STREAMS", "orders".into()),
+        ("STREAMFLEET_GROUP", "billing".into()),
+        ("STREAMFLEET_MIN_IDLE_MS", MIN_IDLE_MS.to_string()),
+        ("STREAMFLEET_MAX_DELIVERIES", "4".into()),
+        ("STREAMFLEET_DEAD_LETTER_STREAM", "{orders}:dead".into()),
+        ("STREAMFLEET_BATCH_SIZE", "2".into()),
+        ("EXAMPLE_HANDLER_MS", "400".into()),
+    ]
+    .into_iter()
+    .map(|(k, v)| serde_json::json!({"name": k, "value": v}))
+    .chain([
+        serde_json::json!({"name": "STREAMFLEET_CONSUMER", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}),
+    ])
+    .collect();
+    Ok(serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "slow-worker"},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": "slow-worker"}},
+            "template": {
+                "metadata": {"labels": {"app": "slow-worker"}},
+                "spec": {"containers": [{"name": "worker", "image": "streamfleet/example-worker", "env": env}]}
+            }
+        }
+    }))?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_drill_every_order_charged_exactly_once() -> Result<()> {
+    let orders: usize = std::env::var("DRILL_ORDERS").ok().and_then(|v| v.parse().ok()).unwrap_or(10_000);
+    let bed = TestBed::shared()?;
+    let client = bed.client().await?;
+    let ns = bed.namespace(&client, "e2e-drill").await?;
+    install_operator(bed, &ns.name, &[]).await?;
+    let redis = RedisServer::start().await?;
+    let mut conn = redis.connection().await?;
+    create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
+    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&pipeline())).await?;
+    Api::<Deployment>::namespaced(client.clone(), &ns.name)
+        .create(&PostParams::default(), &slow_worker(&redis.url())?)
+        .await?;
+    wait_condition(&client, &ns.name, "orders", "Ready", "True", None, Duration::from_secs(120)).await?;
+
+    // 1% poison, spread through the stream.
+    let started = Instant::now();
+    let mut poison = Vec::new();
+    for chunk in (0..orders).collect::<Vec<_>>().chunks(1000) {
+        let mut pipe = redis::pipe();
+        for &i in chunk {
+            pipe.cmd("XADD").arg("orders").arg("*").arg("order_id").arg(i).arg("amount_cents").arg(100 + i);
+            if i % 100 == 42 {
+                pipe.arg("poison").arg("1");
+                poison.push(i.to_string());
+            }
+        }
+        let _: Vec<String> = pipe.query_async(&mut conn).await?;
+    }
+
+    // SIGKILL random workers from outside while they work.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
+    let mut kills = 0;
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let workers = pods.list(&ListParams::default().labels("app.kubernetes.io/component=worker")).await?.items;
+        let running: Vec<String> =
+            workers.iter().filter(|p| p.metadata.deletion_timestamp.is_none()).map(|p| p.name_any()).collect();
+        if running.is_empty() {
+            continue;
+        }
+        let victim = &running[rand::rng().random_range(0..running.len())];
+        pods.delete(victim, &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
+        kills += 1;
+    }
+
+    let expected = orders - poison.len();
+    let settled = eventually("every order settled", Duration::from_secs(600), || async {
+        let mut c = conn.clone();
+        let charged: usize = c.hlen("ledger:charges").await?;
+        let dead: usize = c.xlen("{orders}:dead").await?;
+        let pending: redis::streams::StreamPendingReply = c.xpending("orders", "billing").await?;
+        Ok((charged == expected && dead == poison.len() && pending.count() == 0).then_some(()))
+    })
+    .await;
+    let charged: usize = conn.hlen("ledger:charges").await?;
+    let dead: usize = conn.xlen("{orders}:dead").await?;
+    let pending: redis::streams::StreamPendingReply = conn.xpending("orders", "billing").await?;
+    settled
+        .map_err(|e| e.context(format!("charged {charged}/{expected}, dead {dead}, pending {}", pending.count())))?;
+
+    // Exactly once in the ledger: every order, the right amount, no extras.
+    let ledger: HashMap<String, u64> = conn.hgetall("ledger:charges").await?;
+    for i in (0..orders).filter(|i| i % 100 != 42) {
+        assert_eq!(ledger.get(&i.to_string()), Some(&(100 + u64::try_from(i)?)), "order {i}");
+    }
+    assert_eq!(ledger.len(), expected);
+    // Every entry acked or dead-lettered: nothing pending, nothing undelivered.
+    let info: redis::streams::StreamInfoGroupsReply = conn.xinfo_groups("orders").await?;
+    assert_eq!((info.groups[0].pending, info.groups[0].lag), (0, Some(0)));
+    // Each poison order is a dead letter with its metadata.
+    let letters: redis::streams::StreamRangeReply = conn.xrange_all("{orders}:dead").await?;
+    let mut dead_keys = Vec::new();
+    for e in letters.ids {
+        let f: HashMap<String, String> = streamfleet_streams::entry::fields_from_map(e.map)
+            .into_iter()
+            .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
+            .collect();
+        assert_eq!(f[dl::F_REASON], "permanent", "{f:?}");
+        assert_eq!(f[dl::F_SOURCE_STREAM], "orders");
+        assert_eq!(f[dl::F_GROUP], "billing");
+        assert!(f[dl::F_ERROR].contains("card declined"));
+        assert!(!f[dl::F_SOURCE_ID].is_empty() && !f[dl::F_CONSUMER].is_empty() && !f[dl::F_AT].is_empty());
+        assert_eq!(f["poison"], "1");
+        assert_eq!(f[dl::F_BUSINESS_KEY], f["order_id"]);
+        dead_keys.push(f["order_id"].clone());
+    }
+    dead_keys.sort();
+    poison.sort();
+    assert_eq!(dead_keys, poison);
+
+    // Redeliveries happened and were absorbed: by the guard (suppressed) or
+    // refused by the ledger as a second charge.
+    let suppressed: Option<u64> = conn.get(streamfleet_worker::guard::suppressed_key("orders", "billing")).await?;
+    let refused: HashMap<String, u64> = conn.hgetall("ledger:duplicates").await?;
+    println!(
+        "drill: {orders} orders ({} poison) settled in {:?}; {kills} workers SIGKILLed; \
+         duplicates suppressed by the guard: {}; second charges refused by the ledger: {}",
+        poison.len(),
+        started.elapsed(),
+        suppressed.unwrap_or(0),
+        refused.values().sum::<u64>()
+    );
+    assert!(suppressed.unwrap_or(0) + refused.values().sum::<u64>() > 0, "the drill caused no redelivery at all");
+    Ok(())
+}
