@@ -288,3 +288,59 @@ async fn a_killed_workers_entries_are_claimed_within_seconds_and_live_ones_untou
     assert!(duplicates.len() <= 1, "only the entry in the killed worker's hands may be charged twice: {duplicates:?}");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_under_load_drains_the_batch_in_hand_and_loses_nothing() -> Result<()> {
+    let bed = TestBed::shared()?;
+    let client = bed.client().await?;
+    let ns = bed.namespace(&client, "e2e-drain").await?;
+    install_operator(bed, &ns.name, &[]).await?;
+    let redis = RedisServer::start().await?;
+    let mut conn = redis.connection().await?;
+    create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
+    let env = "              - {name: EXAMPLE_HANDLER_MS, value: \"5\"}";
+    let spec = "  startId: \"0\"\n  scaling: {minReplicas: 2, maxReplicas: 2, pollIntervalSeconds: 2}\n  recovery: {minIdleTimeMs: 60000, batchSize: 20}";
+    run_ok(
+        bed,
+        "kubectl",
+        &["apply", "-n", &ns.name, "-f", "-"],
+        Some(&pipeline_yaml("orders", "streamfleet/example-worker", env, spec)),
+    )
+    .await?;
+    wait_condition(&client, &ns.name, "orders", "Ready", "True", None, T).await?;
+    produce(&mut conn, 0, 2000).await?;
+
+    // Wait until a worker is mid-stream, then stop it the normal way (SIGTERM,
+    // then its grace period).
+    let victim = eventually("a worker holding entries", T, || async {
+        let consumers: redis::streams::StreamInfoConsumersReply =
+            conn.clone().xinfo_consumers("orders", "billing").await?;
+        Ok(consumers.consumers.iter().find(|c| c.pending > 0).map(|c| c.name.clone()))
+    })
+    .await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
+    pods.delete(&victim, &DeleteParams::default()).await?;
+    eventually("victim gone", T, || async { Ok(pods.get_opt(&victim).await?.is_none().then_some(())) }).await?;
+    // It finished and acked its batch before exiting: the reaper found it
+    // owning nothing (deleted it) and had nothing to release.
+    eventually("all charged", T, || async {
+        let charged: usize = conn.clone().hlen("ledger:charges").await?;
+        Ok((charged == 2000).then_some(()))
+    })
+    .await?;
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), &ns.name);
+    let released: Vec<String> = events
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("DeadConsumerReleased"))
+        .filter_map(|e| e.note)
+        .collect();
+    assert!(released.iter().all(|n| !n.contains(&victim)), "the drained worker left entries behind: {released:?}");
+    let log = std::fs::read_to_string(bed.pod_dir(&ns.name, &victim).join("worker.log")).unwrap_or_default();
+    assert!(log.contains("drained; stopping"), "worker log:\n{log}");
+    let duplicates: usize = conn.hlen("ledger:duplicates").await?;
+    assert_eq!(duplicates, 0, "a graceful stop causes no redelivery");
+    Ok(())
+}
