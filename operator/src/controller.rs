@@ -51,12 +51,21 @@ pub struct Context {
     pub connections: Connections,
     pub settings: ObjectSettings,
     pub metrics: Arc<Metrics>,
-    /// Pods of the workloads this operator owns (a watch cache), for reaping.
+    /// Watch caches of the objects this operator owns: no API reads per poll.
+    deployments: Store<Deployment>,
+    cronjobs: Store<CronJob>,
+    /// Pods of the workloads this operator owns, for reaping.
     pods: Store<Pod>,
-    pods_synced: Arc<AtomicBool>,
+    caches_synced: Arc<AtomicBool>,
     failures: Mutex<HashMap<String, u32>>,
     memory: Mutex<HashMap<String, ResourceMemory>>,
     clock: Instant,
+}
+
+struct Stores {
+    deployments: Store<Deployment>,
+    cronjobs: Store<CronJob>,
+    pods: Store<Pod>,
 }
 
 /// What the policies remember about one resource between polls.
@@ -64,6 +73,9 @@ pub struct Context {
 struct ResourceMemory {
     scaling: ScalingMemory,
     health: HealthMemory,
+    /// Per field manager: fingerprint of the object last applied, and the
+    /// uid/generation the API server gave it.
+    applied: HashMap<&'static str, (u64, String)>,
 }
 
 impl Context {
@@ -72,7 +84,7 @@ impl Context {
         settings: ObjectSettings,
         metrics: Arc<Metrics>,
         instance: Option<String>,
-        pods: Store<Pod>,
+        stores: Stores,
     ) -> Self {
         let reporter = Reporter { controller: "streamfleet".into(), instance };
         Self {
@@ -81,8 +93,10 @@ impl Context {
             connections: Connections::default(),
             settings,
             metrics,
-            pods,
-            pods_synced: Arc::new(AtomicBool::new(false)),
+            deployments: stores.deployments,
+            cronjobs: stores.cronjobs,
+            pods: stores.pods,
+            caches_synced: Arc::new(AtomicBool::new(false)),
             failures: Mutex::new(HashMap::new()),
             memory: Mutex::new(HashMap::new()),
             clock: Instant::now(),
@@ -145,20 +159,31 @@ pub async fn run(
         None => Api::all(client.clone()),
     };
     let owned = watcher::Config::default().labels("app.kubernetes.io/managed-by=streamfleet");
-    // One pod watch feeds both the reaper's cache and reconcile triggers, so a
-    // worker's deletion is acted on at once.
-    let (pod_store, pod_writer) = reflector::store();
-    let pod_events = reflector::reflector(pod_writer, watcher(pods, owned.clone())).default_backoff().touched_objects();
-    let ctx = Arc::new(Context::new(client, settings, metrics, instance, pod_store.clone()));
-    let synced = ctx.pods_synced.clone();
+    // Each owned kind is watched once: the watch fills a cache the reconciler
+    // reads (no GET per poll) and triggers the owner's reconcile on change.
+    let (deployment_store, writer) = reflector::store();
+    let deployment_events =
+        reflector::reflector(writer, watcher(deployments, owned.clone())).default_backoff().touched_objects();
+    let (cronjob_store, writer) = reflector::store();
+    let cronjob_events =
+        reflector::reflector(writer, watcher(cronjobs, owned.clone())).default_backoff().touched_objects();
+    // Pods: a worker's deletion is acted on at once (reaping).
+    let (pod_store, writer) = reflector::store();
+    let pod_events = reflector::reflector(writer, watcher(pods, owned)).default_backoff().touched_objects();
+    let stores =
+        Stores { deployments: deployment_store.clone(), cronjobs: cronjob_store.clone(), pods: pod_store.clone() };
+    let ctx = Arc::new(Context::new(client, settings, metrics, instance, stores));
+    let synced = ctx.caches_synced.clone();
     tokio::spawn(async move {
-        if pod_store.wait_until_ready().await.is_ok() {
-            synced.store(true, Ordering::SeqCst);
-        }
+        // Reaping needs complete pod knowledge; applies need the owned caches.
+        let ready = pod_store.wait_until_ready().await.is_ok()
+            && deployment_store.wait_until_ready().await.is_ok()
+            && cronjob_store.wait_until_ready().await.is_ok();
+        synced.store(ready, Ordering::SeqCst);
     });
     Controller::new(scgs, watcher::Config::default().any_semantic())
-        .owns(deployments, owned.clone())
-        .owns(cronjobs, owned)
+        .owns_stream(deployment_events)
+        .owns_stream(cronjob_events)
         .watches_stream(pod_events, |pod: Pod| {
             let name = pod.labels().get(objects::GROUP_LABEL)?.clone();
             Some(ObjectRef::new(&name).within(&pod.namespace()?))
@@ -213,6 +238,11 @@ async fn reconcile_guarded(obj: &DeserializeGuard<StreamConsumerGroup>, ctx: &Ar
     };
     if scg.metadata.deletion_timestamp.is_some() {
         return cleanup(scg, ctx).await;
+    }
+    // Decide nothing on a half-filled cache: a missing Deployment would read
+    // as zero replicas, a missing pod as a dead consumer.
+    if !ctx.caches_synced.load(Ordering::SeqCst) {
+        return Ok(Action::requeue(Duration::from_millis(500)));
     }
     sync_finalizer(scg, ctx).await?;
     match apply(scg, ctx).await {
@@ -279,9 +309,9 @@ async fn apply(scg: &StreamConsumerGroup, ctx: &Context) -> Result<Applied, Erro
     let last_recovery = last_recovery.map(recovery_status);
     announce_recovery(scg, ctx, last_recovery.as_ref()).await;
 
-    let deployments = Api::<Deployment>::namespaced(ctx.client.clone(), &ns);
     let name = objects::worker_deployment_name(scg);
-    let current = deployments.get_opt(&name).await?.and_then(|d| d.spec.and_then(|s| s.replicas));
+    let live_deployment = ctx.deployments.get(&ObjectRef::new(&name).within(&ns));
+    let current = live_deployment.as_ref().and_then(|d| d.spec.as_ref().and_then(|s| s.replicas));
     let now = ctx.clock.elapsed();
     let (decision, (health, health_message)) = {
         let mut memory = ctx.memory.lock().map_err(|_| Error::InvalidSpec("internal: poisoned lock".into()))?;
@@ -304,24 +334,19 @@ async fn apply(scg: &StreamConsumerGroup, ctx: &Context) -> Result<Applied, Erro
     };
 
     let deployment = objects::worker_deployment(scg, decision.replicas)?;
-    let applied: Deployment =
-        deployments.patch(&name, &PatchParams::apply(MANAGER_DEPLOYMENT).force(), &Patch::Apply(&deployment)).await?;
+    let applied = apply_owned(ctx, scg, &name, MANAGER_DEPLOYMENT, &deployment, live_deployment).await?;
     if let Some(current) = current.filter(|c| *c != decision.replicas) {
         let note = format!("workers {current} -> {}: {}", decision.replicas, decision.reason);
         ctx.publish(&scg.object_ref(&()), EventType::Normal, "Scaled", "Scale", note).await;
     }
     let cronjob = objects::recovery_cronjob(scg, &ctx.settings)?;
-    Api::<CronJob>::namespaced(ctx.client.clone(), &ns)
-        .patch(
-            &objects::recovery_cronjob_name(scg),
-            &PatchParams::apply(MANAGER_CRONJOB).force(),
-            &Patch::Apply(&cronjob),
-        )
-        .await?;
+    let cronjob_name = objects::recovery_cronjob_name(scg);
+    let live_cronjob = ctx.cronjobs.get(&ObjectRef::new(&cronjob_name).within(&ns));
+    apply_owned(ctx, scg, &cronjob_name, MANAGER_CRONJOB, &cronjob, live_cronjob).await?;
     Ok(Applied {
         last_recovery,
         desired_replicas: decision.replicas,
-        available_replicas: applied.status.and_then(|s| s.available_replicas).unwrap_or(0),
+        available_replicas: applied.status.as_ref().and_then(|s| s.available_replicas).unwrap_or(0),
         snapshot,
         health,
         health_message,
@@ -359,6 +384,55 @@ async fn announce_recovery(scg: &StreamConsumerGroup, ctx: &Context, latest: Opt
     ctx.publish(&scg.object_ref(&()), kind, reason, "Recover", note).await;
 }
 
+/// Server-side applies an owned object, unless it is exactly what this
+/// operator last applied and the live object (from the watch cache) is the
+/// same object with the same spec generation: a poll where nothing changed
+/// makes no API write. A repair (someone edited the spec, or deleted the
+/// object) changes the generation or uid and is applied again.
+async fn apply_owned<K>(
+    ctx: &Context,
+    scg: &StreamConsumerGroup,
+    name: &str,
+    manager: &'static str,
+    desired: &K,
+    live: Option<Arc<K>>,
+) -> Result<K, Error>
+where
+    K: kube::Resource<Scope = kube::core::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + serde::Serialize
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    use std::hash::{Hash as _, Hasher as _};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    serde_json::to_string(desired)?.hash(&mut hasher);
+    let fingerprint = hasher.finish();
+    // uid + generation: the same object, and nobody changed its spec since
+    // (status updates by other controllers do not count).
+    let identity = |meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
+        format!("{}/{}", meta.uid.as_deref().unwrap_or(""), meta.generation.unwrap_or(0))
+    };
+    let live_identity = live.as_ref().map(|l| identity(l.meta()));
+    let unchanged = {
+        let memory = ctx.memory.lock().map_err(|_| Error::InvalidSpec("internal: poisoned lock".into()))?;
+        memory
+            .get(&key(scg))
+            .and_then(|m| m.applied.get(manager))
+            .is_some_and(|(f, id)| *f == fingerprint && live_identity.as_deref() == Some(id.as_str()))
+    };
+    if let (true, Some(live)) = (unchanged, live) {
+        return Ok((*live).clone());
+    }
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), &scg.namespace().unwrap_or_default());
+    let applied = api.patch(name, &PatchParams::apply(manager).force(), &Patch::Apply(desired)).await?;
+    ctx.metrics.api_write(manager);
+    if let Ok(mut memory) = ctx.memory.lock() {
+        memory.entry(key(scg)).or_default().applied.insert(manager, (fingerprint, identity(applied.meta())));
+    }
+    Ok(applied)
+}
+
 /// Whether the last recovery (within the hour) found payloads gone.
 fn payload_lost_recently(last: Option<&RecoveryStatus>) -> bool {
     let Some(last) = last else { return false };
@@ -369,11 +443,6 @@ fn payload_lost_recently(last: Option<&RecoveryStatus>) -> bool {
 /// Releases the entries of consumers whose pods are gone, and deletes those
 /// consumers once they own nothing (see `reaper`).
 async fn reap(scg: &StreamConsumerGroup, ctx: &Context, conn: &mut StreamConnection, snapshot: &GroupSnapshot) {
-    // Reap only with a complete picture of the pods: a cache still filling
-    // would make live workers look dead.
-    if !ctx.pods_synced.load(Ordering::SeqCst) {
-        return;
-    }
     let ns = scg.namespace().unwrap_or_default();
     let live: HashSet<String> = ctx
         .pods
@@ -548,6 +617,7 @@ async fn write_status(
         "status": status,
     });
     api.patch_status(&scg.name_any(), &PatchParams::apply(MANAGER_STATUS).force(), &Patch::Apply(&patch)).await?;
+    ctx.metrics.api_write(MANAGER_STATUS);
     Ok(())
 }
 
@@ -570,6 +640,7 @@ async fn set_finalizers(scg: &StreamConsumerGroup, ctx: &Context, finalizers: Ve
     // The resourceVersion makes this a compare-and-swap against concurrent edits.
     let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": scg.resource_version()}});
     api.patch(&scg.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    ctx.metrics.api_write("finalizer");
     Ok(())
 }
 

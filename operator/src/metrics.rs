@@ -32,8 +32,14 @@ pub struct ReasonLabels {
 const HEALTHS: [Health; 6] =
     [Health::Healthy, Health::Backlogged, Health::Stalled, Health::PoisonForming, Health::PayloadLost, Health::Unknown];
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WriteLabels {
+    pub manager: String,
+}
+
 pub struct Metrics {
     registry: Registry,
+    writes: Family<WriteLabels, Counter>,
     gauges: Vec<(&'static str, Family<ResourceLabels, Gauge>)>,
     health: Family<HealthLabels, Gauge>,
     reconciles: Counter,
@@ -80,7 +86,9 @@ impl Default for Metrics {
         registry.register("streamfleet_reconcile_errors", "Failed reconciles by reason", errors.clone());
         let duration = Histogram::new([0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]);
         registry.register("streamfleet_reconcile_duration_seconds", "Reconcile duration", duration.clone());
-        Self { registry, gauges, health, reconciles, errors, duration }
+        let writes = Family::<WriteLabels, Counter>::default();
+        registry.register("streamfleet_api_writes", "Kubernetes API writes by field manager", writes.clone());
+        Self { registry, writes, gauges, health, reconciles, errors, duration }
     }
 }
 
@@ -88,6 +96,10 @@ impl Metrics {
     pub fn reconciled(&self, took: Duration) {
         self.reconciles.inc();
         self.duration.observe(took.as_secs_f64());
+    }
+
+    pub fn api_write(&self, manager: &str) {
+        self.writes.get_or_create(&WriteLabels { manager: manager.to_string() }).inc();
     }
 
     pub fn failed(&self, reason: &str) {

@@ -128,6 +128,26 @@ async fn a_backlog_scales_workers_up_then_down_then_to_zero_and_wakes_them() -> 
     let scaled = event_count(&client, &ns.name, "orders", "Scaled").await?;
     assert!(scaled >= 2, "{scaled} Scaled events");
 
+    // At rest, polls keep running (every second here) but write nothing.
+    eventually("workers gone", T, || async {
+        let s = scgs.get("orders").await?.status.unwrap_or_default();
+        Ok((s.replicas.map(|r| r.summary) == Some("0/0".into())).then_some(()))
+    })
+    .await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let writes = |text: &str| -> Vec<String> {
+        text.lines().filter(|l| l.starts_with("streamfleet_api_writes_total")).map(str::to_string).collect()
+    };
+    let before = writes(&operator_http(&client, &ns.name, "/metrics").await?);
+    let reconciles = |text: &str| {
+        text.lines().find(|l| l.starts_with("streamfleet_reconciles_total")).map(str::to_string).unwrap_or_default()
+    };
+    let reconciles_before = reconciles(&operator_http(&client, &ns.name, "/metrics").await?);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let after_text = operator_http(&client, &ns.name, "/metrics").await?;
+    assert_ne!(reconciles(&after_text), reconciles_before, "the operator kept polling");
+    assert_eq!(writes(&after_text), before, "API writes while nothing changed");
+
     // New work wakes the pipeline from zero.
     produce(&mut conn, 300, 310).await?;
     eventually("woken and drained", T, || async {
