@@ -19,6 +19,16 @@ use streamfleet_streams::entry::fields_from_map;
 use streamfleet_streams::recovery::{RecoveryReport, now_ms, write_report};
 use streamfleet_streams::{Entry, StreamConnection, StreamError};
 
+/// What becomes of one entry of a batch.
+enum Settled {
+    /// Ack with the batch.
+    Ack,
+    /// Mark its business key completed, then ack, with the batch.
+    AckCompleted,
+    /// Leave pending (for redelivery), or already acked by its dead letter.
+    Leave,
+}
+
 fn stopping(stop: &AtomicBool) -> bool {
     stop.load(Ordering::SeqCst)
 }
@@ -217,75 +227,104 @@ impl<H: Handler> Worker<H> {
             .unwrap_or_default())
     }
 
-    /// Handles a batch and acks what succeeded, in one XACK per stream.
+    /// Handles a batch: one round trip to learn every entry's guard state, the
+    /// handlers one by one, then one round trip that marks the completed
+    /// business keys and acks (in that order, so a crash between them leaves a
+    /// completed key whose redelivery is suppressed, never an unmarked ack).
     async fn process(&self, conn: &mut StreamConnection, entries: Vec<Entry>) -> Result<(), WorkerError> {
-        let mut acks: BTreeMap<String, Vec<String>> = BTreeMap::new();
-        for entry in entries {
-            if self.settle(conn, &entry).await? {
-                acks.entry(entry.stream.clone()).or_default().push(entry.id.clone());
+        if entries.is_empty() {
+            return Ok(());
+        }
+        let keys: Vec<Option<String>> = entries.iter().map(|e| self.handler.business_key(e)).collect();
+        let tokens: Vec<String> =
+            entries.iter().zip(&keys).map(|(e, k)| k.clone().unwrap_or_else(|| e.id.clone())).collect();
+        let states = match &self.guard {
+            Some(guard) => {
+                let items: Vec<(&str, &str)> =
+                    entries.iter().zip(&tokens).map(|(e, t)| (e.stream.as_str(), t.as_str())).collect();
+                guard.begin_all(conn, &items).await?
+            }
+            None => vec![GuardState::Acquired; entries.len()],
+        };
+        let mut acks: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        let mut completed: Vec<(&str, &str)> = Vec::new();
+        for (((entry, key), token), state) in entries.iter().zip(&keys).zip(&tokens).zip(states) {
+            match self.settle(conn, entry, key.as_deref(), token, state).await? {
+                Settled::Ack => acks.entry(&entry.stream).or_default().push(&entry.id),
+                Settled::AckCompleted => {
+                    acks.entry(&entry.stream).or_default().push(&entry.id);
+                    completed.push((&entry.stream, token));
+                }
+                Settled::Leave => {}
             }
         }
-        if !acks.is_empty() {
-            let started = Instant::now();
-            let mut pipe = redis::pipe();
-            for (stream, ids) in &acks {
-                pipe.cmd("XACK").arg(stream).arg(&self.config.group).arg(ids).ignore();
-            }
-            let () = pipe.query_async(conn).await.map_err(|e| StreamError::new("acking entries", e))?;
-            self.stats.ack_latency.observe(started.elapsed());
+        if acks.is_empty() {
+            return Ok(());
         }
+        let started = Instant::now();
+        let mut pipe = redis::pipe();
+        if let Some(guard) = &self.guard {
+            for (stream, token) in &completed {
+                guard.complete_into(&mut pipe, stream, token);
+            }
+        }
+        for (stream, ids) in &acks {
+            pipe.cmd("XACK").arg(stream).arg(&self.config.group).arg(ids).ignore();
+        }
+        let () = pipe.query_async(conn).await.map_err(|e| StreamError::new("acking entries", e))?;
+        self.stats.ack_latency.observe(started.elapsed());
         Ok(())
     }
 
-    /// Decides one entry. True: ack it with the batch.
-    async fn settle(&self, conn: &mut StreamConnection, entry: &Entry) -> Result<bool, WorkerError> {
-        let key = self.handler.business_key(entry);
+    /// Decides one entry.
+    async fn settle(
+        &self,
+        conn: &mut StreamConnection,
+        entry: &Entry,
+        key: Option<&str>,
+        token: &str,
+        state: GuardState,
+    ) -> Result<Settled, WorkerError> {
         if entry.deliveries > self.config.max_deliveries {
             let error = deadletter::last_error(conn, &entry.stream, &self.config.group, &entry.id).await?;
             let error = error.unwrap_or_else(|| "delivered too often".into());
-            self.dead_letter(conn, entry, Reason::MaxDeliveries, &error, key.as_deref()).await?;
-            return Ok(false);
+            self.dead_letter(conn, entry, Reason::MaxDeliveries, &error, key).await?;
+            return Ok(Settled::Leave);
         }
-        let token = key.clone().unwrap_or_else(|| entry.id.clone());
-        if let Some(guard) = &self.guard {
-            match guard.begin(conn, &entry.stream, &token).await? {
-                GuardState::Acquired => {}
-                GuardState::Completed => {
-                    self.stats.add(&self.stats.suppressed, 1);
-                    guard.count_suppressed(conn, &entry.stream).await?;
-                    return Ok(true);
-                }
-                // Someone is on it (or crashed mid-way): leave it pending; it
-                // is claimed again once idle past min-idle-time.
-                GuardState::Busy => return Ok(false),
+        match (state, &self.guard) {
+            (GuardState::Completed, Some(guard)) => {
+                self.stats.add(&self.stats.suppressed, 1);
+                guard.count_suppressed(conn, &entry.stream).await?;
+                return Ok(Settled::Ack);
             }
+            // Someone is on it (or crashed mid-way): leave it pending; it is
+            // claimed again once idle past min-idle-time.
+            (GuardState::Busy, _) => return Ok(Settled::Leave),
+            _ => {}
         }
         let started = Instant::now();
         let outcome = self.handle_with_retries(entry).await;
         self.stats.handler_latency.observe(started.elapsed());
         match outcome {
             Outcome::Done => {
-                if let Some(guard) = &self.guard {
-                    guard.complete(conn, &entry.stream, &token).await?;
-                }
                 self.stats.add(&self.stats.processed, 1);
-                Ok(true)
+                Ok(Settled::AckCompleted)
             }
             Outcome::Transient(error) => {
                 self.stats.add(&self.stats.failed, 1);
                 if let Some(guard) = &self.guard {
-                    guard.release(conn, &entry.stream, &token).await?;
+                    guard.release(conn, &entry.stream, token).await?;
                 }
                 let error = format!("transient: {error}");
                 if entry.deliveries >= self.config.max_deliveries {
-                    self.dead_letter(conn, entry, Reason::MaxDeliveries, &error, key.as_deref()).await?;
+                    self.dead_letter(conn, entry, Reason::MaxDeliveries, &error, key).await?;
                 } else {
                     deadletter::record_last_error(conn, entry, &self.config.group, &error).await?;
                 }
-                Ok(false)
+                Ok(Settled::Leave)
             }
-            Outcome::Permanent(error) => self.reject(conn, entry, Reason::Permanent, &error, key, &token).await,
-            Outcome::Malformed(error) => self.reject(conn, entry, Reason::Malformed, &error, key, &token).await,
+            Outcome::Permanent(error) => self.reject(conn, entry, Reason::Permanent, &error, key, token).await,
+            Outcome::Malformed(error) => self.reject(conn, entry, Reason::Malformed, &error, key, token).await,
         }
     }
 
@@ -296,15 +335,15 @@ impl<H: Handler> Worker<H> {
         entry: &Entry,
         reason: Reason,
         error: &str,
-        key: Option<String>,
+        key: Option<&str>,
         token: &str,
-    ) -> Result<bool, WorkerError> {
+    ) -> Result<Settled, WorkerError> {
         self.stats.add(&self.stats.failed, 1);
         if let Some(guard) = &self.guard {
             guard.release(conn, &entry.stream, token).await?;
         }
-        self.dead_letter(conn, entry, reason, error, key.as_deref()).await?;
-        Ok(false)
+        self.dead_letter(conn, entry, reason, error, key).await?;
+        Ok(Settled::Leave)
     }
 
     /// Runs the handler, retrying transient failures with exponential backoff

@@ -20,7 +20,7 @@ pub struct Guard {
     completed_ttl: Duration,
 }
 
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GuardState {
     /// Ours to process.
     Acquired,
@@ -40,46 +40,47 @@ impl Guard {
         keys::companion_key(stream, &format!("idem:{}:{token}", self.group))
     }
 
-    pub async fn begin(
+    /// The states of a batch's business keys, in at most two round trips:
+    /// `SET NX` for every key, then `GET` for those already taken.
+    pub async fn begin_all(
         &self,
         conn: &mut StreamConnection,
-        stream: &str,
-        token: &str,
-    ) -> Result<GuardState, StreamError> {
-        let key = self.key(stream, token);
-        let set: Option<String> = redis::cmd("SET")
-            .arg(&key)
-            .arg(PROCESSING)
-            .arg("NX")
-            .arg("PX")
-            .arg(millis(self.processing_ttl))
-            .query_async(conn)
-            .await
-            .map_err(|e| StreamError::new("idempotency guard", e))?;
-        if set.is_some() {
-            return Ok(GuardState::Acquired);
+        items: &[(&str, &str)],
+    ) -> Result<Vec<GuardState>, StreamError> {
+        let err = |e| StreamError::new("idempotency guard", e);
+        let mut pipe = redis::pipe();
+        for (stream, token) in items {
+            pipe.cmd("SET")
+                .arg(self.key(stream, token))
+                .arg(PROCESSING)
+                .arg("NX")
+                .arg("PX")
+                .arg(millis(self.processing_ttl));
         }
-        let state: Option<String> = redis::cmd("GET")
-            .arg(&key)
-            .query_async(conn)
-            .await
-            .map_err(|e| StreamError::new("idempotency guard", e))?;
-        Ok(match state.as_deref() {
-            Some(COMPLETED) => GuardState::Completed,
-            _ => GuardState::Busy,
-        })
+        let acquired: Vec<Option<String>> = pipe.query_async(conn).await.map_err(err)?;
+        let taken: Vec<usize> = acquired.iter().enumerate().filter(|(_, a)| a.is_none()).map(|(i, _)| i).collect();
+        let mut states = vec![GuardState::Acquired; items.len()];
+        if taken.is_empty() {
+            return Ok(states);
+        }
+        let mut pipe = redis::pipe();
+        for &i in &taken {
+            pipe.cmd("GET").arg(self.key(items[i].0, items[i].1));
+        }
+        let values: Vec<Option<String>> = pipe.query_async(conn).await.map_err(err)?;
+        for (i, value) in taken.into_iter().zip(values) {
+            states[i] = match value.as_deref() {
+                Some(COMPLETED) => GuardState::Completed,
+                _ => GuardState::Busy,
+            };
+        }
+        Ok(states)
     }
 
-    pub async fn complete(&self, conn: &mut StreamConnection, stream: &str, token: &str) -> Result<(), StreamError> {
-        let () = redis::cmd("SET")
-            .arg(self.key(stream, token))
-            .arg(COMPLETED)
-            .arg("PX")
-            .arg(millis(self.completed_ttl))
-            .query_async(conn)
-            .await
-            .map_err(|e| StreamError::new("idempotency guard", e))?;
-        Ok(())
+    /// Adds the `completed` mark of a business key to a pipeline (sent with
+    /// the batch's acks).
+    pub fn complete_into(&self, pipe: &mut redis::Pipeline, stream: &str, token: &str) {
+        pipe.cmd("SET").arg(self.key(stream, token)).arg(COMPLETED).arg("PX").arg(millis(self.completed_ttl)).ignore();
     }
 
     /// Keeps a durable count of suppressed duplicates per group beside the

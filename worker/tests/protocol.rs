@@ -234,11 +234,12 @@ async fn entries_abandoned_by_a_dead_consumer_are_claimed_and_payload_loss_is_re
 async fn the_guard_suppresses_a_completed_business_key() -> Result<()> {
     let (server, mut conn) = setup().await?;
     let first = add(&mut conn, &[("kind", "ok"), ("key", "order-7")]).await?;
-    // The producer retried: the same order arrives twice.
+    // The producer retried: the same order arrives twice (in one batch: the
+    // second waits as "processing" until min-idle-time, then is suppressed).
     let again = add(&mut conn, &[("kind", "ok"), ("key", "order-7")]).await?;
     let handler = Scripted::default();
     let worker =
-        Worker::new(config(&server, "c1", 10_000, 5), handler.clone()).with_idempotency_guard(Duration::from_secs(600));
+        Worker::new(config(&server, "c1", 1_000, 5), handler.clone()).with_idempotency_guard(Duration::from_secs(600));
     let stats = worker.stats();
     let (stop, run) = spawn(worker);
     eventually("settled", T, || async { Ok((Stats::get(&stats.suppressed) == 1).then_some(())) }).await?;

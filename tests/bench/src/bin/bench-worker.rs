@@ -1,0 +1,105 @@
+//! Worker throughput with a trivial handler, on one redis-server in one run:
+//! a naive one-entry-at-a-time loop (XREADGROUP COUNT 1, handle, XACK) as the
+//! baseline, then the streamfleet worker without and with the idempotency
+//! guard. BENCH_ENTRIES (default 50,000) entries each.
+
+use anyhow::Result;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+use streamfleet_bench::fill;
+use streamfleet_crd::env;
+use streamfleet_streams::ensure_group;
+use streamfleet_testbed::RedisServer;
+use streamfleet_worker::{Entry, Handler, Outcome, Stats, Worker, WorkerConfig};
+
+struct Trivial;
+impl Handler for Trivial {
+    fn business_key(&self, e: &Entry) -> Option<String> {
+        e.field_str("order_id").map(str::to_string)
+    }
+    async fn handle(&self, _: &Entry) -> Outcome {
+        Outcome::Done
+    }
+}
+
+async fn naive(conn: &mut redis::aio::MultiplexedConnection, stream: &str, n: usize) -> Result<Duration> {
+    let start = Instant::now();
+    let mut done = 0;
+    while done < n {
+        let reply: Option<redis::streams::StreamReadReply> = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg("g")
+            .arg("naive")
+            .arg("COUNT")
+            .arg(1)
+            .arg("STREAMS")
+            .arg(stream)
+            .arg(">")
+            .query_async(conn)
+            .await?;
+        for key in reply.map(|r| r.keys).unwrap_or_default() {
+            for e in key.ids {
+                let _: i64 = redis::cmd("XACK").arg(stream).arg("g").arg(&e.id).query_async(conn).await?;
+                done += 1;
+            }
+        }
+    }
+    Ok(start.elapsed())
+}
+
+async fn library(server: &RedisServer, stream: &str, n: usize, guard: bool) -> Result<Duration> {
+    let vars: HashMap<&str, String> = HashMap::from([
+        (env::REDIS_URL, server.url()),
+        (env::STREAMS, stream.to_string()),
+        (env::GROUP, "g".into()),
+        (env::CONSUMER, "lib".into()),
+        (env::BATCH_SIZE, "500".into()),
+    ]);
+    let config = WorkerConfig::from_lookup(|k| vars.get(k).cloned())?;
+    let mut worker = Worker::new(config, Trivial);
+    if guard {
+        worker = worker.with_idempotency_guard(Duration::from_secs(3600));
+    }
+    let stats = worker.stats();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let start = Instant::now();
+    let run = tokio::spawn(worker.run(async move {
+        let _ = rx.await;
+    }));
+    while Stats::get(&stats.processed) < u64::try_from(n)? {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let took = start.elapsed();
+    let _ = tx.send(());
+    run.await??;
+    Ok(took)
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let n: usize = std::env::var("BENCH_ENTRIES").ok().and_then(|v| v.parse().ok()).unwrap_or(50_000);
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    let mut results = Vec::new();
+    for (name, stream) in [
+        ("naive loop (baseline)", "s-naive"),
+        ("streamfleet, guard off", "s-lib"),
+        ("streamfleet, guard on", "s-guard"),
+    ] {
+        ensure_group(&mut conn, stream, "g", "0").await?;
+        fill(&mut conn, stream, n).await?;
+        let took = match stream {
+            "s-naive" => naive(&mut conn, stream, n).await?,
+            "s-lib" => library(&server, stream, n, false).await?,
+            _ => library(&server, stream, n, true).await?,
+        };
+        results.push((name, took));
+    }
+    let base = n as f64 / results[0].1.as_secs_f64();
+    println!("worker throughput, {n} entries, trivial handler");
+    for (name, took) in &results {
+        let rate = n as f64 / took.as_secs_f64();
+        println!("  {name:<24} {rate:>10.0} entries/s  ({:.2}x baseline)", rate / base);
+    }
+    Ok(())
+}
