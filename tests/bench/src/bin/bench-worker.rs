@@ -1,7 +1,9 @@
 //! Worker throughput with a trivial handler, on one redis-server in one run:
 //! a naive one-entry-at-a-time loop (XREADGROUP COUNT 1, handle, XACK) as the
 //! baseline, then the streamfleet worker without and with the idempotency
-//! guard. BENCH_ENTRIES (default 50,000) entries each.
+//! guard; and, when Go is installed, Watermill's Redis Streams subscriber
+//! (tests/bench/watermill) on the same server. BENCH_ENTRIES (default
+//! 50,000) entries each.
 
 use anyhow::Result;
 use std::collections::HashMap;
@@ -75,6 +77,34 @@ async fn library(server: &RedisServer, stream: &str, n: usize, guard: bool) -> R
     Ok(took)
 }
 
+/// Builds and runs the Watermill peer program; returns its consumption time.
+async fn watermill(server: &RedisServer, n: usize) -> Result<Duration> {
+    let root = streamfleet_testbed::tools::workspace_root();
+    let bin = root.join("target/bench/watermill");
+    let built = tokio::process::Command::new("go")
+        .args(["build", "-o"])
+        .arg(&bin)
+        .arg(".")
+        .current_dir(root.join("tests/bench/watermill"))
+        .env("GOFLAGS", "-mod=mod")
+        .status()
+        .await?;
+    anyhow::ensure!(built.success(), "go build failed");
+    let out = tokio::process::Command::new(&bin)
+        .args(["-addr", &format!("127.0.0.1:{}", server.port), "-n", &n.to_string()])
+        .output()
+        .await?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    // "watermill redisstream: N messages in 3.1s = R msg/s"
+    let rate: f64 = text
+        .rsplit('=')
+        .next()
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|r| r.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("unexpected output: {text}{}", String::from_utf8_lossy(&out.stderr)))?;
+    Ok(Duration::from_secs_f64(n as f64 / rate))
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
     let n: usize = std::env::var("BENCH_ENTRIES").ok().and_then(|v| v.parse().ok()).unwrap_or(50_000);
@@ -94,6 +124,10 @@ async fn main() -> Result<()> {
             _ => library(&server, stream, n, true).await?,
         };
         results.push((name, took));
+    }
+    match watermill(&server, n).await {
+        Ok(took) => results.push(("watermill redisstream", took)),
+        Err(e) => println!("(watermill skipped: {e:#})"),
     }
     let base = n as f64 / results[0].1.as_secs_f64();
     println!("worker throughput, {n} entries, trivial handler");
