@@ -29,7 +29,8 @@ pub use consumer::{Handler, Outcome, Worker, WorkerError};
 pub use stats::Stats;
 pub use streamfleet_streams::Entry;
 
-/// Resolves on SIGTERM or SIGINT: the pod is being stopped.
+/// Resolves on SIGTERM or SIGINT: the pod is being stopped. (The operator
+/// binary uses it too.)
 pub async fn shutdown_signal() {
     let term = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {

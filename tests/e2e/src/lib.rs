@@ -99,9 +99,11 @@ pub async fn create_redis_secret(client: &Client, namespace: &str, name: &str, u
     Ok(())
 }
 
-/// A StreamConsumerGroup manifest whose workers are the test bed's `testproc`,
-/// recording their env under `record_dir`.
-pub fn scg_yaml(name: &str, secret: &str, stream: &str, group: &str, record_dir: &str, extra_spec: &str) -> String {
+/// A StreamConsumerGroup manifest: `name` consumes `stream` as `group` with
+/// the Redis URL from the `redis` Secret; its workers run `image` with `env`;
+/// `spec` adds lines under `spec:` (two-space indented YAML).
+pub fn manifest(name: &str, stream: &str, group: &str, image: &str, env: &[(&str, &str)], spec: &str) -> String {
+    let env: String = env.iter().map(|(k, v)| format!("              - {{name: {k}, value: \"{v}\"}}\n")).collect();
     format!(
         r#"apiVersion: streamfleet.io/v1alpha1
 kind: StreamConsumerGroup
@@ -109,22 +111,59 @@ metadata:
   name: {name}
 spec:
   redis:
-    urlSecretRef: {{name: {secret}, key: url}}
+    urlSecretRef: {{name: redis, key: url}}
   stream: {stream}
   group: {group}
+{spec}
   worker:
     template:
       spec:
         terminationGracePeriodSeconds: 5
         containers:
           - name: worker
-            image: streamfleet/testproc
+            image: {image}
             env:
-              - {{name: TESTPROC_DIR, value: "{record_dir}"}}
-              - name: TESTPROC_NAME
-                valueFrom: {{fieldRef: {{fieldPath: metadata.name}}}}
-{extra_spec}"#
+              - {{name: RUST_LOG, value: info}}
+{env}"#
     )
+}
+
+/// A manifest whose workers are the test bed's `testproc`: they record their
+/// environment under `record_dir` and never consume.
+pub fn recording_manifest(name: &str, stream: &str, group: &str, record_dir: &str, spec: &str) -> String {
+    manifest(name, stream, group, "streamfleet/testproc", &[("TESTPROC_DIR", record_dir)], spec)
+}
+
+/// One test's world: its namespace with the Helm-installed operator, its own
+/// redis-server, and the `redis` Secret pointing at it.
+pub struct Fixture {
+    pub bed: &'static TestBed,
+    pub client: Client,
+    pub ns: streamfleet_testbed::TestNamespace,
+    pub redis: streamfleet_testbed::RedisServer,
+    pub conn: redis::aio::MultiplexedConnection,
+}
+
+impl Fixture {
+    pub async fn start(prefix: &str, helm_args: &[&str]) -> Result<Self> {
+        let bed = TestBed::shared()?;
+        let client = bed.client().await?;
+        let ns = bed.namespace(&client, prefix).await?;
+        install_operator(bed, &ns.name, helm_args).await?;
+        let redis = streamfleet_testbed::RedisServer::start().await?;
+        let conn = redis.connection().await?;
+        create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
+        Ok(Self { bed, client, ns, redis, conn })
+    }
+
+    /// `kubectl apply` of a manifest into the fixture's namespace.
+    pub async fn apply(&self, manifest: &str) -> Result<String> {
+        run_ok(self.bed, "kubectl", &["apply", "-n", &self.ns.name, "-f", "-"], Some(manifest)).await
+    }
+
+    pub async fn wait_condition(&self, name: &str, type_: &str, status: &str) -> Result<StreamConsumerGroup> {
+        wait_condition(&self.client, &self.ns.name, name, type_, status, None, Duration::from_secs(120)).await
+    }
 }
 
 /// Waits until the resource's condition `type_` has `status`, returning the resource.
@@ -149,9 +188,12 @@ pub async fn wait_condition(
     .await
 }
 
-/// How many times Events about `name` with `reason` occurred (the recorder
-/// folds repeats of one reason into a series on one Event).
-pub async fn event_count(client: &Client, namespace: &str, name: &str, reason: &str) -> Result<i32> {
+/// Events about `name` in `namespace`.
+pub async fn events_about(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+) -> Result<Vec<k8s_openapi::api::events::v1::Event>> {
     let api: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), namespace);
     Ok(api
         .list(&Default::default())
@@ -159,6 +201,15 @@ pub async fn event_count(client: &Client, namespace: &str, name: &str, reason: &
         .items
         .into_iter()
         .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+        .collect())
+}
+
+/// How many times Events about `name` with `reason` occurred (the recorder
+/// folds repeats of one reason into a series on one Event).
+pub async fn event_count(client: &Client, namespace: &str, name: &str, reason: &str) -> Result<i32> {
+    Ok(events_about(client, namespace, name)
+        .await?
+        .into_iter()
         .filter(|e| e.reason.as_deref() == Some(reason))
         .map(|e| e.series.map(|s| s.count).unwrap_or(1))
         .sum())
@@ -166,15 +217,7 @@ pub async fn event_count(client: &Client, namespace: &str, name: &str, reason: &
 
 /// The reasons of Events about `name` in `namespace`.
 pub async fn event_reasons(client: &Client, namespace: &str, name: &str) -> Result<Vec<String>> {
-    let api: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), namespace);
-    Ok(api
-        .list(&Default::default())
-        .await?
-        .items
-        .into_iter()
-        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
-        .filter_map(|e| e.reason)
-        .collect())
+    Ok(events_about(client, namespace, name).await?.into_iter().filter_map(|e| e.reason).collect())
 }
 
 /// GET `path` from the operator pod of `namespace` (its probes/metrics port

@@ -21,35 +21,21 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use streamfleet_e2e::*;
 use streamfleet_streams::deadletter as dl;
-use streamfleet_testbed::{RedisServer, TestBed, eventually};
+use streamfleet_testbed::eventually;
 
 const MIN_IDLE_MS: u64 = 3000;
 
 fn pipeline() -> String {
-    format!(
-        r#"apiVersion: streamfleet.io/v1alpha1
-kind: StreamConsumerGroup
-metadata:
-  name: orders
-spec:
-  redis:
-    urlSecretRef: {{name: redis, key: url}}
-  stream: orders
-  group: billing
-  startId: "0"
-  scaling: {{minReplicas: 3, maxReplicas: 3, pollIntervalSeconds: 2}}
-  recovery: {{minIdleTimeMs: {MIN_IDLE_MS}, maxDeliveries: 4, batchSize: 50}}
-  worker:
-    template:
-      spec:
-        terminationGracePeriodSeconds: 5
-        containers:
-          - name: worker
-            image: streamfleet/example-worker
-            env:
-              - {{name: EXAMPLE_TRANSIENT_PERCENT, value: "3"}}
-              - {{name: EXAMPLE_CRASH_PERCENT, value: "0.05"}}
-"#
+    let spec = format!(
+        "  startId: \"0\"\n  scaling: {{minReplicas: 3, maxReplicas: 3, pollIntervalSeconds: 2}}\n  recovery: {{minIdleTimeMs: {MIN_IDLE_MS}, maxDeliveries: 4, batchSize: 50}}"
+    );
+    manifest(
+        "orders",
+        "orders",
+        "billing",
+        "streamfleet/example-worker",
+        &[("EXAMPLE_TRANSIENT_PERCENT", "3"), ("EXAMPLE_CRASH_PERCENT", "0.05")],
+        &spec,
     )
 }
 
@@ -88,16 +74,11 @@ fn slow_worker(redis_url: &str) -> Result<Deployment> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_drill_every_order_charged_exactly_once() -> Result<()> {
     let orders: usize = std::env::var("DRILL_ORDERS").ok().and_then(|v| v.parse().ok()).unwrap_or(10_000);
-    let bed = TestBed::shared()?;
-    let client = bed.client().await?;
-    let ns = bed.namespace(&client, "e2e-drill").await?;
-    install_operator(bed, &ns.name, &[]).await?;
-    let redis = RedisServer::start().await?;
-    let mut conn = redis.connection().await?;
-    create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
-    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&pipeline())).await?;
+    let f = Fixture::start("e2e-drill", &[]).await?;
+    let (client, ns, mut conn) = (f.client.clone(), &f.ns, f.conn.clone());
+    f.apply(&pipeline()).await?;
     Api::<Deployment>::namespaced(client.clone(), &ns.name)
-        .create(&PostParams::default(), &slow_worker(&redis.url())?)
+        .create(&PostParams::default(), &slow_worker(&f.redis.url())?)
         .await?;
     wait_condition(&client, &ns.name, "orders", "Ready", "True", None, Duration::from_secs(120)).await?;
 

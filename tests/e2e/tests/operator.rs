@@ -38,13 +38,12 @@ async fn helm_installed_operator_creates_group_workers_and_recovery() -> Result<
     let first: String = conn.xadd("orders", "*", &[("order", "1")]).await?;
     create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
     let records = tempfile::tempdir()?;
-    let manifest = scg_yaml(
+    let manifest = recording_manifest(
         "orders",
-        "redis",
         "orders",
         "billing",
         &records.path().display().to_string(),
-        "  startId: \"0\"\n  recovery:\n    schedule: \"*/7 * * * *\"\n",
+        "  startId: \"0\"\n  recovery:\n    schedule: \"*/7 * * * *\"",
     );
     run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&manifest)).await?;
 
@@ -77,7 +76,7 @@ async fn helm_installed_operator_creates_group_workers_and_recovery() -> Result<
     assert_eq!(penv[env::STREAMS], "orders");
     assert_eq!(penv[env::GROUP], "billing");
     assert_eq!(penv[env::DEAD_LETTER_STREAM], "{orders}:dead");
-    assert_eq!(penv[env::CONSUMER], penv["TESTPROC_NAME"], "consumer name is the pod name");
+    assert_eq!(penv[env::CONSUMER], penv["HOSTNAME"], "consumer name is the pod name");
 
     // Owned recovery CronJob.
     let cronjobs: Api<CronJob> = Api::namespaced(client.clone(), &ns.name);
@@ -126,7 +125,7 @@ async fn redis_and_secret_failures_become_conditions_and_heal() -> Result<()> {
     let ns = bed.namespace(&client, "e2e-fail").await?;
     install_operator(bed, &ns.name, &[]).await?;
     let records = tempfile::tempdir()?;
-    let manifest = scg_yaml("p", "redis", "s", "g", &records.path().display().to_string(), "");
+    let manifest = recording_manifest("p", "s", "g", &records.path().display().to_string(), "");
     run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&manifest)).await?;
 
     // 1. The Secret does not exist.
@@ -165,7 +164,7 @@ async fn invalid_specs_are_refused_at_admission_naming_the_field() -> Result<()>
     let ns = bed.namespace(&client, "e2e-admit").await?;
     ensure_crd(bed).await?;
     let apply = |extra: &'static str, stream: &'static str, group: &'static str| {
-        let manifest = scg_yaml("x", "redis", stream, group, "/tmp", extra);
+        let manifest = recording_manifest("x", stream, group, "/tmp", extra);
         let ns = ns.name.clone();
         async move {
             let out = run_tool(bed, "kubectl", &["apply", "-n", &ns, "-f", "-"], Some(&manifest)).await?;
@@ -210,8 +209,8 @@ async fn deletion_policy_delete_destroys_the_group_and_retain_keeps_it() -> Resu
     create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
     let records = tempfile::tempdir()?;
     let dir = records.path().display().to_string();
-    let keep = scg_yaml("keep", "redis", "s", "kept", &dir, "");
-    let drop = scg_yaml("drop", "redis", "s", "dropped", &dir, "  deletionPolicy: Delete\n");
+    let keep = recording_manifest("keep", "s", "kept", &dir, "");
+    let drop = recording_manifest("drop", "s", "dropped", &dir, "  deletionPolicy: Delete");
     run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&format!("{keep}---\n{drop}"))).await?;
     wait_condition(&client, &ns.name, "keep", "GroupReady", "True", None, T).await?;
     let dropped = wait_condition(&client, &ns.name, "drop", "GroupReady", "True", None, T).await?;
@@ -260,7 +259,7 @@ async fn killing_the_leader_hands_over_with_one_leader_at_a_time() -> Result<()>
     create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
     let records = tempfile::tempdir()?;
     let dir = records.path().display().to_string();
-    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&scg_yaml("a", "redis", "s", "g1", &dir, "")))
+    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&recording_manifest("a", "s", "g1", &dir, "")))
         .await?;
     wait_condition(&client, &ns.name, "a", "GroupReady", "True", None, T).await?;
     let leading = |pod: &str| {
@@ -290,7 +289,7 @@ async fn killing_the_leader_hands_over_with_one_leader_at_a_time() -> Result<()>
     for pod in &all {
         assert_eq!(leading(pod), usize::from(*pod == successor), "{pod} leadership log");
     }
-    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&scg_yaml("b", "redis", "s", "g2", &dir, "")))
+    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&recording_manifest("b", "s", "g2", &dir, "")))
         .await?;
     wait_condition(&client, &ns.name, "b", "GroupReady", "True", None, T).await?;
     let groups: Vec<String> = group_info(&redis, "s").await?.into_iter().map(|(g, _)| g).collect();
@@ -324,7 +323,7 @@ spec:
 "#;
     run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(broken)).await?;
     let records = tempfile::tempdir()?;
-    let good = scg_yaml("good", "redis", "s", "good", &records.path().display().to_string(), "");
+    let good = recording_manifest("good", "s", "good", &records.path().display().to_string(), "");
     run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&good)).await?;
     wait_condition(&client, &ns.name, "good", "Ready", "True", None, T).await?;
     eventually("InvalidObject event", T, || async {

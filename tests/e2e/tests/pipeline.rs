@@ -14,34 +14,9 @@ use redis::AsyncCommands as _;
 use std::time::{Duration, Instant};
 use streamfleet_crd::StreamConsumerGroup;
 use streamfleet_e2e::*;
-use streamfleet_testbed::{RedisServer, TestBed, eventually};
+use streamfleet_testbed::eventually;
 
 const T: Duration = Duration::from_secs(120);
-
-fn pipeline_yaml(name: &str, image: &str, env: &str, spec: &str) -> String {
-    format!(
-        r#"apiVersion: streamfleet.io/v1alpha1
-kind: StreamConsumerGroup
-metadata:
-  name: {name}
-spec:
-  redis:
-    urlSecretRef: {{name: redis, key: url}}
-  stream: orders
-  group: billing
-{spec}
-  worker:
-    template:
-      spec:
-        terminationGracePeriodSeconds: 10
-        containers:
-          - name: worker
-            image: {image}
-            env:
-{env}
-"#
-    )
-}
 
 async fn produce(conn: &mut redis::aio::MultiplexedConnection, from: usize, to: usize) -> Result<()> {
     let mut pipe = redis::pipe();
@@ -58,22 +33,18 @@ async fn replicas(deployments: &Api<Deployment>, name: &str) -> Result<Option<i3
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backlog_scales_workers_up_then_down_then_to_zero_and_wakes_them() -> Result<()> {
-    let bed = TestBed::shared()?;
-    let client = bed.client().await?;
-    let ns = bed.namespace(&client, "e2e-scale").await?;
-    install_operator(bed, &ns.name, &[]).await?;
-    let redis = RedisServer::start().await?;
-    let mut conn = redis.connection().await?;
+    let f = Fixture::start("e2e-scale", &[]).await?;
+    let (client, ns, mut conn) = (f.client.clone(), &f.ns, f.conn.clone());
     produce(&mut conn, 0, 300).await?;
-    create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
-    let env = "              - {name: EXAMPLE_HANDLER_MS, value: \"25\"}";
     let spec = "  startId: \"0\"\n  scaling: {minReplicas: 0, maxReplicas: 4, targetPerReplica: 100, scaleDownStabilizationSeconds: 6, cooldownSeconds: 8, pollIntervalSeconds: 1}\n  recovery: {minIdleTimeMs: 10000, batchSize: 20}";
-    run_ok(
-        bed,
-        "kubectl",
-        &["apply", "-n", &ns.name, "-f", "-"],
-        Some(&pipeline_yaml("orders", "streamfleet/example-worker", env, spec)),
-    )
+    f.apply(&manifest(
+        "orders",
+        "orders",
+        "billing",
+        "streamfleet/example-worker",
+        &[("EXAMPLE_HANDLER_MS", "25")],
+        spec,
+    ))
     .await?;
 
     // Watch the Deployment's replicas while the backlog drains.
@@ -160,32 +131,20 @@ async fn a_backlog_scales_workers_up_then_down_then_to_zero_and_wakes_them() -> 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn null_lag_with_work_waiting_is_counted_and_never_scaled_to_zero() -> Result<()> {
-    let bed = TestBed::shared()?;
-    let client = bed.client().await?;
-    let ns = bed.namespace(&client, "e2e-nulllag").await?;
-    install_operator(bed, &ns.name, &[]).await?;
-    let redis = RedisServer::start().await?;
-    let mut conn = redis.connection().await?;
+    let f = Fixture::start("e2e-nulllag", &[]).await?;
+    let (client, ns, mut conn) = (f.client.clone(), &f.ns, f.conn.clone());
     let mut ids = Vec::new();
     for i in 0..50 {
         ids.push(conn.xadd::<_, _, _, _, String>("orders", "*", &[("order_id", i)]).await?);
     }
-    create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
     // A group created at an arbitrary ID: Redis reports its lag as NULL. The
     // workers here (testproc) never consume, so the work stays waiting.
     let records = tempfile::tempdir()?;
-    let env = format!("              - {{name: TESTPROC_DIR, value: \"{}\"}}", records.path().display());
     let spec = format!(
         "  startId: \"{}\"\n  scaling: {{minReplicas: 0, maxReplicas: 3, targetPerReplica: 100, scaleDownStabilizationSeconds: 1, cooldownSeconds: 1, pollIntervalSeconds: 1}}",
         ids[9]
     );
-    run_ok(
-        bed,
-        "kubectl",
-        &["apply", "-n", &ns.name, "-f", "-"],
-        Some(&pipeline_yaml("nl", "streamfleet/testproc", &env, &spec)),
-    )
-    .await?;
+    f.apply(&recording_manifest("nl", "orders", "billing", &records.path().display().to_string(), &spec)).await?;
     wait_condition(&client, &ns.name, "nl", "GroupReady", "True", None, T).await?;
     let info: redis::streams::StreamInfoGroupsReply = conn.xinfo_groups("orders").await?;
     assert_eq!(info.groups[0].lag, None, "Redis cannot tell this group's lag");
@@ -212,23 +171,19 @@ async fn null_lag_with_work_waiting_is_counted_and_never_scaled_to_zero() -> Res
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_workers_entries_are_claimed_within_seconds_and_live_ones_untouched() -> Result<()> {
-    let bed = TestBed::shared()?;
-    let client = bed.client().await?;
-    let ns = bed.namespace(&client, "e2e-reap").await?;
-    install_operator(bed, &ns.name, &[]).await?;
-    let redis = RedisServer::start().await?;
-    let mut conn = redis.connection().await?;
-    create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
+    let f = Fixture::start("e2e-reap", &[]).await?;
+    let (client, ns, mut conn) = (f.client.clone(), &f.ns, f.conn.clone());
     // Slow handlers and a long min-idle-time: without reaping, a dead worker's
     // entries would wait 60 s.
-    let env = "              - {name: EXAMPLE_HANDLER_MS, value: \"1500\"}";
     let spec = "  startId: \"0\"\n  scaling: {minReplicas: 3, maxReplicas: 3, pollIntervalSeconds: 2}\n  recovery: {minIdleTimeMs: 60000, batchSize: 4}";
-    run_ok(
-        bed,
-        "kubectl",
-        &["apply", "-n", &ns.name, "-f", "-"],
-        Some(&pipeline_yaml("orders", "streamfleet/example-worker", env, spec)),
-    )
+    f.apply(&manifest(
+        "orders",
+        "orders",
+        "billing",
+        "streamfleet/example-worker",
+        &[("EXAMPLE_HANDLER_MS", "1500")],
+        spec,
+    ))
     .await?;
     wait_condition(&client, &ns.name, "orders", "Ready", "True", None, T).await?;
     eventually("3 consumers", T, || async {
@@ -311,21 +266,17 @@ async fn a_killed_workers_entries_are_claimed_within_seconds_and_live_ones_untou
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_under_load_drains_the_batch_in_hand_and_loses_nothing() -> Result<()> {
-    let bed = TestBed::shared()?;
-    let client = bed.client().await?;
-    let ns = bed.namespace(&client, "e2e-drain").await?;
-    install_operator(bed, &ns.name, &[]).await?;
-    let redis = RedisServer::start().await?;
-    let mut conn = redis.connection().await?;
-    create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
-    let env = "              - {name: EXAMPLE_HANDLER_MS, value: \"5\"}";
+    let f = Fixture::start("e2e-drain", &[]).await?;
+    let (bed, client, ns, mut conn) = (f.bed, f.client.clone(), &f.ns, f.conn.clone());
     let spec = "  startId: \"0\"\n  scaling: {minReplicas: 2, maxReplicas: 2, pollIntervalSeconds: 2}\n  recovery: {minIdleTimeMs: 60000, batchSize: 20}";
-    run_ok(
-        bed,
-        "kubectl",
-        &["apply", "-n", &ns.name, "-f", "-"],
-        Some(&pipeline_yaml("orders", "streamfleet/example-worker", env, spec)),
-    )
+    f.apply(&manifest(
+        "orders",
+        "orders",
+        "billing",
+        "streamfleet/example-worker",
+        &[("EXAMPLE_HANDLER_MS", "5")],
+        spec,
+    ))
     .await?;
     wait_condition(&client, &ns.name, "orders", "Ready", "True", None, T).await?;
     produce(&mut conn, 0, 2000).await?;

@@ -13,7 +13,7 @@ use redis::AsyncCommands as _;
 use std::time::Duration;
 use streamfleet_crd::{Health, StreamConsumerGroup};
 use streamfleet_e2e::*;
-use streamfleet_testbed::{RedisServer, TestBed, eventually, tools};
+use streamfleet_testbed::{TestBed, eventually, tools};
 
 const T: Duration = Duration::from_secs(120);
 
@@ -44,40 +44,10 @@ async fn run_recovery_now(bed: &TestBed, ns: &str, name: &str) -> Result<()> {
     .await
 }
 
-fn scg(image: &str, env: &str, recovery: &str) -> String {
-    format!(
-        r#"apiVersion: streamfleet.io/v1alpha1
-kind: StreamConsumerGroup
-metadata:
-  name: p
-spec:
-  redis:
-    urlSecretRef: {{name: redis, key: url}}
-  stream: orders
-  group: billing
-  startId: "0"
-  scaling: {{minReplicas: 1, maxReplicas: 1, pollIntervalSeconds: 2}}
-  recovery: {recovery}
-  worker:
-    template:
-      spec:
-        containers:
-          - name: worker
-            image: {image}
-            env:
-{env}
-"#
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sweep_dead_letters_poison_reports_lost_payloads_and_replay_requeues() -> Result<()> {
-    let bed = TestBed::shared()?;
-    let client = bed.client().await?;
-    let ns = bed.namespace(&client, "e2e-sweep").await?;
-    install_operator(bed, &ns.name, &[]).await?;
-    let redis = RedisServer::start().await?;
-    let mut conn = redis.connection().await?;
+    let f = Fixture::start("e2e-sweep", &[]).await?;
+    let (bed, client, ns, mut conn) = (f.bed, f.client.clone(), &f.ns, f.conn.clone());
     streamfleet_streams::ensure_group(&mut conn, "orders", "billing", "0").await?;
     let ids = abandon(&mut conn, 3).await?;
     // ids[0]: delivered twice (= maxDeliveries); ids[1]: payload trimmed; ids[2]: delivered once.
@@ -90,13 +60,10 @@ async fn sweep_dead_letters_poison_reports_lost_payloads_and_replay_requeues() -
         .query_async(&mut conn)
         .await?;
     let _: i64 = conn.xdel("orders", &[&ids[1]]).await?;
-    create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
     // Workers that never consume (testproc): the PEL stays as arranged.
     let records = tempfile::tempdir()?;
-    let env = format!("              - {{name: TESTPROC_DIR, value: \"{}\"}}", records.path().display());
-    let manifest =
-        scg("streamfleet/testproc", &env, "{schedule: \"0 0 1 1 *\", maxDeliveries: 2, minIdleTimeMs: 1000}");
-    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&manifest)).await?;
+    let spec = "  startId: \"0\"\n  scaling: {minReplicas: 1, maxReplicas: 1, pollIntervalSeconds: 2}\n  recovery: {schedule: \"0 0 1 1 *\", maxDeliveries: 2, minIdleTimeMs: 1000}";
+    f.apply(&recording_manifest("p", "orders", "billing", &records.path().display().to_string(), spec)).await?;
     wait_condition(&client, &ns.name, "p", "Ready", "True", None, T).await?;
     tokio::time::sleep(Duration::from_millis(1200)).await;
 
@@ -120,7 +87,7 @@ async fn sweep_dead_letters_poison_reports_lost_payloads_and_replay_requeues() -
     // payload-missing record stays.
     let out = tokio::process::Command::new(tools::cargo_bin("streamfleet")?)
         .args(["dead-letters", "--dead-letter-stream", "{orders}:dead", "replay", "--all"])
-        .env("STREAMFLEET_REDIS_URL", redis.url())
+        .env("STREAMFLEET_REDIS_URL", f.redis.url())
         .env("STREAMFLEET_LOG_FORMAT", "text")
         .output()
         .await?;
@@ -137,26 +104,13 @@ async fn sweep_dead_letters_poison_reports_lost_payloads_and_replay_requeues() -
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_mode_recovery_reruns_handlers_on_abandoned_entries() -> Result<()> {
-    let bed = TestBed::shared()?;
-    let client = bed.client().await?;
-    let ns = bed.namespace(&client, "e2e-wrecover").await?;
-    install_operator(bed, &ns.name, &[]).await?;
-    let redis = RedisServer::start().await?;
-    let mut conn = redis.connection().await?;
+    let f = Fixture::start("e2e-wrecover", &[]).await?;
+    let (bed, client, ns, mut conn) = (f.bed, f.client.clone(), &f.ns, f.conn.clone());
     streamfleet_streams::ensure_group(&mut conn, "orders", "billing", "0").await?;
     abandon(&mut conn, 5).await?;
-    create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
     // The Deployment is paused at zero so only the recovery Job can charge.
-    let manifest = scg(
-        "streamfleet/example-worker",
-        "              - {name: RUST_LOG, value: info}",
-        "{schedule: \"0 0 1 1 *\", mode: Worker, minIdleTimeMs: 1000}",
-    )
-    .replace(
-        "scaling: {minReplicas: 1, maxReplicas: 1, pollIntervalSeconds: 2}",
-        "scaling: {minReplicas: 0, maxReplicas: 1, paused: true}",
-    );
-    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&manifest)).await?;
+    let spec = "  startId: \"0\"\n  scaling: {minReplicas: 0, maxReplicas: 1, paused: true}\n  recovery: {schedule: \"0 0 1 1 *\", mode: Worker, minIdleTimeMs: 1000}";
+    f.apply(&manifest("p", "orders", "billing", "streamfleet/example-worker", &[], spec)).await?;
     wait_condition(&client, &ns.name, "p", "GroupReady", "True", None, T).await?;
     tokio::time::sleep(Duration::from_millis(1200)).await;
 

@@ -2,7 +2,8 @@
 //! stand-in gave it, so tests can assert on real process behaviour.
 //!
 //! `testproc [run|exit CODE]` with `TESTPROC_DIR` set:
-//! * writes `$TESTPROC_DIR/$TESTPROC_NAME.start` (JSON of its env and args);
+//! * writes `$TESTPROC_DIR/<name>.start` (JSON of its env and args), where
+//!   the name is `$TESTPROC_NAME`, else `$HOSTNAME` (the pod name), else the pid;
 //! * `run` (default): waits for SIGTERM, writes `.sigterm`, exits 0;
 //! * `exit CODE`: exits with CODE at once.
 use std::collections::BTreeMap;
@@ -15,7 +16,9 @@ async fn main() -> std::process::ExitCode {
         eprintln!("testproc: TESTPROC_DIR is not set");
         return std::process::ExitCode::from(2);
     };
-    let name = std::env::var("TESTPROC_NAME").unwrap_or_else(|_| std::process::id().to_string());
+    let name = std::env::var("TESTPROC_NAME")
+        .or_else(|_| std::env::var("HOSTNAME"))
+        .unwrap_or_else(|_| std::process::id().to_string());
     let env: BTreeMap<String, String> = std::env::vars().collect();
     let record = serde_json::json!({"pid": std::process::id(), "args": args, "env": env});
     if let Err(e) = std::fs::create_dir_all(&dir)
