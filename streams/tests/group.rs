@@ -76,3 +76,20 @@ async fn ensure_group_works_on_a_cluster() -> Result<()> {
     }
     Ok(())
 }
+
+#[tokio::test]
+async fn tls_with_a_private_ca() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let pki = streamfleet_testbed::certs::Pki::generate(&dir.path().join("pki"))?;
+    let server = RedisServer::start_tls(dir.path(), &pki.serving_cert, &pki.serving_key, &pki.ca_cert).await?;
+    let url = format!("rediss://127.0.0.1:{}/", server.port);
+    // With the CA from the Secret: connects and works.
+    let endpoint = Endpoint { url: url.clone(), mode: Mode::Standalone, ca_pem: Some(pki.ca_pem.clone().into_bytes()) };
+    let mut conn = Connections::default().get(&endpoint).await?;
+    assert_eq!(ensure_group(&mut conn, "orders", "g", "$").await?, GroupCreation::Created);
+    // Without it, the private CA is not trusted: a clear failure, not a hang.
+    let untrusted = Endpoint { url, mode: Mode::Standalone, ca_pem: None };
+    let err = Connections::default().get(&untrusted).await.err().expect("untrusted certificate");
+    assert_eq!(err.class, ErrorClass::Unreachable, "{err}");
+    Ok(())
+}

@@ -27,6 +27,35 @@ impl RedisServer {
 
     /// A server keeping its files under `dir`, with extra `redis-server` arguments.
     pub async fn start_in(dir: &Path, extra: &[&str]) -> Result<Self> {
+        Self::spawn(dir, extra, |port| vec!["--port".into(), port.to_string()]).await
+    }
+
+    /// A TLS-only server (`rediss://`), serving `cert`/`key`; clients need not
+    /// present certificates.
+    pub async fn start_tls(dir: &Path, cert: &Path, key: &Path, ca: &Path) -> Result<Self> {
+        let tls = |port: u16| {
+            [
+                "--port",
+                "0",
+                "--tls-port",
+                &port.to_string(),
+                "--tls-cert-file",
+                &cert.display().to_string(),
+                "--tls-key-file",
+                &key.display().to_string(),
+                "--tls-ca-cert-file",
+                &ca.display().to_string(),
+                "--tls-auth-clients",
+                "no",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+        };
+        Self::spawn(dir, &[], tls).await
+    }
+
+    async fn spawn(dir: &Path, extra: &[&str], listen: impl Fn(u16) -> Vec<String>) -> Result<Self> {
         let bin = tools::system("redis-server")?;
         // A port taken between probe and bind makes the server exit: try again.
         let mut last_err = None;
@@ -35,8 +64,6 @@ impl RedisServer {
             let data = dir.join(format!("redis-{port}"));
             std::fs::create_dir_all(&data)?;
             let mut args: Vec<String> = [
-                "--port",
-                &port.to_string(),
                 "--bind",
                 "127.0.0.1",
                 "--dir",
@@ -53,6 +80,7 @@ impl RedisServer {
             .iter()
             .map(|s| s.to_string())
             .collect();
+            args.extend(listen(port));
             args.extend(extra.iter().map(|s| s.to_string()));
             let mut daemon = Daemon::spawn(&format!("redis-{port}"), &bin, &args, &data)?;
             match wait_for_port(port, Duration::from_secs(10)).await {
