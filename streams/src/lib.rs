@@ -13,6 +13,7 @@ pub mod keys;
 pub mod recovery;
 pub mod replay;
 pub mod sweep;
+pub mod version;
 
 pub use connection::{Connections, Endpoint, Mode, StreamConnection};
 pub use entry::Entry;

@@ -4,7 +4,7 @@
 //! crashed consumers left idle; drain on shutdown.
 
 use crate::config::{RunMode, WorkerConfig};
-use crate::guard::{Guard, GuardState};
+use crate::guard::{Guard, GuardState, IdempotencyStore};
 use crate::stats::Stats;
 use rand::Rng as _;
 use redis::streams::{StreamReadOptions, StreamReadReply};
@@ -63,18 +63,43 @@ pub trait Handler: Send + Sync + 'static {
 pub enum WorkerError {
     #[error("{0}")]
     Redis(#[from] StreamError),
+    #[error("idempotency store: {0}")]
+    Store(String),
+}
+
+fn store_error(e: Box<dyn std::error::Error + Send + Sync>) -> WorkerError {
+    WorkerError::Store(e.to_string())
+}
+
+/// Where business keys' processing/completed states live.
+enum Idempotency {
+    /// The built-in Redis guard (completions ride along with the acks).
+    Redis(Guard),
+    /// The user's own store.
+    Store(Box<dyn IdempotencyStore>),
 }
 
 pub struct Worker<H> {
     config: WorkerConfig,
     handler: Arc<H>,
-    guard: Option<Guard>,
+    guard: Option<Idempotency>,
     stats: Arc<Stats>,
+    at_most_once: bool,
 }
 
 impl<H: Handler> Worker<H> {
     pub fn new(config: WorkerConfig, handler: H) -> Self {
-        Self { config, handler: Arc::new(handler), guard: None, stats: Arc::new(Stats::default()) }
+        Self { config, handler: Arc::new(handler), guard: None, stats: Arc::new(Stats::default()), at_most_once: false }
+    }
+
+    /// At-most-once delivery (`XREADGROUP ... NOACK`), for lossy telemetry
+    /// only: entries never enter the PEL, so a crash or a transient failure
+    /// loses them. Never the default; it must be asked for. Turns the guard
+    /// and claiming off (there is nothing pending to guard or claim).
+    pub fn at_most_once(mut self) -> Self {
+        self.at_most_once = true;
+        self.guard = None;
+        self
     }
 
     /// Turns on the Redis idempotency guard: an entry whose business key was
@@ -82,7 +107,18 @@ impl<H: Handler> Worker<H> {
     /// as a suppressed duplicate). `completed_ttl` must outlast the
     /// redelivery window (min-idle-time × max deliveries, at least).
     pub fn with_idempotency_guard(mut self, completed_ttl: Duration) -> Self {
-        self.guard = Some(Guard::new(&self.config, completed_ttl));
+        if !self.at_most_once {
+            self.guard = Some(Idempotency::Redis(Guard::new(&self.config, completed_ttl)));
+        }
+        self
+    }
+
+    /// Uses your own idempotency store instead of the Redis guard (see
+    /// [`IdempotencyStore`]).
+    pub fn with_idempotency_store(mut self, store: impl IdempotencyStore) -> Self {
+        if !self.at_most_once {
+            self.guard = Some(Idempotency::Store(Box::new(store)));
+        }
         self
     }
 
@@ -115,14 +151,20 @@ impl<H: Handler> Worker<H> {
         // seconds; XAUTOCLAIM over an empty or fresh PEL is cheap.
         let claim_every = (self.config.min_idle / 2).min(Duration::from_secs(3));
         let mut next_claim = Instant::now();
+        // Redis 8.4 can hand idle entries out with the read itself
+        // (XREADGROUP ... CLAIM); older servers get the XAUTOCLAIM cycle. The
+        // cycle runs in both cases: it also reports payloads lost while pending.
+        let version = streamfleet_streams::version::server_version(conn).await?;
+        let claim_in_read = !self.at_most_once && version.is_some_and(|v| v.has_readgroup_claim());
+        tracing::info!(?version, claim_in_read, at_most_once = self.at_most_once, "consuming");
         // Never cancel a read in flight: entries it delivered would sit in our
         // PEL unseen until claimed. The short BLOCK bounds the drain instead.
         while !stopping(stop) {
-            if Instant::now() >= next_claim {
+            if !self.at_most_once && Instant::now() >= next_claim {
                 self.claim_cycle(conn, stop).await?;
                 next_claim = Instant::now() + claim_every;
             }
-            let entries = match self.read(&mut reader).await {
+            let entries = match self.read(&mut reader, claim_in_read).await {
                 Ok(entries) => entries,
                 Err(e) => {
                     tracing::warn!(error = %e, "read failed; retrying");
@@ -194,15 +236,22 @@ impl<H: Handler> Worker<H> {
         Ok(total)
     }
 
-    async fn read(&self, reader: &mut StreamConnection) -> Result<Vec<Entry>, StreamError> {
+    async fn read(&self, reader: &mut StreamConnection, claim_idle: bool) -> Result<Vec<Entry>, StreamError> {
         let block_ms = usize::try_from(self.config.block.as_millis()).unwrap_or(2000);
-        let opts = StreamReadOptions::default()
+        let mut opts = StreamReadOptions::default()
             .group(&self.config.group, &self.config.consumer)
             .count(self.config.batch_size)
             .block(block_ms);
+        if self.at_most_once {
+            opts = opts.noack();
+        }
         let ids: Vec<&str> = self.config.streams.iter().map(|_| ">").collect();
-        let reply: Option<StreamReadReply> = redis::cmd("XREADGROUP")
-            .arg(&opts)
+        let mut cmd = redis::cmd("XREADGROUP");
+        cmd.arg(&opts);
+        if claim_idle {
+            cmd.arg("CLAIM").arg(u64::try_from(self.config.min_idle.as_millis()).unwrap_or(u64::MAX));
+        }
+        let reply: Option<StreamReadReply> = cmd
             .arg("STREAMS")
             .arg(&self.config.streams)
             .arg(&ids)
@@ -217,9 +266,10 @@ impl<H: Handler> Worker<H> {
                         let stream = k.key;
                         k.ids.into_iter().map(move |e| Entry {
                             stream: stream.clone(),
+                            // A claimed entry (8.4 CLAIM) carries its count.
+                            deliveries: e.delivered_count.and_then(|n| u64::try_from(n).ok()).unwrap_or(1),
                             id: e.id,
                             fields: fields_from_map(e.map),
-                            deliveries: 1,
                         })
                     })
                     .collect()
@@ -238,12 +288,11 @@ impl<H: Handler> Worker<H> {
         let keys: Vec<Option<String>> = entries.iter().map(|e| self.handler.business_key(e)).collect();
         let tokens: Vec<String> =
             entries.iter().zip(&keys).map(|(e, k)| k.clone().unwrap_or_else(|| e.id.clone())).collect();
+        let items: Vec<(&str, &str)> =
+            entries.iter().zip(&tokens).map(|(e, t)| (e.stream.as_str(), t.as_str())).collect();
         let states = match &self.guard {
-            Some(guard) => {
-                let items: Vec<(&str, &str)> =
-                    entries.iter().zip(&tokens).map(|(e, t)| (e.stream.as_str(), t.as_str())).collect();
-                guard.begin_all(conn, &items).await?
-            }
+            Some(Idempotency::Redis(guard)) => guard.begin_all(conn, &items).await?,
+            Some(Idempotency::Store(store)) => store.begin(&items).await.map_err(store_error)?,
             None => vec![GuardState::Acquired; entries.len()],
         };
         let mut acks: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
@@ -258,15 +307,21 @@ impl<H: Handler> Worker<H> {
                 Settled::Leave => {}
             }
         }
-        if acks.is_empty() {
+        if acks.is_empty() || self.at_most_once {
             return Ok(());
         }
         let started = Instant::now();
         let mut pipe = redis::pipe();
-        if let Some(guard) = &self.guard {
-            for (stream, token) in &completed {
-                guard.complete_into(&mut pipe, stream, token);
+        match &self.guard {
+            Some(Idempotency::Redis(guard)) => {
+                for (stream, token) in &completed {
+                    guard.complete_into(&mut pipe, stream, token);
+                }
             }
+            Some(Idempotency::Store(store)) if !completed.is_empty() => {
+                store.complete(&completed).await.map_err(store_error)?;
+            }
+            _ => {}
         }
         for (stream, ids) in &acks {
             pipe.cmd("XACK").arg(stream).arg(&self.config.group).arg(ids).ignore();
@@ -294,7 +349,9 @@ impl<H: Handler> Worker<H> {
         match (state, &self.guard) {
             (GuardState::Completed, Some(guard)) => {
                 self.stats.add(&self.stats.suppressed, 1);
-                guard.count_suppressed(conn, &entry.stream).await?;
+                if let Idempotency::Redis(guard) = guard {
+                    guard.count_suppressed(conn, &entry.stream).await?;
+                }
                 return Ok(Settled::Ack);
             }
             // Someone is on it (or crashed mid-way): leave it pending; it is
@@ -312,10 +369,12 @@ impl<H: Handler> Worker<H> {
             }
             Outcome::Transient(error) => {
                 self.stats.add(&self.stats.failed, 1);
-                if let Some(guard) = &self.guard {
-                    guard.release(conn, &entry.stream, token).await?;
-                }
+                self.release(conn, &entry.stream, token).await?;
                 let error = format!("transient: {error}");
+                if self.at_most_once {
+                    tracing::warn!(stream = %entry.stream, id = %entry.id, error, "dropped (at-most-once delivery)");
+                    return Ok(Settled::Leave);
+                }
                 if entry.deliveries >= self.config.max_deliveries {
                     self.dead_letter(conn, entry, Reason::MaxDeliveries, &error, key).await?;
                 } else {
@@ -326,6 +385,15 @@ impl<H: Handler> Worker<H> {
             Outcome::Permanent(error) => self.reject(conn, entry, Reason::Permanent, &error, key, token).await,
             Outcome::Malformed(error) => self.reject(conn, entry, Reason::Malformed, &error, key, token).await,
         }
+    }
+
+    async fn release(&self, conn: &mut StreamConnection, stream: &str, token: &str) -> Result<(), WorkerError> {
+        match &self.guard {
+            Some(Idempotency::Redis(guard)) => guard.release(conn, stream, token).await?,
+            Some(Idempotency::Store(store)) => store.release(stream, token).await.map_err(store_error)?,
+            None => {}
+        }
+        Ok(())
     }
 
     /// Permanent and malformed entries leave at once, acked by their dead letter.
@@ -339,9 +407,7 @@ impl<H: Handler> Worker<H> {
         token: &str,
     ) -> Result<Settled, WorkerError> {
         self.stats.add(&self.stats.failed, 1);
-        if let Some(guard) = &self.guard {
-            guard.release(conn, &entry.stream, token).await?;
-        }
+        self.release(conn, &entry.stream, token).await?;
         self.dead_letter(conn, entry, reason, error, key).await?;
         Ok(Settled::Leave)
     }

@@ -14,6 +14,25 @@ use streamfleet_streams::{StreamConnection, StreamError, keys};
 const PROCESSING: &str = "processing";
 const COMPLETED: &str = "completed";
 
+/// A boxed future, so stores can be trait objects.
+pub type StoreFuture<'a, T> = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<T, Box<dyn std::error::Error + Send + Sync>>> + Send + 'a>,
+>;
+
+/// The hook for your own idempotency store (a table with a unique key in the
+/// database your handler commits to, say). Keys are `(stream, business key)`.
+/// The worker calls `begin` once per batch, `complete` for the keys whose
+/// handler succeeded before it acks them, and `release` after a failure.
+pub trait IdempotencyStore: Send + Sync + 'static {
+    /// The state of each key; `Acquired` ones are now marked in progress.
+    fn begin<'a>(&'a self, keys: &'a [(&'a str, &'a str)]) -> StoreFuture<'a, Vec<GuardState>>;
+    /// Marks keys completed.
+    fn complete<'a>(&'a self, keys: &'a [(&'a str, &'a str)]) -> StoreFuture<'a, ()>;
+    /// Clears an in-progress mark so the next delivery may try again.
+    fn release<'a>(&'a self, stream: &'a str, key: &'a str) -> StoreFuture<'a, ()>;
+}
+
+/// The built-in Redis guard.
 pub struct Guard {
     group: String,
     processing_ttl: Duration,

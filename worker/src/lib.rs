@@ -26,6 +26,7 @@ pub mod stats;
 
 pub use config::{ConfigError, RunMode, WorkerConfig};
 pub use consumer::{Handler, Outcome, Worker, WorkerError};
+pub use guard::{GuardState, IdempotencyStore, StoreFuture};
 pub use stats::Stats;
 pub use streamfleet_streams::Entry;
 

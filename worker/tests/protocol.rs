@@ -273,3 +273,100 @@ async fn shutdown_finishes_the_batch_in_hand_and_stops_reading() -> Result<()> {
     assert_eq!(handler.total(), 20);
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_most_once_is_explicit_and_never_leaves_anything_pending() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    let ok = add(&mut conn, &[("kind", "ok")]).await?;
+    let down = add(&mut conn, &[("kind", "down")]).await?;
+    let handler = Scripted::default();
+    let worker = Worker::new(config(&server, "c1", 400, 5), handler.clone())
+        .at_most_once()
+        .with_idempotency_guard(Duration::from_secs(60));
+    let stats = worker.stats();
+    let (stop, run) = spawn(worker);
+    eventually("both handled", T, || async {
+        Ok((handler.calls(&ok) == 1 && Stats::get(&stats.failed) >= 1).then_some(()))
+    })
+    .await?;
+    // Well past min-idle-time: the failed entry is not redelivered, nor claimed.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let _ = stop.send(());
+    run.await??;
+    assert_eq!(pending(&mut conn).await?, 0, "NOACK: nothing ever entered the PEL");
+    let calls_down = handler.calls(&down);
+    assert!(calls_down >= 1, "handled once, with in-process retries only");
+    assert_eq!(Stats::get(&stats.claimed), 0);
+    assert_eq!(Stats::get(&stats.suppressed), 0, "no guard in at-most-once mode");
+    assert!(dead_letters(&mut conn).await?.is_empty());
+    Ok(())
+}
+
+/// The user's own store: here an in-memory map standing in for a table
+/// with a unique key in the business database.
+#[derive(Clone, Default)]
+struct MemoryStore {
+    states: Arc<Mutex<HashMap<String, &'static str>>>,
+}
+
+impl streamfleet_worker::IdempotencyStore for MemoryStore {
+    fn begin<'a>(
+        &'a self,
+        keys: &'a [(&'a str, &'a str)],
+    ) -> streamfleet_worker::StoreFuture<'a, Vec<streamfleet_worker::GuardState>> {
+        Box::pin(async move {
+            let mut states = self.states.lock().unwrap();
+            Ok(keys
+                .iter()
+                .map(|(_, k)| match states.get(*k).copied() {
+                    Some("completed") => streamfleet_worker::GuardState::Completed,
+                    Some(_) => streamfleet_worker::GuardState::Busy,
+                    None => {
+                        states.insert(k.to_string(), "processing");
+                        streamfleet_worker::GuardState::Acquired
+                    }
+                })
+                .collect())
+        })
+    }
+    fn complete<'a>(&'a self, keys: &'a [(&'a str, &'a str)]) -> streamfleet_worker::StoreFuture<'a, ()> {
+        Box::pin(async move {
+            let mut states = self.states.lock().unwrap();
+            for (_, k) in keys {
+                states.insert(k.to_string(), "completed");
+            }
+            Ok(())
+        })
+    }
+    fn release<'a>(&'a self, _stream: &'a str, key: &'a str) -> streamfleet_worker::StoreFuture<'a, ()> {
+        Box::pin(async move {
+            self.states.lock().unwrap().remove(key);
+            Ok(())
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_users_own_idempotency_store_is_used_in_place_of_the_redis_guard() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    let store = MemoryStore::default();
+    store.states.lock().unwrap().insert("order-already-charged".into(), "completed");
+    let fresh = add(&mut conn, &[("kind", "ok"), ("key", "order-new")]).await?;
+    let old = add(&mut conn, &[("kind", "ok"), ("key", "order-already-charged")]).await?;
+    let handler = Scripted::default();
+    let worker = Worker::new(config(&server, "c1", 1_000, 5), handler.clone()).with_idempotency_store(store.clone());
+    let stats = worker.stats();
+    let (stop, run) = spawn(worker);
+    eventually("settled", T, || async {
+        Ok((Stats::get(&stats.processed) == 1 && Stats::get(&stats.suppressed) == 1).then_some(()))
+    })
+    .await?;
+    let _ = stop.send(());
+    run.await??;
+    assert_eq!((handler.calls(&fresh), handler.calls(&old)), (1, 0));
+    assert_eq!(store.states.lock().unwrap().get("order-new").copied(), Some("completed"));
+    assert_eq!(pending(&mut conn).await?, 0);
+    let redis_keys: Vec<String> = conn.keys("*idem*").await?;
+    assert!(redis_keys.is_empty(), "the Redis guard was not used: {redis_keys:?}");
+    Ok(())
+}
