@@ -69,6 +69,7 @@ pub struct StreamConsumerGroupSpec {
 
     /// Optional trimming of the stream, always held at the safe floor: no
     /// entry that any group still has to deliver or acknowledge is trimmed.
+    /// Accepted but not enforced yet: this version never trims.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retention: Option<RetentionSpec>,
 
