@@ -11,7 +11,7 @@ step() { printf '\n==> %s (%ss)\n' "$*" "$(( $(date +%s) - start ))" >&2; }
 
 step "install Debian packages"
 bash scripts/install-deps.sh
-step "build control-plane tools (cached)"
+step "build control-plane tools (cached after the first run)"
 bash scripts/build-tools.sh
 
 step "cargo fmt --check"
