@@ -102,7 +102,8 @@ async fn a_backlog_scales_workers_up_then_down_then_to_zero_and_wakes_them() -> 
     // At rest, polls keep running (every second here) but write nothing.
     eventually("workers gone", T, || async {
         let s = scgs.get("orders").await?.status.unwrap_or_default();
-        Ok((s.replicas.map(|r| r.summary) == Some("0/0".into())).then_some(()))
+        // Workers gone and their consumers reaped: nothing left to change.
+        Ok((s.replicas.map(|r| r.summary) == Some("0/0".into()) && s.consumers == Some(0)).then_some(()))
     })
     .await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
