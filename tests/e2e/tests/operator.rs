@@ -28,15 +28,10 @@ async fn group_info(server: &RedisServer, stream: &str) -> Result<Vec<(String, S
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn helm_installed_operator_creates_group_workers_and_recovery() -> Result<()> {
-    let bed = TestBed::shared()?;
-    let client = bed.client().await?;
-    let ns = bed.namespace(&client, "e2e-apply").await?;
-    install_operator(bed, &ns.name, &[]).await?;
-    let redis = RedisServer::start().await?;
+    let f = Fixture::start("e2e-apply", &[]).await?;
+    let (client, ns, redis, mut conn) = (f.client.clone(), &f.ns, &f.redis, f.conn.clone());
     // An entry that predates the group: startId 0 must deliver it.
-    let mut conn = redis.connection().await?;
     let first: String = conn.xadd("orders", "*", &[("order", "1")]).await?;
-    create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
     let records = tempfile::tempdir()?;
     let manifest = recording_manifest(
         "orders",
@@ -45,12 +40,12 @@ async fn helm_installed_operator_creates_group_workers_and_recovery() -> Result<
         &records.path().display().to_string(),
         "  startId: \"0\"\n  recovery:\n    schedule: \"*/7 * * * *\"",
     );
-    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&manifest)).await?;
+    f.apply(&manifest).await?;
 
     let scg = wait_condition(&client, &ns.name, "orders", "Ready", "True", None, T).await?;
     let status = scg.status.clone().unwrap_or_default();
     assert_eq!(status.observed_generation, scg.metadata.generation);
-    assert_eq!(group_info(&redis, "orders").await?, vec![("billing".to_string(), "0-0".to_string())]);
+    assert_eq!(group_info(redis, "orders").await?, vec![("billing".to_string(), "0-0".to_string())]);
     assert!(first.contains('-'));
 
     // Owned worker Deployment carrying the env contract, running for real.
@@ -201,12 +196,8 @@ async fn invalid_specs_are_refused_at_admission_naming_the_field() -> Result<()>
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deletion_policy_delete_destroys_the_group_and_retain_keeps_it() -> Result<()> {
-    let bed = TestBed::shared()?;
-    let client = bed.client().await?;
-    let ns = bed.namespace(&client, "e2e-delete").await?;
-    install_operator(bed, &ns.name, &[]).await?;
-    let redis = RedisServer::start().await?;
-    create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
+    let f = Fixture::start("e2e-delete", &[]).await?;
+    let (bed, client, ns, redis) = (f.bed, f.client.clone(), &f.ns, &f.redis);
     let records = tempfile::tempdir()?;
     let dir = records.path().display().to_string();
     let keep = recording_manifest("keep", "s", "kept", &dir, "");
@@ -215,11 +206,11 @@ async fn deletion_policy_delete_destroys_the_group_and_retain_keeps_it() -> Resu
     wait_condition(&client, &ns.name, "keep", "GroupReady", "True", None, T).await?;
     let dropped = wait_condition(&client, &ns.name, "drop", "GroupReady", "True", None, T).await?;
     assert!(dropped.finalizers().iter().any(|f| f == "streamfleet.io/delete-group"));
-    assert_eq!(group_info(&redis, "s").await?.len(), 2);
+    assert_eq!(group_info(redis, "s").await?.len(), 2);
 
     run_ok(bed, "kubectl", &["delete", "-n", &ns.name, "scg", "keep", "drop", "--wait=true", "--timeout=60s"], None)
         .await?;
-    let groups: Vec<String> = group_info(&redis, "s").await?.into_iter().map(|(g, _)| g).collect();
+    let groups: Vec<String> = group_info(redis, "s").await?.into_iter().map(|(g, _)| g).collect();
     assert_eq!(groups, vec!["kept".to_string()]);
     // The owned Deployments go with their owners (garbage collector).
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns.name);
@@ -299,12 +290,8 @@ async fn killing_the_leader_hands_over_with_one_leader_at_a_time() -> Result<()>
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_object_is_reported_and_does_not_stall_the_others() -> Result<()> {
-    let bed = TestBed::shared()?;
-    let client = bed.client().await?;
-    let ns = bed.namespace(&client, "e2e-guard").await?;
-    install_operator(bed, &ns.name, &[]).await?;
-    let redis = RedisServer::start().await?;
-    create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
+    let f = Fixture::start("e2e-guard", &[]).await?;
+    let (bed, client, ns, redis) = (f.bed, f.client.clone(), &f.ns, &f.redis);
     // The pod template is schemaless in the CRD (the API server validates it on
     // the Deployment), so this passes admission but cannot be parsed.
     let broken = r#"apiVersion: streamfleet.io/v1alpha1
@@ -331,7 +318,7 @@ spec:
         Ok(reasons.iter().any(|r| r == "InvalidObject").then_some(()))
     })
     .await?;
-    let groups: Vec<String> = group_info(&redis, "s").await?.into_iter().map(|(g, _)| g).collect();
+    let groups: Vec<String> = group_info(redis, "s").await?.into_iter().map(|(g, _)| g).collect();
     assert_eq!(groups, vec!["good".to_string()]);
     Ok(())
 }
