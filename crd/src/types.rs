@@ -67,9 +67,10 @@ pub struct StreamConsumerGroupSpec {
     #[serde(default)]
     pub recovery: RecoverySpec,
 
-    /// Optional trimming of the stream, always held at the safe floor: no
-    /// entry that any group still has to deliver or acknowledge is trimmed.
-    /// Accepted but not enforced yet: this version never trims.
+    /// Optional trimming of the stream (`XTRIM MINID` each poll), always held
+    /// at the safe floor: no entry that any group on the stream, managed or
+    /// not, still has pending or undelivered is trimmed. A policy that would
+    /// cut deeper sets the `RetentionBlocked` condition.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retention: Option<RetentionSpec>,
 
@@ -320,7 +321,8 @@ pub enum RecoveryMode {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct RetentionSpec {
-    /// Keep at most this many entries.
+    /// Keep at most this many entries (a long excess is trimmed over several
+    /// polls, at most 10,000 entries located per poll).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub max_length: Option<i64>,
@@ -348,7 +350,7 @@ pub struct StreamConsumerGroupStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
 
-    /// `Ready`, `GroupReady`, `WorkersAvailable`, `RecoveryHealthy`, `Degraded`.
+    /// `Ready`, `GroupReady`, `WorkersAvailable`, `Degraded`, `RetentionBlocked`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 16))]
     pub conditions: Vec<Condition>,

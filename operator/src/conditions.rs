@@ -6,6 +6,7 @@ pub const READY: &str = "Ready";
 pub const GROUP_READY: &str = "GroupReady";
 pub const WORKERS_AVAILABLE: &str = "WorkersAvailable";
 pub const DEGRADED: &str = "Degraded";
+pub const RETENTION_BLOCKED: &str = "RetentionBlocked";
 
 /// Sets condition `type_` in `conditions`; its transition time changes only
 /// when its status does.

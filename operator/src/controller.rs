@@ -269,6 +269,7 @@ fn now() -> Time {
 /// What a successful apply observed and decided.
 pub struct Applied {
     pub last_recovery: Option<RecoveryStatus>,
+    pub retention: Option<streamfleet_streams::retention::Retention>,
     pub desired_replicas: i32,
     pub available_replicas: i32,
     pub snapshot: Option<GroupSnapshot>,
@@ -308,6 +309,27 @@ async fn apply(scg: &StreamConsumerGroup, ctx: &Context) -> Result<Applied, Erro
     };
     let last_recovery = last_recovery.map(recovery_status);
     announce_recovery(scg, ctx, last_recovery.as_ref()).await;
+    let retention = match &spec.retention {
+        Some(r) => {
+            let max_length = r.max_length.and_then(|n| u64::try_from(n).ok());
+            let max_age_ms = r.max_age_seconds.and_then(|s| u64::try_from(s).ok()).map(|s| s.saturating_mul(1000));
+            let now_ms = streamfleet_streams::recovery::now_ms();
+            match streamfleet_streams::retention::enforce(&mut conn, &spec.stream, max_length, max_age_ms, now_ms).await
+            {
+                Ok(r) => {
+                    if r.trimmed > 0 {
+                        tracing::info!(resource = %key(scg), trimmed = r.trimmed, floor = ?r.floor, "trimmed the stream");
+                    }
+                    Some(r)
+                }
+                Err(e) => {
+                    tracing::warn!(resource = %key(scg), error = %e, "retention");
+                    None
+                }
+            }
+        }
+        None => None,
+    };
 
     let name = objects::worker_deployment_name(scg);
     let live_deployment = ctx.deployments.get(&ObjectRef::new(&name).within(&ns));
@@ -345,6 +367,7 @@ async fn apply(scg: &StreamConsumerGroup, ctx: &Context) -> Result<Applied, Erro
     apply_owned(ctx, scg, &cronjob_name, MANAGER_CRONJOB, &cronjob, live_cronjob).await?;
     Ok(Applied {
         last_recovery,
+        retention,
         desired_replicas: decision.replicas,
         available_replicas: applied.status.as_ref().and_then(|s| s.available_replicas).unwrap_or(0),
         snapshot,
@@ -558,6 +581,29 @@ fn success_status(scg: &StreamConsumerGroup, applied: &Applied, now: &Time) -> S
         generation,
         now,
     );
+    if let Some(r) = &applied.retention {
+        let describe =
+            |id: Option<streamfleet_streams::retention::StreamId>| id.map_or("none".to_string(), |i| i.to_string());
+        let message = if r.blocked {
+            format!(
+                "retention wants to trim below {}, held at {}: a group still has entries pending or undelivered there",
+                describe(r.target),
+                describe(r.floor)
+            )
+        } else {
+            format!("trimming to {} (floor {})", describe(r.target), describe(r.floor))
+        };
+        let reason = if r.blocked { "HeldAtSafeFloor" } else { "WithinSafeFloor" };
+        conditions::set(
+            &mut status.conditions,
+            conditions::RETENTION_BLOCKED,
+            r.blocked,
+            reason,
+            &message,
+            generation,
+            now,
+        );
+    }
     status.health = Some(applied.health);
     if applied.last_recovery.is_some() {
         status.last_recovery = applied.last_recovery.clone();
@@ -689,6 +735,7 @@ mod tests {
     fn applied(desired: i32, available: i32) -> Applied {
         Applied {
             last_recovery: None,
+            retention: None,
             desired_replicas: desired,
             available_replicas: available,
             snapshot: None,

@@ -12,6 +12,7 @@ pub mod health;
 pub mod keys;
 pub mod recovery;
 pub mod replay;
+pub mod retention;
 pub mod sweep;
 pub mod version;
 

@@ -127,3 +127,46 @@ async fn worker_mode_recovery_reruns_handlers_on_abandoned_entries() -> Result<(
     assert_eq!(last.payload_lost, 0);
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_trims_but_never_past_another_groups_pending_entries() -> Result<()> {
+    let f = Fixture::start("e2e-retain", &[]).await?;
+    let mut conn = f.conn.clone();
+    for i in 1..=50 {
+        let _: String = conn.xadd("orders", format!("{i}-0"), &[("order_id", i)]).await?;
+    }
+    // A group the operator does not manage still holds 20-0..30-0 pending.
+    streamfleet_streams::ensure_group(&mut conn, "orders", "reporting", "0").await?;
+    let opts = redis::streams::StreamReadOptions::default().group("reporting", "r").count(30);
+    let read: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
+    let ids: Vec<String> = read.keys.into_iter().flat_map(|k| k.ids.into_iter().map(|e| e.id)).collect();
+    let _: i64 = conn.xack("orders", "reporting", &ids[..19]).await?;
+
+    let records = tempfile::tempdir()?;
+    let spec = "  startId: \"$\"\n  retention: {maxLength: 5}";
+    f.apply(&recording_manifest("p", "orders", "billing", &records.path().display().to_string(), spec)).await?;
+    let scg = f.wait_condition("p", "RetentionBlocked", "True").await?;
+    let message =
+        scg.status.unwrap_or_default().conditions.into_iter().find(|c| c.type_ == "RetentionBlocked").unwrap().message;
+    assert!(message.contains("held at 20-0"), "{message}");
+    let first: redis::streams::StreamRangeReply = conn.xrange_count("orders", "-", "+", 1).await?;
+    assert_eq!(first.ids[0].id, "20-0", "the other group's oldest pending entry stays");
+    let len: usize = conn.xlen("orders").await?;
+    assert_eq!(len, 31);
+
+    // Once that group is done, the policy applies in full.
+    let _: i64 = conn.xack("orders", "reporting", &ids[19..]).await?;
+    let rest: redis::streams::StreamReadReply = conn
+        .xread_options(
+            &["orders"],
+            &[">"],
+            &redis::streams::StreamReadOptions::default().group("reporting", "r").count(100),
+        )
+        .await?;
+    let rest: Vec<String> = rest.keys.into_iter().flat_map(|k| k.ids.into_iter().map(|e| e.id)).collect();
+    let _: i64 = conn.xack("orders", "reporting", &rest).await?;
+    f.wait_condition("p", "RetentionBlocked", "False").await?;
+    let len: usize = conn.xlen("orders").await?;
+    assert_eq!(len, 5);
+    Ok(())
+}

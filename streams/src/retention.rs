@@ -1,0 +1,182 @@
+//! Safe retention. Acking never trims; trimming is `XTRIM MINID` to a floor
+//! that keeps, for **every** group on the stream (managed or not), its oldest
+//! pending entry and its first undelivered one. A target that would cut deeper
+//! is held at the floor and reported as blocked.
+
+use crate::error::StreamError;
+use redis::aio::ConnectionLike;
+use redis::streams::StreamInfoGroupsReply;
+
+/// Entries to look at, at most, per poll when turning a `maxLength` into an
+/// ID; trimming a long excess proceeds over several polls.
+pub const LENGTH_SCAN_BOUND: usize = 10_000;
+
+/// A stream entry ID, ordered as Redis orders them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct StreamId {
+    pub ms: u64,
+    pub seq: u64,
+}
+
+impl StreamId {
+    pub fn parse(id: &str) -> Option<Self> {
+        let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
+        Some(Self { ms: ms.parse().ok()?, seq: seq.parse().ok()? })
+    }
+
+    /// The smallest ID after this one.
+    pub fn next(self) -> Self {
+        match self.seq.checked_add(1) {
+            Some(seq) => Self { ms: self.ms, seq },
+            None => Self { ms: self.ms.saturating_add(1), seq: 0 },
+        }
+    }
+}
+
+impl std::fmt::Display for StreamId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-{}", self.ms, self.seq)
+    }
+}
+
+/// What one retention pass decided and did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Retention {
+    /// The lowest ID any group still needs (`None`: no group constrains it).
+    pub floor: Option<StreamId>,
+    /// What the policy asked for.
+    pub target: Option<StreamId>,
+    /// The target would have cut below the floor: held there.
+    pub blocked: bool,
+    /// Entries removed.
+    pub trimmed: u64,
+}
+
+/// The pure decision: trim to the target, but never past the floor.
+pub fn trim_point(target: Option<StreamId>, floor: Option<StreamId>) -> (Option<StreamId>, bool) {
+    match (target, floor) {
+        (None, _) => (None, false),
+        (Some(t), None) => (Some(t), false),
+        (Some(t), Some(f)) if t <= f => (Some(t), false),
+        (Some(_), Some(f)) => (Some(f), true),
+    }
+}
+
+/// The safe floor over every group of `stream`.
+pub async fn safe_floor<C: ConnectionLike + Send>(conn: &mut C, stream: &str) -> Result<Option<StreamId>, StreamError> {
+    let err = |e| StreamError::new("computing the retention floor", e);
+    let groups: StreamInfoGroupsReply =
+        redis::cmd("XINFO").arg("GROUPS").arg(stream).query_async(conn).await.map_err(err)?;
+    let mut floor: Option<StreamId> = None;
+    let mut lower = |id: StreamId| floor = Some(floor.map_or(id, |f| f.min(id)));
+    let mut pipe = redis::pipe();
+    let mut with_pending = 0;
+    for g in &groups.groups {
+        if let Some(last) = StreamId::parse(&g.last_delivered_id) {
+            lower(last.next());
+        }
+        if g.pending > 0 {
+            pipe.cmd("XPENDING").arg(stream).arg(&g.name);
+            with_pending += 1;
+        }
+    }
+    if with_pending > 0 {
+        // Summary form: (count, smallest pending ID, largest, per-consumer).
+        let summaries: Vec<(u64, Option<String>, Option<String>, redis::Value)> =
+            pipe.query_async(conn).await.map_err(err)?;
+        for (_, smallest, _, _) in summaries {
+            if let Some(id) = smallest.as_deref().and_then(StreamId::parse) {
+                lower(id);
+            }
+        }
+    }
+    Ok(floor)
+}
+
+/// The ID a `maxLength` / `maxAgeSeconds` policy would trim to (the larger,
+/// i.e. the stricter of the two).
+pub async fn target<C: ConnectionLike + Send>(
+    conn: &mut C,
+    stream: &str,
+    max_length: Option<u64>,
+    max_age_ms: Option<u64>,
+    now_ms: u64,
+) -> Result<Option<StreamId>, StreamError> {
+    let mut target = max_age_ms.map(|age| StreamId { ms: now_ms.saturating_sub(age), seq: 0 });
+    if let Some(keep) = max_length {
+        let len: u64 = redis::cmd("XLEN")
+            .arg(stream)
+            .query_async(conn)
+            .await
+            .map_err(|e| StreamError::new("reading the stream length", e))?;
+        let excess = len.saturating_sub(keep);
+        if excess > 0 {
+            // The first entry to keep is the excess-th + 1; scan at most the bound.
+            let scan = usize::try_from(excess).unwrap_or(usize::MAX).min(LENGTH_SCAN_BOUND) + 1;
+            let ids: Vec<(String, redis::Value)> = redis::cmd("XRANGE")
+                .arg(stream)
+                .arg("-")
+                .arg("+")
+                .arg("COUNT")
+                .arg(scan)
+                .query_async(conn)
+                .await
+                .map_err(|e| StreamError::new("locating the length limit", e))?;
+            if let Some(id) = ids.last().and_then(|(id, _)| StreamId::parse(id)) {
+                target = Some(target.map_or(id, |t| t.max(id)));
+            }
+        }
+    }
+    Ok(target)
+}
+
+/// One retention pass: decide and `XTRIM MINID` (never past the floor).
+pub async fn enforce<C: ConnectionLike + Send>(
+    conn: &mut C,
+    stream: &str,
+    max_length: Option<u64>,
+    max_age_ms: Option<u64>,
+    now_ms: u64,
+) -> Result<Retention, StreamError> {
+    let target = target(conn, stream, max_length, max_age_ms, now_ms).await?;
+    let floor = safe_floor(conn, stream).await?;
+    let (point, blocked) = trim_point(target, floor);
+    let trimmed = match point {
+        Some(id) => redis::cmd("XTRIM")
+            .arg(stream)
+            .arg("MINID")
+            .arg(id.to_string())
+            .query_async(conn)
+            .await
+            .map_err(|e| StreamError::new("trimming the stream", e))?,
+        None => 0,
+    };
+    Ok(Retention { floor, target, blocked, trimmed })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(ms: u64, seq: u64) -> StreamId {
+        StreamId { ms, seq }
+    }
+
+    #[test]
+    fn ids_parse_order_and_step() {
+        assert_eq!(StreamId::parse("17-3"), Some(id(17, 3)));
+        assert_eq!(StreamId::parse("17"), Some(id(17, 0)));
+        assert_eq!(StreamId::parse("x-1"), None);
+        assert!(id(2, 0) > id(1, 99));
+        assert_eq!(id(5, 1).next(), id(5, 2));
+        assert_eq!(id(5, u64::MAX).next(), id(6, 0));
+    }
+
+    #[test]
+    fn the_floor_holds_the_target() {
+        assert_eq!(trim_point(None, Some(id(5, 0))), (None, false));
+        assert_eq!(trim_point(Some(id(3, 0)), Some(id(5, 0))), (Some(id(3, 0)), false));
+        assert_eq!(trim_point(Some(id(9, 0)), Some(id(5, 0))), (Some(id(5, 0)), true));
+        assert_eq!(trim_point(Some(id(9, 0)), None), (Some(id(9, 0)), false));
+    }
+}

@@ -1,0 +1,81 @@
+//! Safe retention against a real redis-server: trimming never passes the
+//! oldest pending or first undelivered entry of any group, managed or not.
+
+// A test fails by panicking.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use anyhow::Result;
+use redis::AsyncCommands as _;
+use streamfleet_streams::ensure_group;
+use streamfleet_streams::retention::{StreamId, enforce};
+use streamfleet_testbed::RedisServer;
+
+type Conn = redis::aio::MultiplexedConnection;
+
+async fn read(conn: &mut Conn, group: &str, n: usize) -> Result<Vec<String>> {
+    let opts = redis::streams::StreamReadOptions::default().group(group, "c").count(n);
+    let r: redis::streams::StreamReadReply = conn.xread_options(&["s"], &[">"], &opts).await?;
+    Ok(r.keys.into_iter().flat_map(|k| k.ids.into_iter().map(|e| e.id)).collect())
+}
+
+async fn ack(conn: &mut Conn, group: &str, ids: &[String]) -> Result<()> {
+    if !ids.is_empty() {
+        let _: i64 = conn.xack("s", group, ids).await?;
+    }
+    Ok(())
+}
+
+async fn first_id(conn: &mut Conn) -> Result<String> {
+    let r: redis::streams::StreamRangeReply = conn.xrange_count("s", "-", "+", 1).await?;
+    Ok(r.ids[0].id.clone())
+}
+
+#[tokio::test]
+async fn trimming_is_held_at_the_floor_of_every_group() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    for i in 1..=100 {
+        let _: String = conn.xadd("s", format!("{i}-0"), &[("i", i)]).await?;
+    }
+    ensure_group(&mut conn, "s", "managed", "0").await?;
+    ensure_group(&mut conn, "s", "other-team", "0").await?;
+    let done = read(&mut conn, "managed", 60).await?;
+    ack(&mut conn, "managed", &done).await?;
+    // The other team read 40 and acked the first 29: 30-0..40-0 still pending.
+    let theirs = read(&mut conn, "other-team", 40).await?;
+    ack(&mut conn, "other-team", &theirs[..29]).await?;
+
+    let r = enforce(&mut conn, "s", Some(10), None, 0).await?;
+    assert_eq!(r.target, Some(StreamId { ms: 91, seq: 0 }));
+    assert_eq!(r.floor, Some(StreamId { ms: 30, seq: 0 }));
+    assert!(r.blocked);
+    assert_eq!(r.trimmed, 29);
+    assert_eq!(first_id(&mut conn).await?, "30-0", "the oldest pending entry of any group stays");
+    let pending: redis::streams::StreamPendingReply = conn.xpending("s", "other-team").await?;
+    assert_eq!(pending.count(), 11);
+
+    // The other team catches up on everything: the managed group's first
+    // undelivered entry (60-1 onwards) is now the floor.
+    ack(&mut conn, "other-team", &theirs[29..]).await?;
+    let rest = read(&mut conn, "other-team", 100).await?;
+    ack(&mut conn, "other-team", &rest).await?;
+    let r = enforce(&mut conn, "s", Some(10), None, 0).await?;
+    assert!(r.blocked);
+    assert_eq!(first_id(&mut conn).await?, "61-0", "undelivered entries stay");
+
+    // Everyone is done: the policy applies in full.
+    let done = read(&mut conn, "managed", 100).await?;
+    ack(&mut conn, "managed", &done).await?;
+    let r = enforce(&mut conn, "s", Some(10), None, 0).await?;
+    assert!(!r.blocked);
+    let len: usize = conn.xlen("s").await?;
+    assert_eq!(len, 10);
+
+    // maxAge: entries older than the age go, within the same floor.
+    let r = enforce(&mut conn, "s", None, Some(5), 96).await?;
+    assert_eq!(r.target, Some(StreamId { ms: 91, seq: 0 }));
+    let r = enforce(&mut conn, "s", None, Some(3), 100).await?;
+    assert_eq!((r.trimmed, r.blocked), (6, false));
+    assert_eq!(first_id(&mut conn).await?, "97-0");
+    Ok(())
+}
