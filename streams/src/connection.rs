@@ -151,16 +151,8 @@ impl Connections {
         Ok(map.entry(endpoint.clone()).or_insert(conn).clone())
     }
 
-    /// Drops the shared connection, e.g. after the Secret's URL changed.
-    pub async fn forget(&self, endpoint: &Endpoint) {
-        self.by_endpoint.lock().await.remove(endpoint);
-    }
-
-    pub async fn len(&self) -> usize {
+    /// How many endpoints have a shared connection.
+    pub async fn endpoints(&self) -> usize {
         self.by_endpoint.lock().await.len()
-    }
-
-    pub async fn is_empty(&self) -> bool {
-        self.len().await == 0
     }
 }

@@ -40,7 +40,7 @@ async fn ensure_group_creates_once_at_the_start_id_and_keeps_position() -> Resul
     assert!(!destroy_group(&mut conn, "missing-stream", "g").await?);
     // The pool hands out one shared connection per endpoint.
     let _again = pool.get(&endpoint).await?;
-    assert_eq!(pool.len().await, 1);
+    assert_eq!(pool.endpoints().await, 1);
     Ok(())
 }
 

@@ -4,7 +4,7 @@
 use crate::process::{Daemon, free_port, wait_for_port};
 use crate::tools;
 use anyhow::{Context as _, Result, bail};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 use tempfile::TempDir;
 
@@ -157,10 +157,6 @@ impl RedisCluster {
     /// Seed URLs, one per node.
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(RedisServer::url).collect()
-    }
-
-    pub fn dir(&self) -> PathBuf {
-        self._dir.path().to_path_buf()
     }
 
     /// A cluster-aware async connection.
