@@ -46,6 +46,17 @@ fn owner(scg: &StreamConsumerGroup) -> Result<OwnerReference, Error> {
     scg.controller_owner_ref(&()).ok_or_else(|| Error::InvalidSpec("the resource has no uid yet".into()))
 }
 
+/// Metadata of an object this resource owns: name, namespace, labels, owner.
+fn owned_meta(scg: &StreamConsumerGroup, name: String, component: &str) -> Result<ObjectMeta, Error> {
+    Ok(ObjectMeta {
+        name: Some(name),
+        namespace: scg.namespace(),
+        labels: Some(labels(scg, component)),
+        owner_references: Some(vec![owner(scg)?]),
+        ..ObjectMeta::default()
+    })
+}
+
 /// The dead-letter stream: explicit, or the stream's slot-sharing default.
 pub fn dead_letter_stream(scg: &StreamConsumerGroup) -> String {
     scg.spec
@@ -131,13 +142,7 @@ pub fn worker_deployment(scg: &StreamConsumerGroup, replicas: i32) -> Result<Dep
         (COMPONENT_LABEL.to_string(), "worker".to_string()),
     ]);
     Ok(Deployment {
-        metadata: ObjectMeta {
-            name: Some(worker_deployment_name(scg)),
-            namespace: scg.namespace(),
-            labels: Some(labels(scg, "worker")),
-            owner_references: Some(vec![owner(scg)?]),
-            ..ObjectMeta::default()
-        },
+        metadata: owned_meta(scg, worker_deployment_name(scg), "worker")?,
         spec: Some(DeploymentSpec {
             replicas: Some(replicas),
             selector: LabelSelector { match_labels: Some(selector), match_expressions: None },
@@ -159,13 +164,7 @@ pub fn recovery_cronjob(scg: &StreamConsumerGroup, settings: &ObjectSettings) ->
         spec.restart_policy = Some("OnFailure".into());
     }
     Ok(CronJob {
-        metadata: ObjectMeta {
-            name: Some(recovery_cronjob_name(scg)),
-            namespace: scg.namespace(),
-            labels: Some(labels(scg, "recovery")),
-            owner_references: Some(vec![owner(scg)?]),
-            ..ObjectMeta::default()
-        },
+        metadata: owned_meta(scg, recovery_cronjob_name(scg), "recovery")?,
         spec: Some(CronJobSpec {
             schedule: scg.spec.recovery.schedule.clone(),
             // Two sweeps racing over one PEL would only contend.

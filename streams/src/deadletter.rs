@@ -62,7 +62,7 @@ pub async fn dead_letter<C: ConnectionLike + Send>(
     entry: &Entry,
     letter: &Letter<'_>,
 ) -> Result<String, StreamError> {
-    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
+    let now_ms = crate::recovery::now_ms();
     let mut xadd = redis::cmd("XADD");
     xadd.arg(dead_letter_stream).arg("*");
     let meta = [
