@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs the Debian packages the test bed and the demo need (idempotent).
+# Installs what the test bed, the checks and the demo need (idempotent).
 #   redis-server, redis-tools: real Redis 7.0 servers and redis-cli (cluster creation)
+#   cargo-machete: the unused-dependency check
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
@@ -18,3 +19,9 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 command -v go >/dev/null || { echo "[install-deps] Go toolchain missing" >&2; exit 1; }
 command -v cargo >/dev/null || { echo "[install-deps] Rust toolchain missing" >&2; exit 1; }
+# cargo-machete: the unused-dependency check of the test command (built from crates.io once).
+machete_version=0.9.2
+if ! cargo machete --version 2>/dev/null | grep -q "$machete_version"; then
+  echo "[install-deps] cargo install cargo-machete $machete_version" >&2
+  cargo install cargo-machete --version "$machete_version" --locked --quiet
+fi

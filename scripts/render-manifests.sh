@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Renders the plain install manifests in deploy/ from the Helm chart, so
 # `kubectl apply -f deploy/` installs exactly what `helm install` does.
+# Usage: render-manifests.sh [OUTPUT]; OUTPUT defaults to deploy/streamfleet.yaml
+# (scripts/test.sh renders to a temporary file to check that one is current).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+out=${1:-$root/deploy/streamfleet.yaml}
 helm=$root/target/tools/bin/helm
 [ -x "$helm" ] || bash "$root/scripts/build-tools.sh"
 {
@@ -13,5 +16,5 @@ helm=$root/target/tools/bin/helm
   echo "metadata:"
   echo "  name: streamfleet-system"
   "$helm" template streamfleet "$root/charts/streamfleet" --namespace streamfleet-system --kube-version 1.35.0
-} > "$root/deploy/streamfleet.yaml"
-echo "deploy/streamfleet.yaml rendered" >&2
+} > "$out"
+echo "${1:-deploy/streamfleet.yaml} rendered" >&2

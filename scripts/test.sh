@@ -19,12 +19,15 @@ cargo fmt --all -- --check
 step "cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
+step "no unused dependencies (cargo machete)"
+cargo machete
+
 step "rendered manifests up to date"
+# Render to a temporary file and compare: the tracked file is never written.
 rendered=$(mktemp)
-cp deploy/streamfleet.yaml "$rendered"
-bash scripts/render-manifests.sh
-if ! diff -u "$rendered" deploy/streamfleet.yaml; then
-  cp "$rendered" deploy/streamfleet.yaml
+trap 'rm -f "$rendered"' EXIT
+bash scripts/render-manifests.sh "$rendered"
+if ! diff -u deploy/streamfleet.yaml "$rendered"; then
   echo "deploy/streamfleet.yaml is stale: run scripts/render-manifests.sh" >&2
   exit 1
 fi

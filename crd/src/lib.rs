@@ -3,7 +3,6 @@
 //! Plain data with its schema, defaults and admission rules: no Redis and no
 //! controller logic live here, so every other crate can depend on it cheaply.
 
-pub mod env;
 mod types;
 
 pub use types::*;

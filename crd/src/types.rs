@@ -24,10 +24,13 @@ use serde::{Deserialize, Serialize};
     printcolumn = r#"{"name":"Oldest","type":"integer","description":"Idle seconds of the oldest pending entry","jsonPath":".status.oldestPendingIdleSeconds"}"#,
     printcolumn = r#"{"name":"Replicas","type":"string","jsonPath":".status.replicas.summary"}"#,
     printcolumn = r#"{"name":"Dead","type":"integer","description":"Entries in the dead-letter stream","jsonPath":".status.deadLetterLength"}"#,
+    printcolumn = r#"{"name":"Lost","type":"integer","description":"Lost payloads not acknowledged","jsonPath":".status.payloadLost.unacknowledged"}"#,
     printcolumn = r#"{"name":"Health","type":"string","jsonPath":".status.health"}"#,
+    printcolumn = r#"{"name":"Status","type":"string","description":"Why Ready is what it is","jsonPath":".status.conditions[?(@.type==\"Ready\")].reason"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[x_kube(validation = Rule::new("self.scaling.minReplicas <= self.scaling.maxReplicas").message("spec.scaling.minReplicas must not exceed spec.scaling.maxReplicas"))]
+#[x_kube(validation = Rule::new("!has(self.recovery) || !has(self.recovery.deadLetterStream) || self.recovery.deadLetterStream != self.stream").message("spec.recovery.deadLetterStream must differ from spec.stream: dead letters would be consumed again"))]
 #[serde(rename_all = "camelCase")]
 pub struct StreamConsumerGroupSpec {
     /// How to reach Redis. The URL comes from a Secret; it never appears in
@@ -350,7 +353,7 @@ pub struct StreamConsumerGroupStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
 
-    /// `Ready`, `GroupReady`, `WorkersAvailable`, `Degraded`, `RetentionBlocked`.
+    /// `Ready`, `GroupReady`, `WorkersAvailable`, `Degraded`, `RetentionBlocked`, `Conflict`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 16))]
     pub conditions: Vec<Condition>,
@@ -400,6 +403,31 @@ pub struct StreamConsumerGroupStatus {
     /// The last recovery sweep's outcome.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_recovery: Option<RecoveryStatus>,
+
+    /// Pending entries whose payload was found trimmed or deleted, by
+    /// workers, sweeps or any other consumer that follows the env contract;
+    /// absent when unknown. Health stays `PayloadLost` while some are not
+    /// acknowledged (annotation `streamfleet.io/payload-lost-acknowledged`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload_lost: Option<PayloadLostStatus>,
+}
+
+/// The annotation through which a user acknowledges lost payloads: its value
+/// is the `status.payloadLost.total` they have dealt with.
+pub const PAYLOAD_LOST_ACKNOWLEDGED: &str = "streamfleet.io/payload-lost-acknowledged";
+
+/// Lost work, as recorded in Redis for the group.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PayloadLostStatus {
+    /// Entries lost, ever.
+    pub total: i64,
+    /// `total` less what the acknowledgement annotation covers.
+    pub unacknowledged: i64,
+    /// The latest lost entry IDs, newest first (at most 5).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 5))]
+    pub latest_ids: Vec<String>,
 }
 
 /// Pending entries owned by one consumer.
@@ -485,6 +513,7 @@ mod tests {
         let crd = serde_json::to_string(&StreamConsumerGroup::crd()).unwrap();
         assert!(crd.contains("self.scaling.minReplicas <= self.scaling.maxReplicas"));
         assert!(crd.contains("spec.group is immutable"));
+        assert!(crd.contains("spec.recovery.deadLetterStream must differ from spec.stream"));
         assert!(crd.contains("spec.stream is immutable"));
         assert!(crd.contains("x-kubernetes-preserve-unknown-fields"));
     }

@@ -7,6 +7,7 @@ pub const GROUP_READY: &str = "GroupReady";
 pub const WORKERS_AVAILABLE: &str = "WorkersAvailable";
 pub const DEGRADED: &str = "Degraded";
 pub const RETENTION_BLOCKED: &str = "RetentionBlocked";
+pub const CONFLICT: &str = "Conflict";
 
 /// Sets condition `type_` in `conditions`; its transition time changes only
 /// when its status does.

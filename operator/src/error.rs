@@ -23,6 +23,15 @@ pub enum Error {
 
     #[error("serializing: {0}")]
     Serialize(#[from] serde_json::Error),
+
+    /// The API server refused an owned object (a spec it rejects, a quota,
+    /// an admission webhook): its own message, for the user to act on.
+    #[error("the API server refused the {kind}: {message}")]
+    Refused { kind: &'static str, message: String },
+
+    /// A defect in the operator, not in the resource.
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 impl Error {
@@ -33,13 +42,25 @@ impl Error {
             Error::SecretKeyNotFound { .. } => "SecretKeyNotFound",
             Error::Redis(e) => e.class.reason(),
             Error::Kube(_) => "KubernetesApiError",
-            Error::Serialize(_) => "InternalError",
+            Error::Serialize(_) | Error::Internal(_) => "InternalError",
+            Error::Refused { kind: "Deployment", .. } => "DeploymentRefused",
+            Error::Refused { kind: "CronJob", .. } => "CronJobRefused",
+            Error::Refused { .. } => "ObjectRefused",
         }
     }
 
     /// Whether the user (not the operator) can fix it: worth a Warning Event
     /// and a condition on their resource.
     pub fn is_users(&self) -> bool {
-        !matches!(self, Error::Kube(_) | Error::Serialize(_))
+        !matches!(self, Error::Kube(_) | Error::Serialize(_) | Error::Internal(_))
+    }
+
+    /// An API error on applying a `kind` becomes `Refused` with the API
+    /// server's message; other errors stay as they are.
+    pub fn refused(self, kind: &'static str) -> Self {
+        match self {
+            Error::Kube(kube::Error::Api(response)) => Error::Refused { kind, message: response.message.clone() },
+            other => other,
+        }
     }
 }

@@ -4,7 +4,7 @@
 //! | health | when |
 //! |---|---|
 //! | `Unknown` | the group could not be inspected, or its lag is unknown |
-//! | `PayloadLost` | a recovery found pending entries whose payload was gone (in the last hour) |
+//! | `PayloadLost` | pending entries were found with their payload gone (by anyone), and not all are acknowledged |
 //! | `Stalled` | work is waiting and nothing moves: the oldest pending entry has been idle for over twice min-idle-time, or lag > 0 and the group's read counter has not moved for the whole history (≥ 3 polls, ≥ 30 s) |
 //! | `PoisonForming` | a pending entry has been delivered at least max(2, maxDeliveries − 1) times |
 //! | `Backlogged` | lag + pending exceed what the running replicas are meant to carry |
@@ -63,7 +63,8 @@ pub struct Inputs<'a> {
     pub max_deliveries: u64,
     pub target_per_replica: u64,
     pub replicas: i32,
-    pub payload_lost_recently: bool,
+    /// Lost payloads not yet acknowledged by the user.
+    pub payload_lost_unacknowledged: u64,
 }
 
 /// The classification and a sentence saying why.
@@ -74,8 +75,14 @@ pub fn classify(i: &Inputs<'_>) -> (Health, String) {
     let Some(lag) = s.lag.floor().filter(|_| s.lag != Lag::Unknown) else {
         return (Health::Unknown, "lag unknown: Redis reports none and it could not be counted".into());
     };
-    if i.payload_lost_recently {
-        return (Health::PayloadLost, "recovery found pending entries whose payload was trimmed or deleted".into());
+    if i.payload_lost_unacknowledged > 0 {
+        return (
+            Health::PayloadLost,
+            format!(
+                "{} pending entries had their payload trimmed or deleted (not acknowledged)",
+                i.payload_lost_unacknowledged
+            ),
+        );
     }
     let work = lag + s.pending;
     let stuck_ms = u64::try_from(i.min_idle.as_millis()).unwrap_or(u64::MAX).saturating_mul(2);
@@ -129,7 +136,7 @@ mod tests {
             max_deliveries: 5,
             target_per_replica: 100,
             replicas: 2,
-            payload_lost_recently: lost,
+            payload_lost_unacknowledged: u64::from(lost),
         })
         .0
     }

@@ -4,6 +4,7 @@
 pub mod conditions;
 pub mod controller;
 pub mod error;
+pub mod events;
 pub mod health;
 pub mod leader;
 pub mod metrics;

@@ -13,7 +13,7 @@ use streamfleet_operator::controller;
 use streamfleet_operator::leader::LeaseLock;
 use streamfleet_operator::metrics::Metrics;
 use streamfleet_operator::objects::ObjectSettings;
-use streamfleet_operator::probes::Probes;
+use streamfleet_operator::probes::{self, Readiness};
 
 #[derive(Parser)]
 #[command(name = "streamfleet", version, about = "Runs job pipelines on Redis Streams consumer groups")]
@@ -92,28 +92,33 @@ async fn main() -> Result<()> {
 async fn run(args: RunArgs) -> Result<()> {
     let client = kube::Client::try_default().await.context("connecting to the Kubernetes API")?;
     let identity = args.identity.clone().unwrap_or_else(|| format!("streamfleet-{}", std::process::id()));
-    let probes = Probes::default();
+    let readiness = Readiness::default();
     let listener = tokio::net::TcpListener::bind(&args.health_addr)
         .await
         .with_context(|| format!("binding {}", args.health_addr))?;
     let metrics = Arc::new(Metrics::default());
-    tokio::spawn(probes.clone().serve(listener, metrics.clone()));
+    let admin = probes::serve(listener, readiness.clone(), metrics.clone());
+    tokio::spawn(async move {
+        if let Err(e) = admin.await {
+            tracing::error!(error = %e, "probes and metrics server");
+        }
+    });
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
-        streamfleet_worker::shutdown_signal().await;
+        streamfleet_process::shutdown_signal().await;
         let _ = stop_tx.send(true);
     });
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
 
-    let lease = args.leader_election.then(|| {
+    let mut lease = args.leader_election.then(|| {
         LeaseLock::new(client.clone(), &args.lease_namespace, "streamfleet-leader", &identity, Duration::from_secs(15))
     });
-    if let Some(lease) = &lease {
+    if let Some(lease) = &mut lease {
         // A standby is healthy and ready: it serves probes and waits its turn.
-        probes.set_ready(true);
+        readiness.set(true);
         tracing::info!(%identity, "waiting for leadership");
         tokio::select! {
             () = lease.acquire() => {}
@@ -121,7 +126,7 @@ async fn run(args: RunArgs) -> Result<()> {
         }
         tracing::info!(%identity, "leading");
     }
-    probes.set_ready(true);
+    readiness.set(true);
 
     let settings = ObjectSettings { operator_image: args.operator_image.clone() };
     let controller = controller::run(
@@ -132,7 +137,7 @@ async fn run(args: RunArgs) -> Result<()> {
         args.watch_namespace.clone(),
         stopped(stop_rx.clone()),
     );
-    match &lease {
+    match &mut lease {
         Some(lease) => {
             tokio::select! {
                 () = controller => {}

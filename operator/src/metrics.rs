@@ -49,7 +49,7 @@ pub struct Metrics {
 
 /// Per-resource gauges: (metric name, help, how to read it from the status).
 type Reader = fn(&StreamConsumerGroupStatus) -> Option<i64>;
-const GAUGES: [(&str, &str, Reader); 9] = [
+const GAUGES: [(&str, &str, Reader); 11] = [
     ("streamfleet_group_lag", "Entries not yet delivered to the group (absent when unknown)", |s| s.lag),
     ("streamfleet_group_pending", "Entries delivered and not acknowledged", |s| s.pending),
     ("streamfleet_group_oldest_pending_idle_seconds", "Idle time of the oldest pending entry", |s| {
@@ -61,6 +61,12 @@ const GAUGES: [(&str, &str, Reader); 9] = [
     ("streamfleet_group_consumers", "Consumers in the group", |s| s.consumers),
     ("streamfleet_dead_letter_length", "Entries in the dead-letter stream", |s| s.dead_letter_length),
     ("streamfleet_stream_length", "Entries in the stream", |s| s.stream_length),
+    ("streamfleet_payload_lost", "Pending entries found with their payload gone, ever (absent when unknown)", |s| {
+        s.payload_lost.as_ref().map(|p| p.total)
+    }),
+    ("streamfleet_payload_lost_unacknowledged", "Lost payloads the user has not acknowledged", |s| {
+        s.payload_lost.as_ref().map(|p| p.unacknowledged)
+    }),
     ("streamfleet_replicas_desired", "Worker replicas the scaling policy asks for", |s| {
         s.replicas.as_ref().map(|r| i64::from(r.desired))
     }),

@@ -11,7 +11,8 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use kube::{Resource as _, ResourceExt as _};
 use std::collections::BTreeMap;
-use streamfleet_crd::{RecoveryMode, RedisMode, StreamConsumerGroup, env};
+use streamfleet_contract as env;
+use streamfleet_crd::{RecoveryMode, RedisMode, StreamConsumerGroup};
 
 /// Label carrying the owning resource's name on every object and pod.
 pub const GROUP_LABEL: &str = "streamfleet.io/consumer-group";
@@ -43,7 +44,7 @@ fn labels(scg: &StreamConsumerGroup, component: &str) -> BTreeMap<String, String
 }
 
 fn owner(scg: &StreamConsumerGroup) -> Result<OwnerReference, Error> {
-    scg.controller_owner_ref(&()).ok_or_else(|| Error::InvalidSpec("the resource has no uid yet".into()))
+    scg.controller_owner_ref(&()).ok_or_else(|| Error::Internal("the resource has no uid yet".into()))
 }
 
 /// Metadata of an object this resource owns: name, namespace, labels, owner.
@@ -66,7 +67,7 @@ pub fn dead_letter_stream(scg: &StreamConsumerGroup) -> String {
         .unwrap_or_else(|| streamfleet_streams::keys::dead_letter_stream(&scg.spec.stream))
 }
 
-/// The env contract (see `streamfleet_crd::env`) for a worker or recovery container.
+/// The env contract (see `streamfleet_contract`) for a worker or recovery container.
 pub fn contract_env(scg: &StreamConsumerGroup, mode: &str) -> Vec<EnvVar> {
     let spec = &scg.spec;
     let value = |name: &str, v: String| EnvVar { name: name.into(), value: Some(v), value_from: None };

@@ -2,12 +2,12 @@
 //! CronJob runs, and dead-letter inspection and replay for people.
 
 use anyhow::{Context as _, Result, bail};
+use streamfleet_streams::WorkerConfig;
 use streamfleet_streams::deadletter as dl;
 use streamfleet_streams::recovery::write_report;
 use streamfleet_streams::replay::{Replayed, Selection, replay};
 use streamfleet_streams::sweep::{SweepSettings, sweep};
 use streamfleet_streams::{Endpoint, Mode, StreamConnection};
-use streamfleet_worker::WorkerConfig;
 
 /// `streamfleet sweep`: one pass over the PEL of every stream in the env
 /// contract; writes the report the operator shows as `status.lastRecovery`,

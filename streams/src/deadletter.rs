@@ -55,7 +55,8 @@ pub struct Letter<'a> {
 }
 
 /// Moves `entry` to `dead_letter_stream` and acks it, atomically; also drops
-/// its last-error bookkeeping. Returns the dead letter's ID.
+/// its last-error bookkeeping, and records a lost payload in the group's
+/// payload-loss record (`payload_loss`). Returns the dead letter's ID.
 pub async fn dead_letter<C: ConnectionLike + Send>(
     conn: &mut C,
     dead_letter_stream: &str,
@@ -96,6 +97,10 @@ pub async fn dead_letter<C: ConnectionLike + Send>(
         .arg(keys::last_error_key(&entry.stream, letter.group))
         .arg(&entry.id)
         .ignore();
+    if letter.reason == Reason::PayloadMissing {
+        // Lost work is counted where the operator looks, whoever found it.
+        crate::payload_loss::record(&mut pipe, &entry.stream, letter.group, &entry.id);
+    }
     let (id,): (String,) = pipe.query_async(conn).await.map_err(|e| StreamError::new("dead-lettering an entry", e))?;
     Ok(id)
 }

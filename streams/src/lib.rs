@@ -2,6 +2,7 @@
 //! here: the operator and the worker library both build on this crate.
 
 pub mod claim;
+pub mod config;
 pub mod connection;
 pub mod consumers;
 pub mod deadletter;
@@ -10,12 +11,14 @@ pub mod error;
 pub mod group;
 pub mod health;
 pub mod keys;
+pub mod payload_loss;
 pub mod recovery;
 pub mod replay;
 pub mod retention;
 pub mod sweep;
 pub mod version;
 
+pub use config::{ConfigError, RunMode, WorkerConfig};
 pub use connection::{Connections, Endpoint, Mode, StreamConnection};
 pub use entry::Entry;
 pub use error::{ErrorClass, StreamError};

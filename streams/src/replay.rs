@@ -58,6 +58,14 @@ pub async fn replay<C: ConnectionLike + Send>(
             });
             continue;
         };
+        if source == dead_letter_stream {
+            // Re-adding it here and deleting it would lose it.
+            out.push(Replayed::Skipped {
+                dead_letter_id: id,
+                why: "its source is the dead-letter stream itself".into(),
+            });
+            continue;
+        }
         if text(F_REASON).as_deref() == Some("payload-missing") {
             out.push(Replayed::Skipped { dead_letter_id: id, why: "payload-missing: nothing to replay".into() });
             continue;

@@ -130,6 +130,17 @@ pub async fn target<C: ConnectionLike + Send>(
     Ok(target)
 }
 
+/// `XTRIM <stream> MINID <id>`: removes the entries below `id`; returns how many.
+pub async fn trim_to<C: ConnectionLike + Send>(conn: &mut C, stream: &str, id: StreamId) -> Result<u64, StreamError> {
+    redis::cmd("XTRIM")
+        .arg(stream)
+        .arg("MINID")
+        .arg(id.to_string())
+        .query_async(conn)
+        .await
+        .map_err(|e| StreamError::new("trimming the stream", e))
+}
+
 /// One retention pass: decide and `XTRIM MINID` (never past the floor).
 pub async fn enforce<C: ConnectionLike + Send>(
     conn: &mut C,
@@ -142,13 +153,7 @@ pub async fn enforce<C: ConnectionLike + Send>(
     let floor = safe_floor(conn, stream).await?;
     let (point, blocked) = trim_point(target, floor);
     let trimmed = match point {
-        Some(id) => redis::cmd("XTRIM")
-            .arg(stream)
-            .arg("MINID")
-            .arg(id.to_string())
-            .query_async(conn)
-            .await
-            .map_err(|e| StreamError::new("trimming the stream", e))?,
+        Some(id) => trim_to(conn, stream, id).await?,
         None => 0,
     };
     Ok(Retention { floor, target, blocked, trimmed })

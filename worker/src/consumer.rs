@@ -3,7 +3,6 @@
 //! what must leave, leave the rest pending for redelivery; claim entries that
 //! crashed consumers left idle; drain on shutdown.
 
-use crate::config::{RunMode, WorkerConfig};
 use crate::guard::{Guard, GuardState, IdempotencyStore};
 use crate::stats::Stats;
 use rand::Rng as _;
@@ -14,6 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use streamfleet_streams::claim::autoclaim;
+use streamfleet_streams::config::{RunMode, WorkerConfig};
 use streamfleet_streams::deadletter::{self, Letter, Reason};
 use streamfleet_streams::entry::fields_from_map;
 use streamfleet_streams::recovery::{RecoveryReport, now_ms, write_report};

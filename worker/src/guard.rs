@@ -7,8 +7,8 @@
 //! which expires after min-idle-time; the entry then runs again, and the
 //! handler's own idempotency (a unique key in the business store) decides.
 
-use crate::config::WorkerConfig;
 use std::time::Duration;
+use streamfleet_streams::config::WorkerConfig;
 use streamfleet_streams::{StreamConnection, StreamError, keys};
 
 const PROCESSING: &str = "processing";

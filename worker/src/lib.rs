@@ -19,30 +19,13 @@
 //! # Ok(()) }
 //! ```
 
-pub mod config;
 pub mod consumer;
 pub mod guard;
 pub mod stats;
 
-pub use config::{ConfigError, RunMode, WorkerConfig};
 pub use consumer::{Handler, Outcome, Worker, WorkerError};
 pub use guard::{GuardState, IdempotencyStore, StoreFuture};
 pub use stats::Stats;
+pub use streamfleet_process::shutdown_signal;
 pub use streamfleet_streams::Entry;
-
-/// Resolves on SIGTERM or SIGINT: the pod is being stopped. (The operator
-/// binary uses it too.)
-pub async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        () = term => {}
-    }
-}
+pub use streamfleet_streams::config::{ConfigError, RunMode, WorkerConfig};

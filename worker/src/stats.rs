@@ -57,25 +57,14 @@ impl Stats {
         out
     }
 
-    /// Serves `render()` at `/metrics` on `listener` until the task is dropped.
-    pub async fn serve(self: std::sync::Arc<Self>, listener: tokio::net::TcpListener) {
-        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-        loop {
-            let Ok((mut stream, _)) = listener.accept().await else { continue };
-            let stats = self.clone();
-            tokio::spawn(async move {
-                let mut buf = [0u8; 1024];
-                if !matches!(tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf)).await, Ok(Ok(_))) {
-                    return;
-                }
-                let body = stats.render();
-                let response = format!(
-                    "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = stream.write_all(response.as_bytes()).await;
-            });
-        }
+    /// Serves `render()` at `/metrics`, with `/healthz` and `/readyz` (as
+    /// `readiness` says), on `listener` until the task is dropped.
+    pub async fn serve(
+        self: std::sync::Arc<Self>,
+        listener: tokio::net::TcpListener,
+        readiness: streamfleet_process::Readiness,
+    ) -> std::io::Result<()> {
+        streamfleet_process::admin::serve(listener, readiness, move || self.render()).await
     }
 }
 

@@ -10,7 +10,7 @@ use redis::AsyncCommands as _;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use streamfleet_crd::env;
+use streamfleet_contract as env;
 use streamfleet_streams::deadletter as dl;
 use streamfleet_testbed::{RedisServer, eventually};
 use streamfleet_worker::{Entry, Handler, Outcome, Stats, Worker, WorkerConfig};

@@ -14,7 +14,8 @@ use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Api, ResourceExt as _};
 use redis::AsyncCommands as _;
 use std::time::Duration;
-use streamfleet_crd::{StreamConsumerGroup, env};
+use streamfleet_contract as env;
+use streamfleet_crd::StreamConsumerGroup;
 use streamfleet_e2e::*;
 use streamfleet_testbed::{RedisServer, TestBed, eventually};
 
@@ -175,6 +176,8 @@ async fn invalid_specs_are_refused_at_admission_naming_the_field() -> Result<()>
         ("  recovery: {schedule: \"every minute\"}\n", "spec.recovery.schedule"),
         ("  scaling: {maxReplicas: 0}\n", "spec.scaling.maxReplicas"),
         ("  deletionPolicy: Shred\n", "spec.deletionPolicy"),
+        // A dead-letter stream that is the source would feed itself forever.
+        ("  recovery: {deadLetterStream: s}\n", "spec.recovery.deadLetterStream must differ from spec.stream"),
     ];
     for (extra, expected) in cases {
         let (ok, stderr) = apply(extra, "s", "g").await?;

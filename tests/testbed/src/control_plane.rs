@@ -36,7 +36,7 @@ impl ControlPlane {
     pub async fn start(dir: &Path) -> Result<Self> {
         let logs = dir.join("logs");
         let pki = Pki::generate(&dir.join("pki"))?;
-        let token = random_token();
+        let token = crate::random_string(32);
         let tokens = dir.join("tokens.csv");
         std::fs::write(&tokens, format!("{token},admin,admin,system:masters\n"))?;
 
@@ -213,10 +213,4 @@ contexts:
 current-context: testbed
 "
     )
-}
-
-fn random_token() -> String {
-    use rand::Rng as _;
-    let mut rng = rand::rng();
-    (0..32).map(|_| char::from(b"abcdefghijklmnopqrstuvwxyz0123456789"[rng.random_range(0..36)])).collect()
 }

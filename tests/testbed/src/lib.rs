@@ -70,15 +70,13 @@ impl TestBed {
             };
             let handle = runtime.handle().clone();
             runtime.block_on(async move {
-                let plane = match ControlPlane::start(&thread_dir).await {
-                    Ok(p) => p,
-                    Err(e) => {
-                        let _ = tx.send(Err(e));
-                        return;
-                    }
+                let started = async {
+                    let plane = ControlPlane::start(&thread_dir).await?;
+                    let kubelet = kubelet_for(&plane, &thread_dir).await?;
+                    anyhow::Ok((plane, kubelet))
                 };
-                let kubelet = match kubelet_for(&plane, &thread_dir).await {
-                    Ok(k) => k,
+                let (plane, kubelet) = match started.await {
+                    Ok(started) => started,
                     Err(e) => {
                         let _ = tx.send(Err(e));
                         return;
@@ -175,9 +173,14 @@ fn clean_stale_runs() {
 }
 
 pub fn random_suffix() -> String {
+    random_string(6)
+}
+
+/// `len` random lowercase letters and digits.
+pub(crate) fn random_string(len: usize) -> String {
     use rand::Rng as _;
     let mut rng = rand::rng();
-    (0..6).map(|_| char::from(b"abcdefghijklmnopqrstuvwxyz0123456789"[rng.random_range(0..36)])).collect()
+    (0..len).map(|_| char::from(b"abcdefghijklmnopqrstuvwxyz0123456789"[rng.random_range(0..36)])).collect()
 }
 
 /// Polls `f` every 100ms until it returns `Some`, or fails after `timeout`.

@@ -12,6 +12,9 @@ use tempfile::TempDir;
 pub struct RedisServer {
     pub port: u16,
     daemon: Daemon,
+    /// How it was started, so that [`RedisServer::restart`] can start it again.
+    args: Vec<String>,
+    data: std::path::PathBuf,
     _dir: Option<TempDir>,
 }
 
@@ -34,7 +37,7 @@ impl RedisServer {
     /// present certificates.
     pub async fn start_tls(dir: &Path, cert: &Path, key: &Path, ca: &Path) -> Result<Self> {
         let tls = |port: u16| {
-            [
+            owned(&[
                 "--port",
                 "0",
                 "--tls-port",
@@ -47,10 +50,7 @@ impl RedisServer {
                 &ca.display().to_string(),
                 "--tls-auth-clients",
                 "no",
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect()
+            ])
         };
         Self::spawn(dir, &[], tls).await
     }
@@ -63,7 +63,7 @@ impl RedisServer {
             let port = free_port()?;
             let data = dir.join(format!("redis-{port}"));
             std::fs::create_dir_all(&data)?;
-            let mut args: Vec<String> = [
+            let mut args = owned(&[
                 "--bind",
                 "127.0.0.1",
                 "--dir",
@@ -76,16 +76,13 @@ impl RedisServer {
                 "no",
                 "--daemonize",
                 "no",
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
+            ]);
             args.extend(listen(port));
-            args.extend(extra.iter().map(|s| s.to_string()));
+            args.extend(owned(extra));
             let mut daemon = Daemon::spawn(&format!("redis-{port}"), &bin, &args, &data)?;
             match wait_for_port(port, Duration::from_secs(10)).await {
                 Ok(()) => {
-                    return Ok(Self { port, daemon, _dir: None });
+                    return Ok(Self { port, daemon, args, data, _dir: None });
                 }
                 Err(e) => {
                     last_err = Some(daemon.check_alive().err().unwrap_or(e));
@@ -103,11 +100,30 @@ impl RedisServer {
         self.daemon.pid()
     }
 
+    /// Stops the server (an outage: clients get connection errors).
+    pub fn stop(&mut self) {
+        self.daemon.stop(Duration::from_secs(2));
+    }
+
+    /// Starts a stopped server again on the same port, with an empty dataset
+    /// (nothing is persisted).
+    pub async fn restart(&mut self) -> Result<()> {
+        self.stop();
+        let bin = tools::system("redis-server")?;
+        self.daemon = Daemon::spawn(&format!("redis-{}", self.port), &bin, &self.args, &self.data)?;
+        wait_for_port(self.port, Duration::from_secs(10)).await
+    }
+
     /// A multiplexed async connection.
     pub async fn connection(&self) -> Result<redis::aio::MultiplexedConnection> {
         let client = redis::Client::open(self.url())?;
         Ok(client.get_multiplexed_async_connection().await?)
     }
+}
+
+/// Owned copies of command-line arguments.
+fn owned(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| s.to_string()).collect()
 }
 
 /// A Redis Cluster of `masters` master nodes (no replicas) on loopback.

@@ -108,15 +108,23 @@ async fn main() -> std::process::ExitCode {
     let ttl = config.min_idle * u32::try_from(config.max_deliveries + 1).unwrap_or(u32::MAX) * 2;
     let worker = Worker::new(config, handler).with_idempotency_guard(ttl.max(Duration::from_secs(3600)));
     let stats = worker.stats();
+    // Ready while the consumer loop runs; /healthz and /metrics beside it.
+    let readiness = streamfleet_process::Readiness::new(true);
     if let Ok(addr) = std::env::var("STREAMFLEET_METRICS_ADDR") {
         match tokio::net::TcpListener::bind(&addr).await {
             Ok(listener) => {
-                tokio::spawn(stats.clone().serve(listener));
+                let admin = stats.clone().serve(listener, readiness.clone());
+                tokio::spawn(async move {
+                    if let Err(e) = admin.await {
+                        tracing::warn!("metrics server: {e}");
+                    }
+                });
             }
             Err(e) => tracing::warn!("metrics on {addr}: {e}"),
         }
     }
     let result = worker.run(streamfleet_worker::shutdown_signal()).await;
+    readiness.set(false);
     tracing::info!(?stats, "exiting");
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -9,7 +9,7 @@ use anyhow::Result;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use streamfleet_bench::fill;
-use streamfleet_crd::env;
+use streamfleet_contract as env;
 use streamfleet_streams::ensure_group;
 use streamfleet_testbed::RedisServer;
 use streamfleet_worker::{Entry, Handler, Outcome, Stats, Worker, WorkerConfig};

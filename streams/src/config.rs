@@ -1,8 +1,9 @@
-//! The env contract (`streamfleet_crd::env`), parsed and checked.
+//! The env contract (`streamfleet_contract`), parsed and checked: what a
+//! worker, the recovery sweep and the dead-letter tools are told by the operator.
 
+use crate::{Endpoint, Mode};
 use std::time::Duration;
-use streamfleet_crd::env;
-use streamfleet_streams::{Endpoint, Mode};
+use streamfleet_contract as env;
 
 /// What a worker is told by the operator.
 #[derive(Clone, Debug)]
@@ -84,6 +85,15 @@ impl WorkerConfig {
                 });
             }
         };
+        let dead_letter_stream =
+            get(env::DEAD_LETTER_STREAM).unwrap_or_else(|| crate::keys::dead_letter_stream(&first));
+        if streams.contains(&dead_letter_stream) {
+            // Dead letters would be read again, failed again and re-added: a loop.
+            return Err(ConfigError::Invalid {
+                name: env::DEAD_LETTER_STREAM,
+                why: format!("{dead_letter_stream:?} is also a stream this worker consumes"),
+            });
+        }
         Ok(Self {
             endpoint: Endpoint {
                 url: required(env::REDIS_URL)?,
@@ -94,8 +104,7 @@ impl WorkerConfig {
             consumer: required(env::CONSUMER)?,
             min_idle,
             max_deliveries,
-            dead_letter_stream: get(env::DEAD_LETTER_STREAM)
-                .unwrap_or_else(|| streamfleet_streams::keys::dead_letter_stream(&first)),
+            dead_letter_stream,
             batch_size: usize::try_from(number(env::BATCH_SIZE, 100)?.clamp(1, 10_000)).unwrap_or(100),
             block: Duration::from_millis(2_000),
             mode: run_mode,
@@ -146,5 +155,9 @@ mod tests {
         let mut pairs = base();
         pairs.push((env::MODE, "sideways"));
         assert!(WorkerConfig::from_lookup(lookup(&pairs)).unwrap_err().to_string().contains(env::MODE));
+        let mut pairs = base();
+        pairs.push((env::DEAD_LETTER_STREAM, "refunds"));
+        let err = WorkerConfig::from_lookup(lookup(&pairs)).unwrap_err().to_string();
+        assert!(err.starts_with(env::DEAD_LETTER_STREAM) && err.contains("also a stream"), "{err}");
     }
 }

@@ -1,0 +1,207 @@
+//! Step 4, act: carries out a [`Plan`](super::decide::Plan): Redis writes
+//! (group creation, reaping, trimming), server-side applies of the owned
+//! objects, and the planned Events. A refused apply does not stop the rest:
+//! it is returned in the [`Outcome`] so the status still reports health.
+
+use super::Context;
+use super::decide::{Conflict, Convergence, PlannedEvent, Reap};
+use super::validate::ValidSpec;
+use crate::error::Error;
+use crate::events::EventType;
+use crate::objects;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::reflector::ObjectRef;
+use kube::{Api, Resource as _, ResourceExt as _};
+use std::sync::Arc;
+use streamfleet_crd::StreamConsumerGroup;
+use streamfleet_streams::{GroupCreation, StreamConnection};
+
+/// Field managers, one per call site, so `managedFields` says who set what.
+const MANAGER_DEPLOYMENT: &str = "streamfleet-worker-deployment";
+const MANAGER_CRONJOB: &str = "streamfleet-recovery-cronjob";
+
+/// What acting on a convergence plan did.
+pub struct Outcome {
+    pub available_replicas: i32,
+    /// Entries trimmed by retention.
+    pub trimmed: u64,
+    /// Owned objects the API server refused, with its message.
+    pub refused: Vec<Error>,
+}
+
+/// Creates the missing group at the start ID.
+pub async fn create_group(
+    ctx: &Context,
+    scg: &StreamConsumerGroup,
+    conn: &mut StreamConnection,
+    spec: &ValidSpec,
+) -> Result<(), Error> {
+    let created = streamfleet_streams::ensure_group(conn, &spec.stream, &spec.group, &spec.start_id).await?;
+    if created == GroupCreation::Created {
+        let note = format!("created group {:?} on stream {:?} at {}", spec.group, spec.stream, spec.start_id);
+        publish(
+            ctx,
+            scg,
+            &PlannedEvent { type_: EventType::Normal, reason: "GroupCreated", action: "EnsureGroup", note },
+        )
+        .await;
+    }
+    Ok(())
+}
+
+/// Another resource runs the group: scale what this one has to zero and
+/// suspend its recovery; create nothing. Returns refused objects.
+pub async fn stand_down(ctx: &Context, scg: &StreamConsumerGroup, plan: &Conflict) -> Vec<Error> {
+    let mut refused = Vec::new();
+    if let Some(deployment) = &plan.deployment {
+        let name = objects::worker_deployment_name(scg);
+        let live = ctx.deployments.get(&ObjectRef::new(&name).within(&namespace(scg)));
+        if let Err(e) = apply_owned(ctx, scg, &name, MANAGER_DEPLOYMENT, deployment, live).await {
+            refused.push(e.refused("Deployment"));
+        }
+    }
+    if let Some(cronjob) = &plan.cronjob {
+        let name = objects::recovery_cronjob_name(scg);
+        let live = ctx.cronjobs.get(&ObjectRef::new(&name).within(&namespace(scg)));
+        if let Err(e) = apply_owned(ctx, scg, &name, MANAGER_CRONJOB, cronjob, live).await {
+            refused.push(e.refused("CronJob"));
+        }
+    }
+    for event in &plan.events {
+        publish(ctx, scg, event).await;
+    }
+    refused
+}
+
+pub async fn converge(
+    ctx: &Context,
+    scg: &StreamConsumerGroup,
+    conn: &mut StreamConnection,
+    spec: &ValidSpec,
+    plan: &Convergence,
+) -> Outcome {
+    for reap in &plan.reap {
+        reap_consumer(ctx, scg, conn, spec, reap).await;
+    }
+    let trimmed = match plan.trim_to {
+        Some(id) => streamfleet_streams::retention::trim_to(conn, &spec.stream, id)
+            .await
+            .inspect(|n| {
+                if *n > 0 {
+                    tracing::info!(trimmed = n, to = %id, "trimmed the stream")
+                }
+            })
+            .inspect_err(|e| tracing::warn!(error = %e, "retention"))
+            .unwrap_or(0),
+        None => 0,
+    };
+    let mut refused = Vec::new();
+    let name = objects::worker_deployment_name(scg);
+    let live = ctx.deployments.get(&ObjectRef::new(&name).within(&namespace(scg)));
+    let available_replicas = match apply_owned(ctx, scg, &name, MANAGER_DEPLOYMENT, &plan.deployment, live).await {
+        Ok(applied) => applied.status.as_ref().and_then(|s| s.available_replicas).unwrap_or(0),
+        Err(e) => {
+            refused.push(e.refused("Deployment"));
+            0
+        }
+    };
+    let name = objects::recovery_cronjob_name(scg);
+    let live = ctx.cronjobs.get(&ObjectRef::new(&name).within(&namespace(scg)));
+    if let Err(e) = apply_owned(ctx, scg, &name, MANAGER_CRONJOB, &plan.cronjob, live).await {
+        refused.push(e.refused("CronJob"));
+    }
+    for event in &plan.events {
+        publish(ctx, scg, event).await;
+    }
+    Outcome { available_replicas, trimmed, refused }
+}
+
+fn namespace(scg: &StreamConsumerGroup) -> String {
+    scg.namespace().unwrap_or_default()
+}
+
+/// Releases a dead consumer's entries, or deletes it once it owns nothing.
+async fn reap_consumer(
+    ctx: &Context,
+    scg: &StreamConsumerGroup,
+    conn: &mut StreamConnection,
+    spec: &ValidSpec,
+    reap: &Reap,
+) {
+    use streamfleet_streams::consumers;
+    let result = match reap {
+        Reap::Release(name) => {
+            consumers::release_pending(conn, &spec.stream, &spec.group, name, spec.min_idle, spec.batch).await.map(
+                |n| {
+                    (n > 0).then(|| {
+                        (
+                            "DeadConsumerReleased",
+                            format!("released {n} pending entries of {name} (pod gone) for claiming"),
+                        )
+                    })
+                },
+            )
+        }
+        Reap::Delete(name) => consumers::delete_if_empty(conn, &spec.stream, &spec.group, name).await.map(|deleted| {
+            deleted.then(|| ("DeadConsumerDeleted", format!("deleted consumer {name} (pod gone, owned nothing)")))
+        }),
+    };
+    match result {
+        Ok(Some((reason, note))) => {
+            tracing::info!(?reap, "{note}");
+            publish(ctx, scg, &PlannedEvent { type_: EventType::Normal, reason, action: "Reap", note }).await;
+        }
+        Ok(None) => {}
+        Err(e) => tracing::warn!(?reap, error = %e, "reaping"),
+    }
+}
+
+pub async fn publish(ctx: &Context, scg: &StreamConsumerGroup, event: &PlannedEvent) {
+    ctx.publish(&scg.object_ref(&()), event.type_, event.reason, event.action, event.note.clone()).await;
+}
+
+/// Server-side applies an owned object, unless it is exactly what this
+/// operator last applied and the live object (from the watch cache) is the
+/// same object with the same spec generation: a poll where nothing changed
+/// makes no API write. A repair (someone edited the spec, or deleted the
+/// object) changes the generation or uid and is applied again.
+async fn apply_owned<K>(
+    ctx: &Context,
+    scg: &StreamConsumerGroup,
+    name: &str,
+    manager: &'static str,
+    desired: &K,
+    live: Option<Arc<K>>,
+) -> Result<K, Error>
+where
+    K: kube::Resource<Scope = kube::core::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + serde::Serialize
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    let fingerprint = fingerprint(desired)?;
+    let live_identity = live.as_ref().map(|l| identity(l.meta()));
+    let key = super::key(scg);
+    if let (true, Some(live)) = (ctx.applied_unchanged(&key, manager, fingerprint, live_identity.as_deref()), live) {
+        return Ok((*live).clone());
+    }
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), &namespace(scg));
+    let applied = api.patch(name, &PatchParams::apply(manager).force(), &Patch::Apply(desired)).await?;
+    ctx.metrics.api_write(manager);
+    ctx.remember_applied(&key, manager, fingerprint, identity(applied.meta()));
+    Ok(applied)
+}
+
+fn fingerprint<K: serde::Serialize>(desired: &K) -> Result<u64, Error> {
+    use std::hash::{Hash as _, Hasher as _};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    serde_json::to_string(desired)?.hash(&mut hasher);
+    Ok(hasher.finish())
+}
+
+/// uid + generation: the same object, and nobody changed its spec since
+/// (status updates by other controllers do not count).
+fn identity(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
+    format!("{}/{}", meta.uid.as_deref().unwrap_or(""), meta.generation.unwrap_or(0))
+}

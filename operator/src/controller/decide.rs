@@ -1,0 +1,530 @@
+//! Step 3, decide: a pure function of the validated spec, the observation
+//! and what the policies remember, returning a [`Plan`]: the group to
+//! create, desired replicas, health, the trim point, consumers to release or
+//! delete, the objects to apply and the Events to publish. No I/O.
+
+use super::observe::Observation;
+use super::validate::ValidSpec;
+use crate::error::Error;
+use crate::events::EventType;
+use crate::health::{self, HealthMemory};
+use crate::objects::{self, ObjectSettings};
+use crate::reaper;
+use crate::scaling::{self, ScalingMemory};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::batch::v1::CronJob;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::ResourceExt as _;
+use std::time::Duration;
+use streamfleet_crd::{Health, PAYLOAD_LOST_ACKNOWLEDGED, PayloadLostStatus, RecoveryStatus, StreamConsumerGroup};
+use streamfleet_streams::health::GroupSnapshot;
+use streamfleet_streams::payload_loss::PayloadLoss;
+use streamfleet_streams::recovery::RecoveryReport;
+use streamfleet_streams::retention::{self, Retention, StreamId};
+
+/// What the policies remember about one resource between polls.
+#[derive(Default)]
+pub struct PolicyMemory {
+    pub scaling: ScalingMemory,
+    pub health: HealthMemory,
+}
+
+/// What one reconcile will do.
+pub enum Plan {
+    /// Another resource runs this group: run no workers.
+    Conflict(Box<Conflict>),
+    /// The group does not exist: create it at the start ID, then look again.
+    CreateGroup,
+    /// The group exists: converge everything else.
+    Converge(Box<Convergence>),
+}
+
+/// Another resource that names the same stream and group on the same Redis.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Claimant {
+    /// `namespace/name`.
+    pub key: String,
+    pub created: Option<Time>,
+}
+
+/// This resource stands down: the group belongs to `owner`, the resource
+/// created first. Objects it already has are scaled to zero and suspended;
+/// none are created.
+pub struct Conflict {
+    pub owner: String,
+    pub snapshot: Option<GroupSnapshot>,
+    pub deployment: Option<Deployment>,
+    pub cronjob: Option<CronJob>,
+    pub events: Vec<PlannedEvent>,
+}
+
+pub struct Convergence {
+    pub snapshot: GroupSnapshot,
+    /// The worker Deployment's replicas now (`None`: no Deployment yet).
+    pub current_replicas: Option<i32>,
+    pub scaling: scaling::Decision,
+    pub health: Health,
+    pub health_message: String,
+    pub last_recovery: Option<RecoveryStatus>,
+    pub payload_lost: PayloadLostStatus,
+    /// The retention verdict (its `trimmed` is filled in by `act`).
+    pub retention: Option<Retention>,
+    pub trim_to: Option<StreamId>,
+    pub reap: Vec<Reap>,
+    pub deployment: Deployment,
+    pub cronjob: CronJob,
+    pub events: Vec<PlannedEvent>,
+}
+
+/// A consumer whose pod is gone.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reap {
+    /// It still owns entries: make them claimable at once.
+    Release(String),
+    /// It owns nothing: delete it.
+    Delete(String),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlannedEvent {
+    pub type_: EventType,
+    pub reason: &'static str,
+    pub action: &'static str,
+    pub note: String,
+}
+
+/// The inputs of [`decide`] besides the spec and the observation.
+pub struct Situation<'a> {
+    pub scg: &'a StreamConsumerGroup,
+    pub settings: &'a ObjectSettings,
+    /// A monotonic clock reading.
+    pub now: Duration,
+}
+
+pub fn decide(
+    spec: &ValidSpec,
+    observed: &Observation,
+    memory: &mut PolicyMemory,
+    at: &Situation<'_>,
+) -> Result<Plan, Error> {
+    if let Some(owner) = earlier_claimant(at.scg, &observed.claimants) {
+        return conflict(at, observed, owner);
+    }
+    let Some(snapshot) = observed.group.clone() else {
+        return Ok(Plan::CreateGroup);
+    };
+    let current_replicas = observed.deployment.as_ref().and_then(|d| d.spec.as_ref().and_then(|s| s.replicas));
+    let scaling = scaling::decide(
+        &spec.scaling,
+        current_replicas.unwrap_or(0),
+        Some((snapshot.lag, snapshot.pending)),
+        at.now,
+        &mut memory.scaling,
+    );
+    memory.health.record(&snapshot, at.now);
+    let last_recovery = observed.last_recovery.clone().map(recovery_status);
+    let payload_lost = payload_lost_status(at.scg, &observed.payload_loss);
+    let (health, health_message) = health::classify(&health::Inputs {
+        snapshot: Some(&snapshot),
+        memory: &memory.health,
+        min_idle: spec.min_idle,
+        max_deliveries: spec.max_deliveries,
+        target_per_replica: spec.target_per_replica,
+        replicas: scaling.replicas,
+        payload_lost_unacknowledged: u64::try_from(payload_lost.unacknowledged).unwrap_or(0),
+    });
+    let (retention, trim_to) = match observed.retention {
+        Some(bounds) => {
+            let (point, blocked) = retention::trim_point(bounds.target, bounds.floor);
+            (Some(Retention { floor: bounds.floor, target: bounds.target, blocked, trimmed: 0 }), point)
+        }
+        None => (None, None),
+    };
+    let mut events = Vec::new();
+    if let Some(current) = current_replicas.filter(|c| *c != scaling.replicas) {
+        events.push(PlannedEvent {
+            type_: EventType::Normal,
+            reason: "Scaled",
+            action: "Scale",
+            note: format!("workers {current} -> {}: {}", scaling.replicas, scaling.reason),
+        });
+    }
+    events.extend(recovery_event(at.scg, last_recovery.as_ref()));
+    events.extend(payload_loss_event(at.scg, &payload_lost));
+    events.extend(health_event(at.scg, health, &health_message));
+    Ok(Plan::Converge(Box::new(Convergence {
+        reap: reap_plan(at.scg, &snapshot, observed),
+        deployment: objects::worker_deployment(at.scg, scaling.replicas)?,
+        cronjob: objects::recovery_cronjob(at.scg, at.settings)?,
+        snapshot,
+        current_replicas,
+        scaling,
+        health,
+        health_message,
+        last_recovery,
+        payload_lost,
+        retention,
+        trim_to,
+        events,
+    })))
+}
+
+/// The claimant that came first, if it came before this resource (ties
+/// broken by name), so exactly one of them runs the group.
+fn earlier_claimant<'a>(scg: &StreamConsumerGroup, claimants: &'a [Claimant]) -> Option<&'a Claimant> {
+    let rank = |created: &Option<Time>, key: &str| (created.as_ref().map(|t| t.0), key.to_string());
+    let me =
+        rank(&scg.metadata.creation_timestamp, &format!("{}/{}", scg.namespace().unwrap_or_default(), scg.name_any()));
+    claimants.iter().filter(|c| rank(&c.created, &c.key) < me).min_by_key(|c| rank(&c.created, &c.key))
+}
+
+fn conflict(at: &Situation<'_>, observed: &Observation, owner: &Claimant) -> Result<Plan, Error> {
+    let deployment = match observed.deployment {
+        Some(_) => Some(objects::worker_deployment(at.scg, 0)?),
+        None => None,
+    };
+    let cronjob = match observed.cronjob {
+        Some(_) => {
+            let mut cronjob = objects::recovery_cronjob(at.scg, at.settings)?;
+            if let Some(spec) = cronjob.spec.as_mut() {
+                spec.suspend = Some(true);
+            }
+            Some(cronjob)
+        }
+        None => None,
+    };
+    let before =
+        at.scg.status.as_ref().is_some_and(|s| crate::conditions::is_true(&s.conditions, crate::conditions::CONFLICT));
+    let events = (!before)
+        .then(|| PlannedEvent {
+            type_: EventType::Warning,
+            reason: "Conflict",
+            action: "Reconcile",
+            note: conflict_message(at.scg, &owner.key),
+        })
+        .into_iter()
+        .collect();
+    Ok(Plan::Conflict(Box::new(Conflict {
+        owner: owner.key.clone(),
+        snapshot: observed.group.clone(),
+        deployment,
+        cronjob,
+        events,
+    })))
+}
+
+pub fn conflict_message(scg: &StreamConsumerGroup, owner: &str) -> String {
+    format!(
+        "stream {:?} group {:?} on this Redis is run by {owner}, created first: this resource runs no workers \
+         until that one is deleted or names another group",
+        scg.spec.stream, scg.spec.group
+    )
+}
+
+/// Consumers of this resource's workloads whose pods are gone (see `reaper`).
+fn reap_plan(scg: &StreamConsumerGroup, snapshot: &GroupSnapshot, observed: &Observation) -> Vec<Reap> {
+    let prefixes =
+        [format!("{}-", objects::worker_deployment_name(scg)), format!("{}-", objects::recovery_cronjob_name(scg))];
+    reaper::dead_consumers(&snapshot.consumers, &observed.live_pods, &prefixes)
+        .into_iter()
+        .map(|c| if c.pending > 0 { Reap::Release(c.name.clone()) } else { Reap::Delete(c.name.clone()) })
+        .collect()
+}
+
+pub fn recovery_status(r: RecoveryReport) -> RecoveryStatus {
+    let int = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+    let ms = i64::try_from(r.finished_at_ms).unwrap_or(0);
+    RecoveryStatus {
+        time: Time(k8s_openapi::jiff::Timestamp::from_millisecond(ms).unwrap_or_default()),
+        claimed: int(r.claimed),
+        dead_lettered: int(r.dead_lettered),
+        payload_lost: int(r.payload_lost),
+    }
+}
+
+/// One Event per new recovery run: a Warning when it dead-lettered entries
+/// (a defect signal), Normal otherwise. Lost payloads are announced from the
+/// payload-loss record, whoever found them.
+fn recovery_event(scg: &StreamConsumerGroup, latest: Option<&RecoveryStatus>) -> Option<PlannedEvent> {
+    let latest = latest?;
+    let previous = scg.status.as_ref().and_then(|s| s.last_recovery.as_ref());
+    if previous.is_some_and(|p| p.time == latest.time) {
+        return None;
+    }
+    let (type_, reason) = if latest.dead_lettered > 0 {
+        (EventType::Warning, "DeadLettered")
+    } else {
+        (EventType::Normal, "RecoveryCompleted")
+    };
+    let note = format!(
+        "recovery claimed {}, dead-lettered {}, found {} pending entries without payload",
+        latest.claimed, latest.dead_lettered, latest.payload_lost
+    );
+    Some(PlannedEvent { type_, reason, action: "Recover", note })
+}
+
+/// The payload-loss record against the user's acknowledgement annotation.
+fn payload_lost_status(scg: &StreamConsumerGroup, loss: &PayloadLoss) -> PayloadLostStatus {
+    let total = i64::try_from(loss.total).unwrap_or(i64::MAX);
+    let acknowledged = scg
+        .annotations()
+        .get(PAYLOAD_LOST_ACKNOWLEDGED)
+        .and_then(|v| v.trim().parse::<i64>().ok())
+        .unwrap_or(0)
+        .clamp(0, total);
+    PayloadLostStatus {
+        total,
+        unacknowledged: total - acknowledged,
+        latest_ids: loss.latest.iter().take(5).cloned().collect(),
+    }
+}
+
+/// A Warning each time the record grows, naming the count and the latest IDs.
+fn payload_loss_event(scg: &StreamConsumerGroup, now: &PayloadLostStatus) -> Option<PlannedEvent> {
+    let before = scg.status.as_ref().and_then(|s| s.payload_lost.as_ref()).map_or(0, |p| p.total);
+    (now.total > before && now.unacknowledged > 0).then(|| PlannedEvent {
+        type_: EventType::Warning,
+        reason: "PayloadLost",
+        action: "Inspect",
+        note: format!(
+            "{} more pending entries were found with their payload trimmed or deleted ({} in all, {} not acknowledged); latest IDs: {}. \
+             Acknowledge with the annotation {PAYLOAD_LOST_ACKNOWLEDGED}={}",
+            now.total - before,
+            now.total,
+            now.unacknowledged,
+            now.latest_ids.join(", "),
+            now.total
+        ),
+    })
+}
+
+/// A Warning on entering a bad health class, a Normal Event on getting back
+/// to Healthy.
+fn health_event(scg: &StreamConsumerGroup, health: Health, message: &str) -> Option<PlannedEvent> {
+    let before = scg.status.as_ref().and_then(|s| s.health);
+    if before == Some(health) || (before.is_none() && health == Health::Healthy) {
+        return None;
+    }
+    let from = before.map_or("none".to_string(), |h| format!("{h:?}"));
+    let note = format!("health {from} -> {health:?}: {message}");
+    Some(match health {
+        Health::Healthy => PlannedEvent { type_: EventType::Normal, reason: "Healthy", action: "Inspect", note },
+        _ => PlannedEvent { type_: EventType::Warning, reason: "HealthDegraded", action: "Inspect", note },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::observe::{Observation, RetentionBounds};
+    use super::super::validate::validate;
+    use super::*;
+    use k8s_openapi::api::apps::v1::DeploymentSpec;
+    use serde_json::json;
+    use std::collections::HashSet;
+    use std::sync::Arc;
+    use streamfleet_crd::StreamConsumerGroupStatus;
+    use streamfleet_streams::health::{ConsumerState, Lag};
+
+    fn scg() -> StreamConsumerGroup {
+        serde_json::from_value(json!({
+            "apiVersion": "streamfleet.io/v1alpha1", "kind": "StreamConsumerGroup",
+            "metadata": {"name": "orders", "namespace": "shop", "uid": "u-1", "generation": 2},
+            "spec": {"redis": {"urlSecretRef": {"name": "r", "key": "url"}}, "stream": "s", "group": "g",
+                     "scaling": {"minReplicas": 1, "maxReplicas": 5, "targetPerReplica": 100},
+                     "worker": {"template": {"spec": {"containers": [{"name": "w", "image": "w"}]}}}}
+        }))
+        .unwrap()
+    }
+
+    fn snapshot(lag: u64, pending: u64, consumers: &[(&str, u64)]) -> GroupSnapshot {
+        GroupSnapshot {
+            lag: Lag::Known(lag),
+            pending,
+            entries_read: Some(10),
+            last_delivered_id: "10-0".into(),
+            oldest_pending_idle_ms: (pending > 0).then_some(1_000),
+            max_delivery_count: (pending > 0).then_some(1),
+            consumers: consumers
+                .iter()
+                .map(|(name, pending)| ConsumerState { name: (*name).into(), pending: *pending, idle_ms: 1 })
+                .collect(),
+            stream_length: 1000,
+            dead_letter_length: 0,
+            commands: 5,
+        }
+    }
+
+    fn observed(group: Option<GroupSnapshot>, replicas: Option<i32>) -> Observation {
+        Observation {
+            group,
+            last_recovery: None,
+            payload_loss: PayloadLoss::default(),
+            retention: None,
+            deployment: replicas.map(|r| {
+                Arc::new(Deployment {
+                    spec: Some(DeploymentSpec { replicas: Some(r), ..DeploymentSpec::default() }),
+                    ..Deployment::default()
+                })
+            }),
+            cronjob: None,
+            live_pods: HashSet::from(["orders-worker-a".to_string()]),
+            claimants: Vec::new(),
+        }
+    }
+
+    fn run(scg: &StreamConsumerGroup, observed: &Observation) -> Plan {
+        let settings = ObjectSettings { operator_image: "op".into() };
+        let at = Situation { scg, settings: &settings, now: Duration::from_secs(100) };
+        decide(&validate(scg).unwrap(), observed, &mut PolicyMemory::default(), &at).unwrap()
+    }
+
+    fn converge(plan: Plan) -> Convergence {
+        match plan {
+            Plan::Converge(c) => *c,
+            _ => panic!("expected a convergence plan"),
+        }
+    }
+
+    #[test]
+    fn a_missing_group_is_created_first() {
+        assert!(matches!(run(&scg(), &observed(None, Some(1))), Plan::CreateGroup));
+    }
+
+    #[test]
+    fn a_backlog_scales_up_at_once_with_an_event_and_reads_backlogged() {
+        let plan = converge(run(&scg(), &observed(Some(snapshot(350, 50, &[])), Some(1))));
+        assert_eq!(plan.scaling.replicas, 4);
+        assert_eq!(plan.deployment.spec.as_ref().and_then(|s| s.replicas), Some(4));
+        assert_eq!(plan.events.len(), 1);
+        assert_eq!((plan.events[0].reason, plan.events[0].note.starts_with("workers 1 -> 4")), ("Scaled", true));
+        assert_eq!(plan.health, Health::Healthy, "4 replicas carry 400: {}", plan.health_message);
+        let plan = converge(run(&scg(), &observed(Some(snapshot(1000, 0, &[])), Some(1))));
+        assert_eq!((plan.scaling.replicas, plan.health), (5, Health::Backlogged));
+    }
+
+    #[test]
+    fn no_deployment_yet_means_no_scaling_event() {
+        let plan = converge(run(&scg(), &observed(Some(snapshot(0, 0, &[])), None)));
+        assert_eq!(plan.scaling.replicas, 1);
+        assert!(plan.events.is_empty());
+    }
+
+    #[test]
+    fn consumers_whose_pods_are_gone_are_released_or_deleted() {
+        let consumers =
+            [("orders-worker-a", 5), ("orders-worker-b", 3), ("orders-recovery-1-x", 0), ("someone-else", 9)];
+        let plan = converge(run(&scg(), &observed(Some(snapshot(0, 17, &consumers)), Some(1))));
+        assert_eq!(
+            plan.reap,
+            vec![Reap::Release("orders-worker-b".into()), Reap::Delete("orders-recovery-1-x".into())]
+        );
+    }
+
+    #[test]
+    fn retention_is_held_at_the_floor() {
+        let mut seen = observed(Some(snapshot(0, 0, &[])), Some(1));
+        let id = |ms| StreamId { ms, seq: 0 };
+        seen.retention = Some(RetentionBounds { target: Some(id(90)), floor: Some(id(40)) });
+        let plan = converge(run(&scg(), &seen));
+        assert_eq!(plan.trim_to, Some(id(40)));
+        assert!(plan.retention.is_some_and(|r| r.blocked));
+        seen.retention = Some(RetentionBounds { target: Some(id(10)), floor: Some(id(40)) });
+        assert_eq!(converge(run(&scg(), &seen)).trim_to, Some(id(10)));
+    }
+
+    #[test]
+    fn a_new_recovery_that_dead_lettered_is_a_warning_once() {
+        let mut seen = observed(Some(snapshot(0, 0, &[])), Some(1));
+        seen.last_recovery = Some(RecoveryReport {
+            finished_at_ms: 999_000_000,
+            scanned: 5,
+            claimed: 2,
+            dead_lettered: 1,
+            payload_lost: 0,
+        });
+        let mut resource = scg();
+        let plan = converge(run(&resource, &seen));
+        let warning = plan.events.iter().find(|e| e.reason == "DeadLettered").unwrap();
+        assert_eq!(warning.type_, EventType::Warning);
+        // Already shown in the status: no second Event.
+        resource.status = Some(StreamConsumerGroupStatus {
+            last_recovery: plan.last_recovery,
+            health: Some(plan.health),
+            ..Default::default()
+        });
+        assert!(converge(run(&resource, &seen)).events.is_empty());
+    }
+
+    #[test]
+    fn lost_payloads_read_payload_lost_until_acknowledged() {
+        let mut seen = observed(Some(snapshot(0, 0, &[])), Some(1));
+        seen.payload_loss = PayloadLoss { total: 50, latest: vec!["9-0".into(), "8-0".into()] };
+        let mut resource = scg();
+        let plan = converge(run(&resource, &seen));
+        assert_eq!(plan.health, Health::PayloadLost);
+        assert_eq!(
+            plan.payload_lost,
+            PayloadLostStatus { total: 50, unacknowledged: 50, latest_ids: vec!["9-0".into(), "8-0".into()] }
+        );
+        let lost = plan.events.iter().find(|e| e.reason == "PayloadLost").unwrap();
+        assert_eq!(lost.type_, EventType::Warning);
+        assert!(lost.note.starts_with("50 more") && lost.note.contains("9-0, 8-0"), "{}", lost.note);
+        let degraded = plan.events.iter().find(|e| e.reason == "HealthDegraded").unwrap();
+        assert!(degraded.note.starts_with("health none -> PayloadLost"), "{}", degraded.note);
+        // Seen before: no new loss Event. Acknowledged in part: still lost.
+        resource.status = Some(StreamConsumerGroupStatus {
+            payload_lost: Some(plan.payload_lost),
+            health: Some(plan.health),
+            ..Default::default()
+        });
+        resource.annotations_mut().insert(PAYLOAD_LOST_ACKNOWLEDGED.into(), "20".into());
+        let plan = converge(run(&resource, &seen));
+        assert_eq!((plan.health, plan.payload_lost.unacknowledged), (Health::PayloadLost, 30));
+        assert!(plan.events.is_empty(), "{:?}", plan.events);
+        // All acknowledged: healthy again, with a Normal Event.
+        resource.annotations_mut().insert(PAYLOAD_LOST_ACKNOWLEDGED.into(), "50".into());
+        let plan = converge(run(&resource, &seen));
+        assert_eq!(plan.health, Health::Healthy);
+        assert_eq!(plan.events.len(), 1);
+        assert_eq!((plan.events[0].reason, plan.events[0].type_), ("Healthy", EventType::Normal));
+    }
+
+    fn claimant(key: &str, created_s: i64) -> Claimant {
+        Claimant { key: key.into(), created: Some(Time(k8s_openapi::jiff::Timestamp::from_second(created_s).unwrap())) }
+    }
+
+    fn created_at(mut scg: StreamConsumerGroup, s: i64) -> StreamConsumerGroup {
+        scg.metadata.creation_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::from_second(s).unwrap()));
+        scg
+    }
+
+    #[test]
+    fn the_resource_created_first_runs_the_group_and_the_other_stands_down() {
+        let resource = created_at(scg(), 200);
+        let mut seen = observed(Some(snapshot(5, 0, &[])), Some(2));
+        seen.claimants = vec![claimant("shop/newer", 300)];
+        assert!(matches!(run(&resource, &seen), Plan::Converge(_)), "the older one runs");
+        seen.claimants.push(claimant("shop/older", 100));
+        let Plan::Conflict(plan) = run(&resource, &seen) else { panic!("expected a conflict") };
+        assert_eq!(plan.owner, "shop/older");
+        let replicas = plan.deployment.as_ref().and_then(|d| d.spec.as_ref()).and_then(|s| s.replicas);
+        assert_eq!(replicas, Some(0), "its existing workers are scaled to zero");
+        assert!(plan.cronjob.is_none(), "nothing is created that did not exist");
+        assert_eq!((plan.events.len(), plan.events[0].reason), (1, "Conflict"));
+        // No Deployment yet: none is created, and the group is not created either.
+        let mut fresh = observed(None, None);
+        fresh.claimants = vec![claimant("shop/older", 100)];
+        let Plan::Conflict(plan) = run(&resource, &fresh) else { panic!("expected a conflict") };
+        assert!(plan.deployment.is_none());
+    }
+
+    #[test]
+    fn equal_creation_times_are_broken_by_name() {
+        let resource = created_at(scg(), 100);
+        let mut seen = observed(Some(snapshot(0, 0, &[])), Some(1));
+        seen.claimants = vec![claimant("shop/aaa", 100)];
+        assert!(matches!(run(&resource, &seen), Plan::Conflict(_)), "shop/aaa < shop/orders");
+        seen.claimants = vec![claimant("shop/zzz", 100)];
+        assert!(matches!(run(&resource, &seen), Plan::Converge(_)));
+    }
+}

@@ -1,0 +1,417 @@
+//! The StreamConsumerGroup controller. Each reconcile is one pass of named
+//! steps, so data flows one way:
+//!
+//! 1. [`validate`]: the raw spec becomes a typed, checked [`validate::ValidSpec`];
+//! 2. [`observe`]: reads only (the Secret, one Redis snapshot, watch caches);
+//! 3. [`decide`]: a pure function returning a [`decide::Plan`];
+//! 4. [`act`]: Redis writes, server-side applies, Events;
+//! 5. [`status`]: the status, built purely and written only when it changed.
+//!
+//! [`finalizer`] handles deletion. This file wires the steps and the watches.
+
+pub mod act;
+pub mod decide;
+pub mod finalizer;
+pub mod observe;
+pub mod status;
+pub mod validate;
+
+use crate::error::Error;
+use crate::events::{EventPublisher, EventType};
+use crate::metrics::Metrics;
+use crate::objects::{self, ObjectSettings};
+use decide::{Plan, PolicyMemory};
+use futures::StreamExt as _;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::batch::v1::CronJob;
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::core::DeserializeGuard;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt as _, watcher};
+use kube::{Api, Client, Resource as _, ResourceExt as _};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use streamfleet_crd::StreamConsumerGroup;
+use streamfleet_streams::{Connections, Endpoint};
+use tracing::Instrument as _;
+
+pub use finalizer::FINALIZER;
+
+const MAX_BACKOFF: Duration = Duration::from_secs(60);
+/// After creating a missing group, look again this soon.
+const AFTER_GROUP_CREATED: Duration = Duration::from_millis(200);
+
+/// What every reconcile shares.
+pub struct Context {
+    pub client: Client,
+    pub events: EventPublisher,
+    pub connections: Connections,
+    pub settings: ObjectSettings,
+    pub metrics: Arc<Metrics>,
+    /// Watch caches of the objects this operator owns: no API reads per poll.
+    deployments: Store<Deployment>,
+    cronjobs: Store<CronJob>,
+    /// Pods of the workloads this operator owns, for reaping.
+    pods: Store<Pod>,
+    /// Every StreamConsumerGroup this operator serves (the controller's own
+    /// cache), to find two that name the same group.
+    resources: Store<DeserializeGuard<StreamConsumerGroup>>,
+    /// The Redis endpoint each resource last resolved to.
+    endpoints: Mutex<HashMap<String, Endpoint>>,
+    caches_synced: Arc<AtomicBool>,
+    failures: Mutex<HashMap<String, u32>>,
+    memory: Mutex<HashMap<String, ResourceMemory>>,
+    clock: Instant,
+}
+
+struct Stores {
+    deployments: Store<Deployment>,
+    cronjobs: Store<CronJob>,
+    pods: Store<Pod>,
+    resources: Store<DeserializeGuard<StreamConsumerGroup>>,
+}
+
+/// What the controller remembers about one resource between polls.
+#[derive(Default)]
+struct ResourceMemory {
+    policy: PolicyMemory,
+    /// Per field manager: fingerprint of the object last applied, and the
+    /// uid/generation the API server gave it.
+    applied: HashMap<&'static str, (u64, String)>,
+}
+
+impl Context {
+    fn new(
+        client: Client,
+        settings: ObjectSettings,
+        metrics: Arc<Metrics>,
+        instance: Option<String>,
+        stores: Stores,
+    ) -> Self {
+        Self {
+            events: EventPublisher::new(client.clone(), "streamfleet", instance),
+            client,
+            connections: Connections::default(),
+            settings,
+            metrics,
+            deployments: stores.deployments,
+            cronjobs: stores.cronjobs,
+            pods: stores.pods,
+            resources: stores.resources,
+            endpoints: Mutex::new(HashMap::new()),
+            caches_synced: Arc::new(AtomicBool::new(false)),
+            failures: Mutex::new(HashMap::new()),
+            memory: Mutex::new(HashMap::new()),
+            clock: Instant::now(),
+        }
+    }
+
+    /// Backoff for the next retry of `key`: 2s, 4s, ... capped at a minute,
+    /// so a broken resource is retried steadily but never hot-loops.
+    fn next_backoff(&self, key: &str) -> Duration {
+        let Ok(mut failures) = self.failures.lock() else {
+            return MAX_BACKOFF;
+        };
+        let n = failures.entry(key.to_string()).or_insert(0);
+        *n = n.saturating_add(1);
+        (Duration::from_secs(1) * 2u32.saturating_pow((*n).min(6))).min(MAX_BACKOFF)
+    }
+
+    fn reset_backoff(&self, key: &str) {
+        if let Ok(mut failures) = self.failures.lock() {
+            failures.remove(key);
+        }
+    }
+
+    /// Runs `f` on the policies' memory of `key`.
+    fn with_policy<T>(&self, key: &str, f: impl FnOnce(&mut PolicyMemory) -> T) -> Result<T, Error> {
+        let mut memory = self.memory.lock().map_err(|_| Error::Internal("poisoned memory lock".into()))?;
+        Ok(f(&mut memory.entry(key.to_string()).or_default().policy))
+    }
+
+    /// Whether `manager` last applied exactly `fingerprint` to the object
+    /// that is still live as `live_identity`.
+    fn applied_unchanged(&self, key: &str, manager: &str, fingerprint: u64, live_identity: Option<&str>) -> bool {
+        let Ok(memory) = self.memory.lock() else { return false };
+        memory
+            .get(key)
+            .and_then(|m| m.applied.get(manager))
+            .is_some_and(|(f, id)| *f == fingerprint && live_identity == Some(id.as_str()))
+    }
+
+    fn remember_applied(&self, key: &str, manager: &'static str, fingerprint: u64, identity: String) {
+        if let Ok(mut memory) = self.memory.lock() {
+            memory.entry(key.to_string()).or_default().applied.insert(manager, (fingerprint, identity));
+        }
+    }
+
+    /// Drops what is kept about a resource that is going away.
+    fn forget(&self, scg: &StreamConsumerGroup) {
+        self.forget_key(&scg.namespace().unwrap_or_default(), &scg.name_any());
+    }
+
+    fn forget_key(&self, namespace: &str, name: &str) {
+        let key = format!("{namespace}/{name}");
+        if let Ok(mut memory) = self.memory.lock() {
+            memory.remove(&key);
+        }
+        if let Ok(mut endpoints) = self.endpoints.lock() {
+            endpoints.remove(&key);
+        }
+        self.reset_backoff(&key);
+        self.metrics.forget(namespace, name);
+    }
+
+    /// Resources gone from the cache (deleted without a finalizer to see it)
+    /// are forgotten: their memory, endpoint, backoff and metric series.
+    fn prune_vanished(&self) {
+        let live: std::collections::HashSet<String> =
+            self.resources.state().iter().filter_map(|r| r.0.as_ref().ok().map(key)).collect();
+        let mut known: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
+        known.extend(self.memory.lock().map(|m| m.keys().cloned().collect::<Vec<_>>()).unwrap_or_default());
+        known.extend(self.endpoints.lock().map(|m| m.keys().cloned().collect::<Vec<_>>()).unwrap_or_default());
+        known.extend(self.failures.lock().map(|m| m.keys().cloned().collect::<Vec<_>>()).unwrap_or_default());
+        for gone in known.iter().filter(|k| !live.contains(*k)) {
+            if let Some((namespace, name)) = gone.split_once('/') {
+                self.forget_key(namespace, name);
+            }
+        }
+    }
+
+    fn remember_endpoint(&self, scg: &StreamConsumerGroup, endpoint: &Endpoint) {
+        if let Ok(mut endpoints) = self.endpoints.lock() {
+            endpoints.insert(key(scg), endpoint.clone());
+        }
+    }
+
+    /// The other resources this operator serves that name the same stream
+    /// and group on the same Redis (or on a Redis not yet known).
+    fn claimants(&self, scg: &StreamConsumerGroup, endpoint: &Endpoint) -> Vec<decide::Claimant> {
+        let Ok(endpoints) = self.endpoints.lock() else { return Vec::new() };
+        let me = key(scg);
+        self.resources
+            .state()
+            .iter()
+            .filter_map(|r| r.0.as_ref().ok())
+            .filter(|o| o.spec.stream == scg.spec.stream && o.spec.group == scg.spec.group)
+            .filter(|o| o.metadata.deletion_timestamp.is_none() && key(o) != me)
+            .filter(|o| endpoints.get(&key(o)).is_none_or(|e| e == endpoint))
+            .map(|o| decide::Claimant { key: key(o), created: o.metadata.creation_timestamp.clone() })
+            .collect()
+    }
+
+    async fn publish(&self, reference: &ObjectReference, type_: EventType, reason: &str, action: &str, note: String) {
+        if let Err(e) = self.events.publish(reference, type_, reason, action, &note).await {
+            tracing::warn!(error = %e, "publishing event");
+        }
+    }
+}
+
+/// Runs the controller until `shutdown` resolves.
+pub async fn run(
+    client: Client,
+    settings: ObjectSettings,
+    metrics: Arc<Metrics>,
+    instance: Option<String>,
+    namespace: Option<String>,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
+    // DeserializeGuard: one object that fails to parse is reported, and the
+    // watch carries on for all the others.
+    let scgs: Api<DeserializeGuard<StreamConsumerGroup>> = scoped_api(&client, namespace.as_deref());
+    let owned = watcher::Config::default().labels("app.kubernetes.io/managed-by=streamfleet");
+    // Each owned kind is watched once: the watch fills a cache the reconciler
+    // reads (no GET per poll) and triggers the owner's reconcile on change.
+    let (deployments, deployment_events) = cached_watch::<Deployment>(&client, namespace.as_deref(), &owned);
+    let (cronjobs, cronjob_events) = cached_watch::<CronJob>(&client, namespace.as_deref(), &owned);
+    // Pods: a worker's deletion is acted on at once (reaping).
+    let (pods, pod_events) = cached_watch::<Pod>(&client, namespace.as_deref(), &owned);
+    let controller = Controller::new(scgs, watcher::Config::default().any_semantic());
+    let stores = Stores { deployments, cronjobs, pods, resources: controller.store() };
+    let ctx = Arc::new(Context::new(client, settings, metrics, instance, stores));
+    tokio::spawn(mark_synced(ctx.clone()));
+    tokio::spawn(prune_vanished(ctx.clone()));
+    controller
+        .owns_stream(deployment_events)
+        .owns_stream(cronjob_events)
+        .watches_stream(pod_events, |pod: Pod| {
+            let name = pod.labels().get(objects::GROUP_LABEL)?.clone();
+            Some(ObjectRef::new(&name).within(&pod.namespace()?))
+        })
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            match result {
+                Ok((obj, _)) => tracing::debug!(object = %obj, "reconciled"),
+                Err(e) => tracing::debug!(error = %e, "reconcile failed"),
+            }
+        })
+        .await;
+}
+
+fn scoped_api<K>(client: &Client, namespace: Option<&str>) -> Api<K>
+where
+    K: kube::Resource<Scope = kube::core::NamespaceResourceScope>,
+    K::DynamicType: Default,
+{
+    match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
+
+type Touched<K> = futures::stream::BoxStream<'static, Result<K, watcher::Error>>;
+
+/// A watch of `K` feeding a cache, and the stream of objects it touched.
+fn cached_watch<K>(client: &Client, namespace: Option<&str>, config: &watcher::Config) -> (Store<K>, Touched<K>)
+where
+    K: kube::Resource<Scope = kube::core::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let (store, writer) = reflector::store();
+    let events = reflector::reflector(writer, watcher(scoped_api::<K>(client, namespace), config.clone()))
+        .default_backoff()
+        .touched_objects()
+        .boxed();
+    (store, events)
+}
+
+/// Reaping needs complete pod knowledge; applies need the owned caches;
+/// finding a group's other claimants needs every resource.
+async fn mark_synced(ctx: Arc<Context>) {
+    let ready = ctx.pods.wait_until_ready().await.is_ok()
+        && ctx.deployments.wait_until_ready().await.is_ok()
+        && ctx.cronjobs.wait_until_ready().await.is_ok()
+        && ctx.resources.wait_until_ready().await.is_ok();
+    ctx.caches_synced.store(ready, Ordering::SeqCst);
+}
+
+async fn prune_vanished(ctx: Arc<Context>) {
+    let mut every = tokio::time::interval(Duration::from_secs(30));
+    loop {
+        every.tick().await;
+        ctx.prune_vanished();
+    }
+}
+
+fn key(scg: &StreamConsumerGroup) -> String {
+    format!("{}/{}", scg.namespace().unwrap_or_default(), scg.name_any())
+}
+
+fn error_policy(obj: Arc<DeserializeGuard<StreamConsumerGroup>>, error: &Error, ctx: Arc<Context>) -> Action {
+    let Ok(scg) = &obj.0 else {
+        return Action::await_change();
+    };
+    ctx.metrics.failed(error.reason());
+    let backoff = ctx.next_backoff(&key(scg));
+    tracing::warn!(resource = %key(scg), reason = error.reason(), error = %error, retry_in = ?backoff, "reconcile failed");
+    Action::requeue(backoff)
+}
+
+/// One reconcile, in a span that carries the resource.
+async fn reconcile(obj: Arc<DeserializeGuard<StreamConsumerGroup>>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let started = Instant::now();
+    let result = match &obj.0 {
+        Ok(scg) => {
+            let span = tracing::info_span!("reconcile", resource = %key(scg), generation = scg.metadata.generation);
+            reconcile_resource(scg, &ctx).instrument(span).await
+        }
+        Err(invalid) => {
+            report_invalid_object(invalid, &ctx).await;
+            Ok(Action::await_change())
+        }
+    };
+    ctx.metrics.reconciled(started.elapsed());
+    result
+}
+
+async fn report_invalid_object(invalid: &kube::core::error_boundary::InvalidObject, ctx: &Context) {
+    let reference = ObjectReference {
+        api_version: Some("streamfleet.io/v1alpha1".into()),
+        kind: Some("StreamConsumerGroup".into()),
+        name: invalid.metadata.name.clone(),
+        namespace: invalid.metadata.namespace.clone(),
+        uid: invalid.metadata.uid.clone(),
+        ..ObjectReference::default()
+    };
+    ctx.publish(&reference, EventType::Warning, "InvalidObject", "Reconcile", invalid.error.clone()).await;
+}
+
+/// validate → observe → decide → act → status. A failure before the group
+/// is inspected is reported on the resource (health `Unknown`, a condition
+/// and a Warning Event when the user can fix it) and retried with backoff.
+async fn reconcile_resource(scg: &StreamConsumerGroup, ctx: &Context) -> Result<Action, Error> {
+    if scg.metadata.deletion_timestamp.is_some() {
+        return finalizer::cleanup(scg, ctx).await;
+    }
+    // Decide nothing on a half-filled cache: a missing Deployment would read
+    // as zero replicas, a missing pod as a dead consumer.
+    if !ctx.caches_synced.load(Ordering::SeqCst) {
+        return Ok(Action::requeue(Duration::from_millis(500)));
+    }
+    finalizer::sync(scg, ctx).await?;
+    let spec = validate::validate(scg);
+    let observed = match spec {
+        Ok(spec) => observe::observe(ctx, scg, &spec).await.map(|(conn, observed)| (spec, conn, observed)),
+        Err(e) => Err(e),
+    };
+    let (spec, mut conn, observed) = match observed {
+        Ok(seen) => seen,
+        Err(e) => return Err(report_failure(scg, ctx, e).await),
+    };
+    let wall_now = now();
+    let situation = decide::Situation { scg, settings: &ctx.settings, now: ctx.clock.elapsed() };
+    let planned = ctx.with_policy(&key(scg), |memory| decide::decide(&spec, &observed, memory, &situation));
+    let plan = match planned.and_then(|plan| plan) {
+        Ok(Plan::Converge(plan)) => plan,
+        Ok(Plan::Conflict(plan)) => {
+            let refused = act::stand_down(ctx, scg, &plan).await;
+            status::write(ctx, scg, status::conflicted(scg, &plan, &refused, &wall_now)).await?;
+            return match refused.into_iter().next() {
+                Some(e) => Err(e),
+                None => Ok(Action::requeue(spec.poll_interval)),
+            };
+        }
+        Ok(Plan::CreateGroup) => {
+            if let Err(e) = act::create_group(ctx, scg, &mut conn, &spec).await {
+                return Err(report_failure(scg, ctx, e).await);
+            }
+            return Ok(Action::requeue(AFTER_GROUP_CREATED));
+        }
+        Err(e) => return Err(report_failure(scg, ctx, e).await),
+    };
+    let outcome = act::converge(ctx, scg, &mut conn, &spec, &plan).await;
+    status::write(ctx, scg, status::converged(scg, &plan, &outcome, &wall_now)).await?;
+    if let Some(refused) = outcome.refused.into_iter().next() {
+        // The status above says so, and health is still reported; retried with backoff.
+        ctx.publish(&scg.object_ref(&()), EventType::Warning, refused.reason(), "Apply", refused.to_string()).await;
+        return Err(refused);
+    }
+    ctx.reset_backoff(&key(scg));
+    Ok(Action::requeue(spec.poll_interval))
+}
+
+/// A pass that stopped before the group was inspected: the user's errors
+/// become a Warning Event and a status with health `Unknown`.
+async fn report_failure(scg: &StreamConsumerGroup, ctx: &Context, e: Error) -> Error {
+    if e.is_users() {
+        ctx.publish(&scg.object_ref(&()), EventType::Warning, e.reason(), "Reconcile", e.to_string()).await;
+        if let Err(write) = status::write(ctx, scg, status::failed(scg, &e, &now())).await {
+            tracing::warn!(error = %write, "writing the failure status");
+        }
+    }
+    e
+}
+
+fn now() -> Time {
+    Time(k8s_openapi::jiff::Timestamp::now())
+}

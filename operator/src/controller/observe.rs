@@ -1,0 +1,151 @@
+//! Step 2, observe: reads only. The Redis endpoint from the referenced
+//! Secret, one Redis snapshot of the group (pipelined inspection, the last
+//! recovery report, the retention bounds), and the owned objects and pods
+//! from the watch caches. Nothing here writes.
+
+use super::Context;
+use super::decide::Claimant;
+use super::validate::ValidSpec;
+use crate::error::Error;
+use crate::objects;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::batch::v1::CronJob;
+use k8s_openapi::api::core::v1::Secret;
+use kube::runtime::reflector::ObjectRef;
+use kube::{Api, ResourceExt as _};
+use std::collections::HashSet;
+use std::sync::Arc;
+use streamfleet_crd::{RedisMode, SecretKeyRef, StreamConsumerGroup};
+use streamfleet_streams::health::GroupSnapshot;
+use streamfleet_streams::payload_loss::{self, PayloadLoss};
+use streamfleet_streams::recovery::RecoveryReport;
+use streamfleet_streams::retention::{self, StreamId};
+use streamfleet_streams::{Endpoint, Mode, StreamConnection};
+
+/// Everything one reconcile knows about the world.
+pub struct Observation {
+    /// The group as Redis reports it; `None`: it does not exist (yet).
+    pub group: Option<GroupSnapshot>,
+    pub last_recovery: Option<RecoveryReport>,
+    /// The group's payload-loss record (read with the group).
+    pub payload_loss: PayloadLoss,
+    /// `None` when the spec sets no retention, or its bounds could not be read.
+    pub retention: Option<RetentionBounds>,
+    pub deployment: Option<Arc<Deployment>>,
+    pub cronjob: Option<Arc<CronJob>>,
+    /// Names of this namespace's pods that exist (from a synced cache).
+    pub live_pods: HashSet<String>,
+    /// Other resources naming the same stream and group on the same Redis.
+    pub claimants: Vec<Claimant>,
+}
+
+/// Where a retention policy wants to trim, and how low it safely may.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RetentionBounds {
+    pub target: Option<StreamId>,
+    pub floor: Option<StreamId>,
+}
+
+/// Reads the world. An unreachable Redis, a refused password or a failed
+/// inspection is an error: the group's state is then unknown.
+pub async fn observe(
+    ctx: &Context,
+    scg: &StreamConsumerGroup,
+    spec: &ValidSpec,
+) -> Result<(StreamConnection, Observation), Error> {
+    let endpoint = resolve_endpoint(&ctx.client, scg).await?;
+    ctx.remember_endpoint(scg, &endpoint);
+    let mut conn = ctx.connections.get(&endpoint).await?;
+    let group =
+        streamfleet_streams::health::inspect(&mut conn, &spec.stream, &spec.group, &spec.dead_letter_stream).await?;
+    let (last_recovery, retention, payload_loss) = if group.is_some() {
+        (
+            read_recovery_report(&mut conn, scg, spec).await,
+            read_retention_bounds(&mut conn, scg, spec).await,
+            // Part of the group's state: if it cannot be read, nothing is known.
+            payload_loss::read(&mut conn, &spec.stream, &spec.group).await?,
+        )
+    } else {
+        (None, None, PayloadLoss::default())
+    };
+    let ns = scg.namespace().unwrap_or_default();
+    let observation = Observation {
+        group,
+        last_recovery,
+        payload_loss,
+        retention,
+        deployment: ctx.deployments.get(&ObjectRef::new(&objects::worker_deployment_name(scg)).within(&ns)),
+        cronjob: ctx.cronjobs.get(&ObjectRef::new(&objects::recovery_cronjob_name(scg)).within(&ns)),
+        live_pods: ctx
+            .pods
+            .state()
+            .iter()
+            .filter(|p| p.namespace().as_deref() == Some(ns.as_str()))
+            .map(|p| p.name_any())
+            .collect(),
+        claimants: ctx.claimants(scg, &endpoint),
+    };
+    Ok((conn, observation))
+}
+
+/// A report that cannot be read is logged and treated as absent: it only
+/// annotates the status.
+async fn read_recovery_report(
+    conn: &mut StreamConnection,
+    scg: &StreamConsumerGroup,
+    spec: &ValidSpec,
+) -> Option<RecoveryReport> {
+    streamfleet_streams::recovery::read_report(conn, &spec.stream, &spec.group)
+        .await
+        .inspect_err(|e| tracing::warn!(resource = %super::key(scg), error = %e, "reading the recovery report"))
+        .ok()
+        .flatten()
+}
+
+/// Bounds that cannot be read mean no trim this poll (never a blind one).
+async fn read_retention_bounds(
+    conn: &mut StreamConnection,
+    scg: &StreamConsumerGroup,
+    spec: &ValidSpec,
+) -> Option<RetentionBounds> {
+    let limits = spec.retention?;
+    let now_ms = streamfleet_streams::recovery::now_ms();
+    let bounds = async {
+        let target = retention::target(conn, &spec.stream, limits.max_length, limits.max_age_ms, now_ms).await?;
+        let floor = retention::safe_floor(conn, &spec.stream).await?;
+        Ok::<_, streamfleet_streams::StreamError>(RetentionBounds { target, floor })
+    };
+    bounds.await.inspect_err(|e| tracing::warn!(resource = %super::key(scg), error = %e, "retention bounds")).ok()
+}
+
+/// Reads the Redis URL (and CA) the spec references.
+async fn resolve_endpoint(client: &kube::Client, scg: &StreamConsumerGroup) -> Result<Endpoint, Error> {
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &scg.namespace().unwrap_or_default());
+    let redis = &scg.spec.redis;
+    let url = String::from_utf8(read_secret_key(&secrets, &redis.url_secret_ref).await?)
+        .map_err(|_| Error::InvalidSpec("spec.redis.urlSecretRef: the URL is not UTF-8".into()))?;
+    let ca_pem = match redis.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
+        Some(r) => Some(read_secret_key(&secrets, r).await?),
+        None => None,
+    };
+    let mode = match redis.mode {
+        RedisMode::Standalone => Mode::Standalone,
+        RedisMode::Cluster => Mode::Cluster,
+    };
+    Ok(Endpoint { url: url.trim().to_string(), mode, ca_pem })
+}
+
+async fn read_secret_key(secrets: &Api<Secret>, r: &SecretKeyRef) -> Result<Vec<u8>, Error> {
+    let secret = secrets.get_opt(&r.name).await?.ok_or_else(|| Error::SecretNotFound { name: r.name.clone() })?;
+    secret
+        .data
+        .and_then(|mut d| d.remove(&r.key))
+        .map(|v| v.0)
+        .ok_or_else(|| Error::SecretKeyNotFound { name: r.name.clone(), key: r.key.clone() })
+}
+
+/// The endpoint alone, for deletion (which needs no snapshot).
+pub async fn endpoint(ctx: &Context, scg: &StreamConsumerGroup) -> Result<StreamConnection, Error> {
+    let endpoint = resolve_endpoint(&ctx.client, scg).await?;
+    Ok(ctx.connections.get(&endpoint).await?)
+}

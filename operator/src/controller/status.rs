@@ -1,0 +1,289 @@
+//! Step 5, status: what the resource's status should say, built by pure
+//! functions from the plan and what acting on it did (or from the error
+//! that stopped the pass), and written only when it changed.
+
+use super::Context;
+use super::act::Outcome;
+use super::decide::{Conflict, Convergence};
+use crate::conditions;
+use crate::error::Error;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{Patch, PatchParams};
+use kube::{Api, ResourceExt as _};
+use serde_json::json;
+use streamfleet_crd::{ConsumerPending, Health, ReplicaStatus, StreamConsumerGroup, StreamConsumerGroupStatus};
+use streamfleet_streams::health::{GroupSnapshot, Lag};
+use streamfleet_streams::retention::{Retention, StreamId};
+
+const MANAGER_STATUS: &str = "streamfleet-status";
+
+/// The status after a pass that inspected the group.
+pub fn converged(
+    scg: &StreamConsumerGroup,
+    plan: &Convergence,
+    outcome: &Outcome,
+    now: &Time,
+) -> StreamConsumerGroupStatus {
+    let mut status = scg.status.clone().unwrap_or_default();
+    let generation = scg.metadata.generation;
+    status.observed_generation = generation;
+    let set = |status: &mut StreamConsumerGroupStatus, type_: &str, ok: bool, reason: &str, msg: &str| {
+        conditions::set(&mut status.conditions, type_, ok, reason, msg, generation, now);
+    };
+    let group_msg = format!("group {:?} exists on stream {:?}", scg.spec.group, scg.spec.stream);
+    set(&mut status, conditions::GROUP_READY, true, "GroupExists", &group_msg);
+    let (desired, available) = (plan.scaling.replicas, outcome.available_replicas);
+    let workers_ok = desired == 0 || available > 0;
+    let (reason, msg) = if workers_ok {
+        ("WorkersAvailable", format!("{available} of {desired} workers available"))
+    } else {
+        ("NoWorkerAvailable", format!("0 of {desired} workers available"))
+    };
+    set(&mut status, conditions::WORKERS_AVAILABLE, workers_ok, reason, &msg);
+    match outcome.refused.first() {
+        Some(refused) => set(&mut status, conditions::READY, false, refused.reason(), &refused.to_string()),
+        None if workers_ok => {
+            set(&mut status, conditions::READY, true, "Reconciled", "group ready and workers available")
+        }
+        None => set(&mut status, conditions::READY, false, reason, &msg),
+    }
+    let degraded_reason = match (plan.health, plan.snapshot.lag) {
+        (Health::Unknown, Lag::Unknown) => "LagUnknown".to_string(),
+        (h, _) => format!("{h:?}"),
+    };
+    set(&mut status, conditions::DEGRADED, plan.health != Health::Healthy, &degraded_reason, &plan.health_message);
+    if status.conditions.iter().any(|c| c.type_ == conditions::CONFLICT) {
+        set(&mut status, conditions::CONFLICT, false, "NoConflict", "this resource runs the group");
+    }
+    if let Some(r) = &plan.retention {
+        let (reason, message) = retention_condition(r);
+        set(&mut status, conditions::RETENTION_BLOCKED, r.blocked, reason, &message);
+    }
+    status.health = Some(plan.health);
+    if plan.last_recovery.is_some() {
+        status.last_recovery = plan.last_recovery.clone();
+    }
+    status.payload_lost = Some(plan.payload_lost.clone());
+    status.replicas = Some(ReplicaStatus { desired, current: available, summary: format!("{available}/{desired}") });
+    set_figures(&mut status, Some(&plan.snapshot));
+    status
+}
+
+fn retention_condition(r: &Retention) -> (&'static str, String) {
+    let describe = |id: Option<StreamId>| id.map_or("none".to_string(), |i| i.to_string());
+    if r.blocked {
+        (
+            "HeldAtSafeFloor",
+            format!(
+                "retention wants to trim below {}, held at {}: a group still has entries pending or undelivered there",
+                describe(r.target),
+                describe(r.floor)
+            ),
+        )
+    } else {
+        ("WithinSafeFloor", format!("trimming to {} (floor {})", describe(r.target), describe(r.floor)))
+    }
+}
+
+/// The measured fields from a snapshot; with none, they are cleared: an
+/// uninspected group shows no figures rather than the last good ones.
+fn set_figures(status: &mut StreamConsumerGroupStatus, snapshot: Option<&GroupSnapshot>) {
+    let int = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+    let Some(s) = snapshot else {
+        status.lag = None;
+        status.pending = None;
+        status.oldest_pending_idle_seconds = None;
+        status.max_delivery_count = None;
+        status.stream_length = None;
+        status.dead_letter_length = None;
+        status.consumers = None;
+        status.consumer_pending = Vec::new();
+        status.payload_lost = None;
+        return;
+    };
+    status.lag = s.lag.floor().map(int);
+    status.pending = Some(int(s.pending));
+    let has_pending = s.pending > 0;
+    status.oldest_pending_idle_seconds = s.oldest_pending_idle_ms.filter(|_| has_pending).map(|ms| int(ms / 1000));
+    status.max_delivery_count = s.max_delivery_count.filter(|_| has_pending).map(int);
+    status.stream_length = Some(int(s.stream_length));
+    status.dead_letter_length = Some(int(s.dead_letter_length));
+    status.consumers = Some(int(u64::try_from(s.consumers.len()).unwrap_or(u64::MAX)));
+    let mut owning: Vec<ConsumerPending> = s
+        .consumers
+        .iter()
+        .filter(|c| c.pending > 0)
+        .map(|c| ConsumerPending { name: c.name.clone(), pending: int(c.pending) })
+        .collect();
+    owning.sort_by(|a, b| b.pending.cmp(&a.pending).then_with(|| a.name.cmp(&b.name)));
+    owning.truncate(10);
+    status.consumer_pending = owning;
+}
+
+/// The status of a resource that stands down because another runs its
+/// group: `Conflict`, no workers; the group's figures as observed.
+pub fn conflicted(
+    scg: &StreamConsumerGroup,
+    plan: &Conflict,
+    refused: &[Error],
+    now: &Time,
+) -> StreamConsumerGroupStatus {
+    let mut status = scg.status.clone().unwrap_or_default();
+    let generation = scg.metadata.generation;
+    status.observed_generation = generation;
+    let message = super::decide::conflict_message(scg, &plan.owner);
+    let mut set = |type_: &str, ok: bool, reason: &str, msg: &str| {
+        conditions::set(&mut status.conditions, type_, ok, reason, msg, generation, now);
+    };
+    set(conditions::CONFLICT, true, "GroupRunByAnother", &message);
+    match refused.first() {
+        Some(e) => set(conditions::READY, false, e.reason(), &e.to_string()),
+        None => set(conditions::READY, false, "Conflict", &message),
+    }
+    set(conditions::WORKERS_AVAILABLE, false, "Conflict", "no workers: another resource runs the group");
+    set(conditions::DEGRADED, true, "Conflict", &message);
+    status.health = Some(Health::Unknown);
+    status.replicas = Some(ReplicaStatus { desired: 0, current: 0, summary: "0/0".into() });
+    set_figures(&mut status, plan.snapshot.as_ref());
+    status.payload_lost = None;
+    status
+}
+
+/// The status after a pass that failed before the group could be inspected:
+/// health `Unknown`, figures cleared, and the reason on the conditions.
+pub fn failed(scg: &StreamConsumerGroup, error: &Error, now: &Time) -> StreamConsumerGroupStatus {
+    let mut status = scg.status.clone().unwrap_or_default();
+    let generation = scg.metadata.generation;
+    status.observed_generation = generation;
+    let message = error.to_string();
+    for type_ in [conditions::GROUP_READY, conditions::READY] {
+        conditions::set(&mut status.conditions, type_, false, error.reason(), &message, generation, now);
+    }
+    let unknown = format!("the group could not be inspected: {message}");
+    conditions::set(&mut status.conditions, conditions::DEGRADED, true, "GroupNotInspected", &unknown, generation, now);
+    status.health = Some(Health::Unknown);
+    set_figures(&mut status, None);
+    status
+}
+
+/// Writes the status only when it differs from what is stored.
+pub async fn write(ctx: &Context, scg: &StreamConsumerGroup, status: StreamConsumerGroupStatus) -> Result<(), Error> {
+    ctx.metrics.observe(&scg.namespace().unwrap_or_default(), &scg.name_any(), &status);
+    if scg.status.as_ref() == Some(&status) {
+        return Ok(());
+    }
+    let api: Api<StreamConsumerGroup> = Api::namespaced(ctx.client.clone(), &scg.namespace().unwrap_or_default());
+    let patch = json!({
+        "apiVersion": "streamfleet.io/v1alpha1",
+        "kind": "StreamConsumerGroup",
+        "status": status,
+    });
+    api.patch_status(&scg.name_any(), &PatchParams::apply(MANAGER_STATUS).force(), &Patch::Apply(&patch)).await?;
+    ctx.metrics.api_write(MANAGER_STATUS);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::decide::{Plan, PolicyMemory, Situation, decide};
+    use super::super::observe::Observation;
+    use super::super::validate::validate;
+    use super::*;
+    use crate::objects::ObjectSettings;
+    use std::time::Duration;
+
+    fn scg() -> StreamConsumerGroup {
+        serde_json::from_value(json!({
+            "apiVersion": "streamfleet.io/v1alpha1", "kind": "StreamConsumerGroup",
+            "metadata": {"name": "orders", "namespace": "shop", "uid": "u-1", "generation": 4},
+            "spec": {"redis": {"urlSecretRef": {"name": "r", "key": "url"}}, "stream": "s", "group": "g",
+                     "worker": {"template": {"spec": {"containers": [{"name": "w"}]}}}}
+        }))
+        .unwrap()
+    }
+
+    fn at(s: i64) -> Time {
+        Time(k8s_openapi::jiff::Timestamp::from_second(s).unwrap())
+    }
+
+    fn plan(scg: &StreamConsumerGroup, lag: u64) -> Convergence {
+        let snapshot = GroupSnapshot {
+            lag: Lag::Known(lag),
+            pending: 2,
+            entries_read: Some(1),
+            last_delivered_id: "1-0".into(),
+            oldest_pending_idle_ms: Some(3_000),
+            max_delivery_count: Some(1),
+            consumers: vec![],
+            stream_length: 9,
+            dead_letter_length: 1,
+            commands: 5,
+        };
+        let observed = Observation {
+            group: Some(snapshot),
+            last_recovery: None,
+            payload_loss: Default::default(),
+            retention: None,
+            deployment: None,
+            cronjob: None,
+            live_pods: Default::default(),
+            claimants: Vec::new(),
+        };
+        let settings = ObjectSettings { operator_image: "op".into() };
+        let situation = Situation { scg, settings: &settings, now: Duration::from_secs(1) };
+        match decide(&validate(scg).unwrap(), &observed, &mut PolicyMemory::default(), &situation).unwrap() {
+            Plan::Converge(plan) => *plan,
+            _ => panic!("the group exists and is ours"),
+        }
+    }
+
+    fn outcome(available: i32, refused: Vec<Error>) -> Outcome {
+        Outcome { available_replicas: available, trimmed: 0, refused }
+    }
+
+    fn condition<'a>(s: &'a StreamConsumerGroupStatus, type_: &str) -> (&'a str, &'a str, &'a str) {
+        let c = s.conditions.iter().find(|c| c.type_ == type_).unwrap();
+        (c.status.as_str(), c.reason.as_str(), c.message.as_str())
+    }
+
+    #[test]
+    fn ready_only_with_an_available_worker() {
+        let resource = scg();
+        let s = converged(&resource, &plan(&resource, 5), &outcome(0, vec![]), &at(1));
+        assert_eq!(s.observed_generation, Some(4));
+        assert_eq!(condition(&s, conditions::GROUP_READY).0, "True");
+        assert_eq!(condition(&s, conditions::READY).1, "NoWorkerAvailable");
+        let s = converged(&resource, &plan(&resource, 5), &outcome(1, vec![]), &at(1));
+        assert_eq!(condition(&s, conditions::READY), ("True", "Reconciled", "group ready and workers available"));
+        assert_eq!((s.lag, s.pending, s.dead_letter_length), (Some(5), Some(2), Some(1)));
+        assert_eq!(s.replicas.unwrap().summary, "1/1");
+    }
+
+    #[test]
+    fn a_refused_object_is_a_condition_and_health_is_still_reported() {
+        let resource = scg();
+        let refused =
+            Error::Refused { kind: "CronJob", message: "spec.schedule: Invalid value: \"61 * * * *\"".into() };
+        let s = converged(&resource, &plan(&resource, 5), &outcome(1, vec![refused]), &at(1));
+        let (status, reason, message) = condition(&s, conditions::READY);
+        assert_eq!((status, reason), ("False", "CronJobRefused"));
+        assert!(message.contains("61 * * * *"), "{message}");
+        assert_eq!((s.health, s.lag), (Some(Health::Healthy), Some(5)));
+    }
+
+    #[test]
+    fn a_failure_is_unknown_with_figures_cleared_and_recomputing_it_is_a_no_op() {
+        let mut resource = scg();
+        let good = converged(&resource, &plan(&resource, 5), &outcome(1, vec![]), &at(1));
+        resource.status = Some(good);
+        let e = Error::SecretNotFound { name: "r".into() };
+        let first = failed(&resource, &e, &at(2));
+        assert_eq!(condition(&first, conditions::READY).1, "SecretNotFound");
+        assert_eq!(condition(&first, conditions::DEGRADED).1, "GroupNotInspected");
+        assert_eq!(first.health, Some(Health::Unknown));
+        assert_eq!((first.lag, first.pending, first.stream_length, first.consumers), (None, None, None, None));
+        resource.status = Some(first.clone());
+        // Same failure later: identical status, so nothing is written.
+        assert_eq!(failed(&resource, &e, &at(99)), first);
+    }
+}

@@ -1,0 +1,141 @@
+//! Step 1, validate: the raw spec becomes a [`ValidSpec`] of checked, typed
+//! values, so no later step re-reads or re-checks raw fields. Admission (the
+//! schema and CEL rules) refuses most bad specs; this catches what it cannot,
+//! and what an older API server let through.
+
+use crate::error::Error;
+use std::time::Duration;
+use streamfleet_crd::{DeletionPolicy, RedisMode, ScalingSpec, StreamConsumerGroup};
+use streamfleet_streams::keys;
+
+/// A spec the controller can act on.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValidSpec {
+    pub stream: String,
+    pub group: String,
+    pub start_id: String,
+    pub dead_letter_stream: String,
+    pub min_idle: Duration,
+    pub max_deliveries: u64,
+    /// Entries released per reaped consumer per poll.
+    pub batch: usize,
+    pub target_per_replica: u64,
+    pub scaling: ScalingSpec,
+    pub poll_interval: Duration,
+    pub retention: Option<RetentionLimits>,
+    pub delete_group: bool,
+}
+
+/// `spec.retention`, in the units the stream protocol takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RetentionLimits {
+    pub max_length: Option<u64>,
+    pub max_age_ms: Option<u64>,
+}
+
+fn positive(field: &str, value: i64) -> Result<u64, Error> {
+    u64::try_from(value)
+        .ok()
+        .filter(|v| *v > 0)
+        .ok_or_else(|| Error::InvalidSpec(format!("{field} must be positive, is {value}")))
+}
+
+pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
+    let spec = &scg.spec;
+    let dead_letter_stream =
+        spec.recovery.dead_letter_stream.clone().unwrap_or_else(|| keys::dead_letter_stream(&spec.stream));
+    if dead_letter_stream == spec.stream {
+        return Err(Error::InvalidSpec(
+            "spec.recovery.deadLetterStream equals spec.stream: dead letters would be consumed again".into(),
+        ));
+    }
+    if spec.redis.mode == RedisMode::Cluster && !keys::same_slot(&dead_letter_stream, &spec.stream) {
+        return Err(Error::InvalidSpec(format!(
+            "spec.recovery.deadLetterStream {dead_letter_stream:?} must carry the hash tag of spec.stream {:?} \
+             on a Redis Cluster (a dead letter is moved with its ack in one MULTI)",
+            spec.stream
+        )));
+    }
+    let retention = match &spec.retention {
+        Some(r) => Some(RetentionLimits {
+            max_length: r.max_length.map(|n| positive("spec.retention.maxLength", n)).transpose()?,
+            max_age_ms: r
+                .max_age_seconds
+                .map(|s| positive("spec.retention.maxAgeSeconds", s).map(|s| s.saturating_mul(1000)))
+                .transpose()?,
+        }),
+        None => None,
+    };
+    Ok(ValidSpec {
+        stream: spec.stream.clone(),
+        group: spec.group.clone(),
+        start_id: spec.start_id.clone(),
+        min_idle: Duration::from_millis(positive("spec.recovery.minIdleTimeMs", spec.recovery.min_idle_time_ms)?),
+        max_deliveries: positive("spec.recovery.maxDeliveries", spec.recovery.max_deliveries.into())?,
+        batch: usize::try_from(positive("spec.recovery.batchSize", spec.recovery.batch_size.into())?)
+            .unwrap_or(usize::MAX),
+        target_per_replica: positive("spec.scaling.targetPerReplica", spec.scaling.target_per_replica)?,
+        scaling: spec.scaling.clone(),
+        poll_interval: Duration::from_secs(positive(
+            "spec.scaling.pollIntervalSeconds",
+            spec.scaling.poll_interval_seconds.into(),
+        )?),
+        retention,
+        delete_group: spec.deletion_policy == DeletionPolicy::Delete,
+        dead_letter_stream,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn scg(extra: serde_json::Value) -> StreamConsumerGroup {
+        let mut spec = json!({"redis": {"urlSecretRef": {"name": "r", "key": "url"}}, "stream": "orders", "group": "g",
+                              "worker": {"template": {"spec": {"containers": [{"name": "w"}]}}}});
+        if let (Some(spec), Some(extra)) = (spec.as_object_mut(), extra.as_object()) {
+            spec.extend(extra.clone());
+        }
+        serde_json::from_value(json!({"apiVersion": "streamfleet.io/v1alpha1", "kind": "StreamConsumerGroup",
+                                      "metadata": {"name": "p", "namespace": "n"}, "spec": spec}))
+        .unwrap()
+    }
+
+    #[test]
+    fn defaults_become_typed_values() {
+        let v = validate(&scg(json!({"retention": {"maxAgeSeconds": 60}}))).unwrap();
+        assert_eq!(v.dead_letter_stream, "{orders}:dead");
+        assert_eq!(v.min_idle, Duration::from_secs(60));
+        assert_eq!((v.max_deliveries, v.batch, v.target_per_replica), (5, 100, 100));
+        assert_eq!(v.poll_interval, Duration::from_secs(10));
+        assert_eq!(v.retention, Some(RetentionLimits { max_length: None, max_age_ms: Some(60_000) }));
+        assert!(!v.delete_group);
+    }
+
+    #[test]
+    fn a_dead_letter_stream_equal_to_the_stream_is_refused() {
+        let e = validate(&scg(json!({"recovery": {"deadLetterStream": "orders"}}))).unwrap_err();
+        assert!(e.to_string().contains("spec.recovery.deadLetterStream"), "{e}");
+        assert_eq!(e.reason(), "InvalidSpec");
+    }
+
+    #[test]
+    fn on_a_cluster_the_dead_letter_stream_must_share_the_slot() {
+        let cluster = json!({"redis": {"urlSecretRef": {"name": "r", "key": "url"}, "mode": "Cluster"}});
+        let mut bad = cluster.clone();
+        bad["recovery"] = json!({"deadLetterStream": "dead-orders"});
+        assert!(validate(&scg(bad)).unwrap_err().to_string().contains("hash tag"));
+        let mut good = cluster;
+        good["recovery"] = json!({"deadLetterStream": "{orders}:poison"});
+        assert_eq!(validate(&scg(good)).unwrap().dead_letter_stream, "{orders}:poison");
+    }
+
+    #[test]
+    fn out_of_range_numbers_name_the_field() {
+        let e = validate(&scg(json!({"scaling": {"targetPerReplica": 0}}))).unwrap_err();
+        assert!(e.to_string().contains("spec.scaling.targetPerReplica"), "{e}");
+        let e = validate(&scg(json!({"retention": {"maxLength": -1}}))).unwrap_err();
+        assert!(e.to_string().contains("spec.retention.maxLength"), "{e}");
+    }
+}

@@ -1,0 +1,113 @@
+//! Kubernetes Events (`events.k8s.io/v1`) about the resources, with repeats
+//! folded into a series. kube's `Recorder` folds by reason alone and keeps
+//! the first note, so "2 payloads lost" would still read 2 after 50; here a
+//! repeat is the same reason *and* note, and a new note is a new Event.
+
+use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::api::events::v1::{Event, EventSeries};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use std::collections::HashMap;
+use tokio::sync::Mutex;
+
+/// How long a published Event may be continued as a series.
+const SERIES_WINDOW: SignedDuration = SignedDuration::from_mins(6);
+/// Notes longer than this are cut (the API server caps them at 1 kB).
+const NOTE_LIMIT: usize = 1000;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EventType {
+    Normal,
+    Warning,
+}
+
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct Key {
+    regarding: String,
+    type_: EventType,
+    reason: String,
+    action: String,
+    note: String,
+}
+
+struct Published {
+    name: String,
+    namespace: String,
+    count: i32,
+    last: Timestamp,
+}
+
+pub struct EventPublisher {
+    client: Client,
+    controller: String,
+    instance: String,
+    published: Mutex<HashMap<Key, Published>>,
+}
+
+impl EventPublisher {
+    pub fn new(client: Client, controller: &str, instance: Option<String>) -> Self {
+        let instance = instance.unwrap_or_else(|| controller.to_string());
+        Self { client, controller: controller.into(), instance, published: Mutex::new(HashMap::new()) }
+    }
+
+    /// Creates an Event about `regarding`, or counts one more in the series
+    /// of an identical Event published within the last minutes.
+    pub async fn publish(
+        &self,
+        regarding: &ObjectReference,
+        type_: EventType,
+        reason: &str,
+        action: &str,
+        note: &str,
+    ) -> Result<(), kube::Error> {
+        let now = Timestamp::now();
+        let note: String = note.chars().take(NOTE_LIMIT).collect();
+        let namespace = regarding.namespace.clone().unwrap_or_else(|| "default".into());
+        let key = Key {
+            regarding: regarding.uid.clone().unwrap_or_else(|| format!("{namespace}/{:?}", regarding.name)),
+            type_,
+            reason: reason.into(),
+            action: action.into(),
+            note: note.clone(),
+        };
+        let mut published = self.published.lock().await;
+        published.retain(|_, p| now.duration_since(p.last) < SERIES_WINDOW);
+        let events: Api<Event> = Api::namespaced(self.client.clone(), &namespace);
+        if let Some(p) = published.get_mut(&key) {
+            p.count = p.count.saturating_add(1);
+            p.last = now;
+            let series = EventSeries { count: p.count, last_observed_time: MicroTime(now) };
+            let patch = serde_json::json!({ "series": series });
+            let events: Api<Event> = Api::namespaced(self.client.clone(), &p.namespace);
+            events.patch(&p.name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+            return Ok(());
+        }
+        let event = Event {
+            metadata: ObjectMeta {
+                // `<object>.<time in ns, hex>`, as kubectl and client-go name them.
+                name: Some(format!(
+                    "{}.{:x}",
+                    regarding.name.as_deref().unwrap_or(&self.controller),
+                    now.as_nanosecond()
+                )),
+                namespace: Some(namespace.clone()),
+                ..ObjectMeta::default()
+            },
+            event_time: Some(MicroTime(now)),
+            action: Some(action.into()),
+            reason: Some(reason.into()),
+            note: Some(note),
+            regarding: Some(regarding.clone()),
+            reporting_controller: Some(self.controller.clone()),
+            reporting_instance: Some(self.instance.clone()),
+            type_: Some(format!("{type_:?}")),
+            ..Event::default()
+        };
+        let created = events.create(&PostParams::default(), &event).await?;
+        let name = created.metadata.name.unwrap_or_default();
+        published.insert(key, Published { name, namespace, count: 1, last: now });
+        Ok(())
+    }
+}

@@ -1,0 +1,181 @@
+//! The status tells the truth when things go wrong: payloads lost under the
+//! workers' feet read `PayloadLost` until acknowledged; a Redis outage reads
+//! `Unknown` with its figures cleared, then heals; an owned object the API
+//! server refuses is a condition with its message while health is still
+//! reported.
+
+// A test fails by panicking.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use anyhow::Result;
+use kube::Api;
+use kube::api::{Patch, PatchParams};
+use std::time::{Duration, Instant};
+use streamfleet_crd::{Health, PAYLOAD_LOST_ACKNOWLEDGED, StreamConsumerGroup};
+use streamfleet_e2e::*;
+use streamfleet_testbed::eventually;
+
+const T: Duration = Duration::from_secs(120);
+
+/// The metric line `name{namespace=..,name=..} value` for resource `p`, if any.
+fn metric(body: &str, name: &str, namespace: &str) -> Option<String> {
+    let labels = format!("{name}{{namespace=\"{namespace}\",name=\"p\"}}");
+    body.lines().find_map(|l| l.strip_prefix(&labels)).map(|v| v.trim().to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payloads_trimmed_under_the_workers_read_payload_lost_until_acknowledged() -> Result<()> {
+    let f = Fixture::start("e2e-lost", &[]).await?;
+    let (client, ns, mut conn) = (f.client.clone(), &f.ns, f.conn.clone());
+    streamfleet_streams::ensure_group(&mut conn, "orders", "billing", "0").await?;
+    // 50 orders read by a consumer that is no pod of the pipeline (never
+    // reaped) and never acked; then an outside trim deletes their payloads.
+    let mut pipe = redis::pipe();
+    for i in 0..50 {
+        pipe.cmd("XADD").arg("orders").arg("*").arg("order_id").arg(i).arg("amount_cents").arg(100).ignore();
+    }
+    let () = pipe.query_async(&mut conn).await?;
+    let opts = redis::streams::StreamReadOptions::default().group("billing", "ghost").count(50);
+    let _: redis::streams::StreamReadReply =
+        redis::AsyncCommands::xread_options(&mut conn, &["orders"], &[">"], &opts).await?;
+    let _: u64 = redis::cmd("XTRIM").arg("orders").arg("MAXLEN").arg(0).query_async(&mut conn).await?;
+
+    // Example workers: their claim loops meet the 50 deleted entries.
+    let spec = "  startId: \"0\"\n  scaling: {minReplicas: 1, maxReplicas: 1, pollIntervalSeconds: 1}\n  recovery: {schedule: \"0 0 1 1 *\", minIdleTimeMs: 1000}";
+    f.apply(&manifest("p", "orders", "billing", "streamfleet/example-worker", &[], spec)).await?;
+    let scgs: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), &ns.name);
+    let status = eventually("PayloadLost with 50 lost", T, || async {
+        let s = scgs.get("p").await?.status.unwrap_or_default();
+        let lost = s.payload_lost.as_ref().is_some_and(|p| p.total == 50 && p.unacknowledged == 50);
+        Ok((lost && s.health == Some(Health::PayloadLost)).then_some(s))
+    })
+    .await?;
+    assert_eq!(status.pending, Some(0), "the lost entries left the PEL");
+    assert_eq!(status.dead_letter_length, Some(50), "each is kept as a payload-missing record");
+    assert_eq!(status.payload_lost.unwrap().latest_ids.len(), 5);
+    // One Warning per growth of the record, each with its own figures; the
+    // newest names the whole loss.
+    let events = events_about(&client, &ns.name, "p").await?;
+    let mut lost: Vec<_> = events.iter().filter(|e| e.reason.as_deref() == Some("PayloadLost")).collect();
+    lost.sort_by_key(|e| e.event_time.as_ref().map(|t| t.0));
+    let newest = lost.last().expect("a PayloadLost Event");
+    assert_eq!(newest.type_.as_deref(), Some("Warning"));
+    let note = newest.note.clone().unwrap_or_default();
+    assert!(note.contains("(50 in all, 50 not acknowledged)"), "{note}");
+    let body = operator_http(&client, &ns.name, "/metrics").await?;
+    assert_eq!(metric(&body, "streamfleet_payload_lost_unacknowledged", &ns.name).as_deref(), Some("50"), "{body}");
+
+    // The user acknowledges what they have dealt with: healthy again.
+    let ack = serde_json::json!({"metadata": {"annotations": {PAYLOAD_LOST_ACKNOWLEDGED: "50"}}});
+    scgs.patch("p", &PatchParams::default(), &Patch::Merge(&ack)).await?;
+    eventually("Healthy after acknowledgement", T, || async {
+        let s = scgs.get("p").await?.status.unwrap_or_default();
+        Ok((s.health == Some(Health::Healthy)).then_some(()))
+    })
+    .await?;
+    assert!(event_count(&client, &ns.name, "p", "Healthy").await? >= 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_outage_reads_unknown_with_figures_cleared_then_heals() -> Result<()> {
+    let mut f = Fixture::start("e2e-outage", &[]).await?;
+    let (client, ns) = (f.client.clone(), f.ns.name.clone());
+    let records = tempfile::tempdir()?;
+    let poll = 2;
+    let spec = format!("  scaling: {{minReplicas: 1, maxReplicas: 1, pollIntervalSeconds: {poll}}}");
+    f.apply(&recording_manifest("p", "orders", "billing", &records.path().display().to_string(), &spec)).await?;
+    let scgs: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), &ns);
+    eventually("Healthy with figures", T, || async {
+        let s = scgs.get("p").await?.status.unwrap_or_default();
+        Ok((s.health == Some(Health::Healthy) && s.lag == Some(0)).then_some(()))
+    })
+    .await?;
+
+    f.redis.stop();
+    let stopped = Instant::now();
+    let status = eventually("Unknown", T, || async {
+        let s = scgs.get("p").await?.status.unwrap_or_default();
+        Ok((s.health == Some(Health::Unknown)).then_some(s))
+    })
+    .await?;
+    let took = stopped.elapsed();
+    println!("health Unknown {:.1}s after Redis stopped (poll {poll}s)", took.as_secs_f64());
+    assert!(took < Duration::from_secs(2 * poll + 2), "Unknown only after {took:?}");
+    assert_eq!(
+        (status.lag, status.pending, status.stream_length, status.consumers, status.payload_lost),
+        (None, None, None, None, None),
+        "figures cleared, never the last good value"
+    );
+    let degraded = status.conditions.iter().find(|c| c.type_ == "Degraded").unwrap();
+    assert_eq!((degraded.status.as_str(), degraded.reason.as_str()), ("True", "GroupNotInspected"));
+    let ready = status.conditions.iter().find(|c| c.type_ == "Ready").unwrap();
+    assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", "RedisUnreachable"), "{ready:?}");
+    let body = operator_http(&client, &ns, "/metrics").await?;
+    assert_eq!(metric(&body, "streamfleet_group_lag", &ns), None, "no stale lag in /metrics: {body}");
+    let unknown = format!("streamfleet_health{{namespace=\"{ns}\",name=\"p\",health=\"Unknown\"}} 1");
+    assert!(body.contains(&unknown), "{body}");
+
+    // Back (empty: nothing was persisted): the group is created again, healthy.
+    f.redis.restart().await?;
+    eventually("Healthy and Ready again", T, || async {
+        let s = scgs.get("p").await?.status.unwrap_or_default();
+        let ready = s.conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True");
+        Ok((ready && s.health == Some(Health::Healthy) && s.lag == Some(0)).then_some(()))
+    })
+    .await?;
+    assert!(event_count(&client, &ns, "p", "GroupCreated").await? >= 2, "the group was created again");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_cronjob_is_a_condition_with_the_api_message_and_health_is_still_reported() -> Result<()> {
+    let f = Fixture::start("e2e-refused", &[]).await?;
+    let (client, ns) = (f.client.clone(), f.ns.name.clone());
+    let records = tempfile::tempdir()?;
+    // Five fields pass admission; minute 61 does not exist: the API server
+    // refuses the CronJob.
+    let spec =
+        "  scaling: {minReplicas: 1, maxReplicas: 1, pollIntervalSeconds: 1}\n  recovery: {schedule: \"61 * * * *\"}";
+    f.apply(&recording_manifest("p", "orders", "billing", &records.path().display().to_string(), spec)).await?;
+    let scg = wait_condition(&client, &ns, "p", "Ready", "False", Some("CronJobRefused"), T).await?;
+    let status = scg.status.unwrap();
+    let ready = status.conditions.iter().find(|c| c.type_ == "Ready").unwrap();
+    assert!(ready.message.contains("61 * * * *") || ready.message.contains("schedule"), "{}", ready.message);
+    assert!(status.conditions.iter().any(|c| c.type_ == "GroupReady" && c.status == "True"));
+    assert_eq!((status.health, status.lag, status.pending), (Some(Health::Healthy), Some(0), Some(0)));
+    let events = events_about(&client, &ns, "p").await?;
+    let refused = events.iter().find(|e| e.reason.as_deref() == Some("CronJobRefused")).expect("an Event");
+    assert_eq!(refused.type_.as_deref(), Some("Warning"));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_resource_on_the_same_group_is_a_conflict_and_runs_no_workers() -> Result<()> {
+    let f = Fixture::start("e2e-conflict", &[]).await?;
+    let (bed, client, ns) = (f.bed, f.client.clone(), f.ns.name.clone());
+    let records = tempfile::tempdir()?;
+    let dir = records.path().display().to_string();
+    let spec = "  scaling: {minReplicas: 1, maxReplicas: 1, pollIntervalSeconds: 1}";
+    f.apply(&recording_manifest("p", "orders", "billing", &dir, spec)).await?;
+    wait_condition(&client, &ns, "p", "Ready", "True", None, T).await?;
+    f.apply(&recording_manifest("q", "orders", "billing", &dir, spec)).await?;
+    let q = wait_condition(&client, &ns, "q", "Conflict", "True", None, T).await?;
+    let conflict = q.status.unwrap().conditions.into_iter().find(|c| c.type_ == "Conflict").unwrap();
+    assert!(conflict.message.contains(&format!("{ns}/p")), "{}", conflict.message);
+    let deployments: Api<k8s_openapi::api::apps::v1::Deployment> = Api::namespaced(client.clone(), &ns);
+    assert!(deployments.get_opt("q-worker").await?.is_none(), "the second resource runs no workers");
+    let table = run_ok(bed, "kubectl", &["get", "scg", "-n", &ns], None).await?;
+    let q_row = table.lines().find(|l| l.starts_with("q ")).unwrap_or_default();
+    assert!(q_row.contains("Conflict") && q_row.contains("0/0"), "{table}");
+    let p_row = table.lines().find(|l| l.starts_with("p ")).unwrap_or_default();
+    assert!(p_row.contains("Reconciled") && p_row.contains("1/1"), "{table}");
+    assert_eq!(event_count(&client, &ns, "q", "Conflict").await?, 1);
+
+    // The first one goes: the second takes the group over.
+    run_ok(bed, "kubectl", &["delete", "scg", "p", "-n", &ns, "--wait=true"], None).await?;
+    let q = wait_condition(&client, &ns, "q", "Ready", "True", None, T).await?;
+    assert!(q.status.unwrap().conditions.iter().any(|c| c.type_ == "Conflict" && c.status == "False"));
+    assert!(deployments.get_opt("q-worker").await?.is_some());
+    Ok(())
+}

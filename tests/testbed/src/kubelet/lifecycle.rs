@@ -1,0 +1,351 @@
+//! A pod's processes: starting and restarting containers (with crash-loop
+//! back-off), their exits under `restartPolicy`, deletion (SIGTERM, the grace
+//! period, SIGKILL) and the pod status reported for them.
+
+use super::network::HOST_IP;
+use super::{Kubelet, pod_ip};
+use crate::process::signal;
+use anyhow::{Context as _, Result, anyhow};
+use k8s_openapi::api::core::v1::{Container, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{Patch, PatchParams};
+use kube::{Api, ResourceExt as _};
+use nix::sys::signal::Signal;
+use serde_json::json;
+use std::path::PathBuf;
+use std::time::Duration;
+use tokio::process::{Child, Command};
+
+/// The longest crash-loop back-off, and the longest wait between start attempts.
+pub(super) const MAX_BACKOFF: Duration = Duration::from_secs(20);
+
+impl Kubelet {
+    pub(super) async fn start(&self, pod: &Pod) -> Result<PodRuntime, StartError> {
+        let ns = pod.namespace().unwrap_or_default();
+        let name = pod.name_any();
+        let spec = pod.spec.as_ref().ok_or_else(|| StartError::Other(anyhow!("pod has no spec")))?;
+        let dir = self.root.join(&ns).join(&name);
+        std::fs::create_dir_all(&dir).map_err(|e| StartError::Other(e.into()))?;
+        let kubeconfig = self.identity(pod, &dir).await?;
+        let ip = pod_ip(self.next_pod.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        let mut containers = Vec::new();
+        for c in &spec.containers {
+            let binary = c.image.as_deref().and_then(|image| self.images.resolve(image)).ok_or_else(|| {
+                StartError::Config(
+                    "ErrImagePull".into(),
+                    format!("image {:?} is not mapped to a local binary", c.image),
+                )
+            })?;
+            let env = self.resolve_env(pod, &ip, c).await?;
+            containers.push(ContainerRuntime {
+                spec: c.clone(),
+                binary,
+                env,
+                kubeconfig: kubeconfig.clone(),
+                log: dir.join(format!("{}.log", c.name)),
+                home: dir.clone(),
+                child: None,
+                restarts: 0,
+                last_exit: None,
+                started_at: None,
+                restart_at: None,
+                probe_ok: false,
+                next_probe: None,
+            });
+        }
+        let mut rt = PodRuntime {
+            containers,
+            restart_policy: spec.restart_policy.clone().unwrap_or_else(|| "Always".into()),
+            started: Time(k8s_openapi::jiff::Timestamp::now()),
+            pod_ip: ip,
+        };
+        for i in 0..rt.containers.len() {
+            rt.restart(i).await.map_err(StartError::Other)?;
+        }
+        Ok(rt)
+    }
+}
+
+pub(super) enum StartError {
+    /// The pod cannot start yet (missing Secret, unmapped image): reported, retried.
+    Config(String, String),
+    Other(anyhow::Error),
+}
+
+impl StartError {
+    /// `CreateContainerConfigError`: a Secret, ConfigMap, key or token the
+    /// container needs is missing.
+    pub(super) fn config(message: String) -> Self {
+        StartError::Config("CreateContainerConfigError".into(), message)
+    }
+}
+
+impl From<anyhow::Error> for StartError {
+    fn from(e: anyhow::Error) -> Self {
+        StartError::Other(e)
+    }
+}
+
+/// Sleeps until a scheduled restart is due and returns its container; never
+/// returns when none is scheduled.
+pub(super) async fn sleep_until_restart(next: Option<(tokio::time::Instant, usize)>) -> usize {
+    match next {
+        Some((at, i)) => {
+            tokio::time::sleep_until(at).await;
+            i
+        }
+        None => futures::future::pending().await,
+    }
+}
+
+/// A terminated container's reason, as the kubelet reports it.
+fn exit_reason(code: i32) -> &'static str {
+    if code == 0 { "Completed" } else { "Error" }
+}
+
+/// 1s, 2s, 4s, ... capped at [`MAX_BACKOFF`], like the kubelet's crash-loop back-off.
+fn restart_backoff(restarts: i32) -> Duration {
+    let exp = u32::try_from(restarts.clamp(1, 16) - 1).unwrap_or(0);
+    (Duration::from_secs(1) * 2u32.pow(exp)).min(MAX_BACKOFF)
+}
+
+pub(super) fn grace_period(pod: &Pod) -> Duration {
+    let secs = pod
+        .metadata
+        .deletion_grace_period_seconds
+        .or_else(|| pod.spec.as_ref().and_then(|s| s.termination_grace_period_seconds))
+        .unwrap_or(30);
+    Duration::from_secs(u64::try_from(secs).unwrap_or(0))
+}
+
+pub(super) async fn patch_status(api: &Api<Pod>, name: &str, status: serde_json::Value) {
+    let patch = json!({ "status": status });
+    if let Err(e) = api.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+        tracing::debug!("pod status {name}: {e}");
+    }
+}
+
+pub(super) fn waiting_status(pod: &Pod, reason: &str, message: &str) -> serde_json::Value {
+    let statuses: Vec<_> = pod
+        .spec
+        .iter()
+        .flat_map(|s| s.containers.iter())
+        .map(|c| {
+            json!({"name": c.name, "image": c.image, "imageID": "", "ready": false, "restartCount": 0,
+                        "state": {"waiting": {"reason": reason, "message": message}}})
+        })
+        .collect();
+    json!({"phase": "Pending", "hostIP": HOST_IP, "containerStatuses": statuses,
+           "conditions": [{"type": "PodScheduled", "status": "True"},
+                          {"type": "Ready", "status": "False", "reason": "ContainersNotReady"}]})
+}
+
+pub(super) struct ContainerRuntime {
+    pub(super) spec: Container,
+    binary: PathBuf,
+    env: Vec<(String, String)>,
+    kubeconfig: Option<PathBuf>,
+    log: PathBuf,
+    home: PathBuf,
+    pub(super) child: Option<Child>,
+    restarts: i32,
+    last_exit: Option<i32>,
+    started_at: Option<Time>,
+    restart_at: Option<tokio::time::Instant>,
+    /// Readiness: true without a readiness probe, else the last probe's result.
+    pub(super) probe_ok: bool,
+    pub(super) next_probe: Option<tokio::time::Instant>,
+}
+
+impl ContainerRuntime {
+    fn command(&self) -> Result<Command> {
+        let mut cmd = Command::new(&self.binary);
+        cmd.args(self.spec.command.iter().flatten().skip(1));
+        cmd.args(self.spec.args.iter().flatten());
+        cmd.env_clear();
+        cmd.env("PATH", std::env::var_os("PATH").unwrap_or_default());
+        cmd.env("HOME", &self.home);
+        cmd.env("HOSTNAME", self.home.file_name().unwrap_or_default());
+        if let Some(k) = &self.kubeconfig {
+            cmd.env("KUBECONFIG", k);
+        }
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
+        if let Some(dir) = self.spec.working_dir.as_deref() {
+            cmd.current_dir(dir);
+        } else {
+            cmd.current_dir(&self.home);
+        }
+        let log = std::fs::File::options().create(true).append(true).open(&self.log)?;
+        cmd.stdout(log.try_clone()?).stderr(log).stdin(std::process::Stdio::null());
+        cmd.kill_on_drop(true);
+        Ok(cmd)
+    }
+}
+
+pub(super) struct PodRuntime {
+    pub(super) containers: Vec<ContainerRuntime>,
+    restart_policy: String,
+    started: Time,
+    pub(super) pod_ip: String,
+}
+
+pub(super) enum ExitAction {
+    Restart(Duration),
+    Wait,
+    Finish(&'static str),
+}
+
+impl PodRuntime {
+    pub(super) async fn restart(&mut self, index: usize) -> Result<()> {
+        let c = self.containers.get_mut(index).context("no such container")?;
+        let mut cmd = c.command()?;
+        let std_cmd = cmd.as_std_mut();
+        crate::process::die_with_parent(std_cmd);
+        c.child = Some(cmd.spawn().with_context(|| format!("starting {}", c.binary.display()))?);
+        c.started_at = Some(Time(k8s_openapi::jiff::Timestamp::now()));
+        c.restart_at = None;
+        let probe = c.spec.readiness_probe.as_ref();
+        c.probe_ok = probe.is_none();
+        c.next_probe = probe.map(|p| {
+            let delay = u64::try_from(p.initial_delay_seconds.unwrap_or(0)).unwrap_or(0);
+            tokio::time::Instant::now() + Duration::from_secs(delay)
+        });
+        Ok(())
+    }
+
+    /// Waits until some running container exits: (index, exit code; signal → 128+n).
+    pub(super) async fn wait_any(&mut self) -> (usize, i32) {
+        let waits: Vec<_> = self
+            .containers
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, c)| c.child.as_mut().map(|ch| Box::pin(async move { (i, ch.wait().await) })))
+            .collect();
+        if waits.is_empty() {
+            return futures::future::pending().await;
+        }
+        let ((i, status), _, _) = futures::future::select_all(waits).await;
+        let code = match status {
+            Ok(s) => {
+                use std::os::unix::process::ExitStatusExt as _;
+                s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(0))
+            }
+            Err(_) => 255,
+        };
+        (i, code)
+    }
+
+    pub(super) fn on_exit(&mut self, index: usize, code: i32) -> ExitAction {
+        if let Some(c) = self.containers.get_mut(index) {
+            c.child = None;
+            c.last_exit = Some(code);
+        }
+        let restart = match self.restart_policy.as_str() {
+            "Always" => true,
+            "OnFailure" => code != 0,
+            _ => false,
+        };
+        if restart {
+            let restarts = match self.containers.get_mut(index) {
+                Some(c) => {
+                    c.restarts += 1;
+                    c.restarts
+                }
+                None => 1,
+            };
+            return ExitAction::Restart(restart_backoff(restarts));
+        }
+        if self.containers.iter().any(|c| c.child.is_some()) {
+            return ExitAction::Wait;
+        }
+        let failed = self.containers.iter().any(|c| c.last_exit.unwrap_or(0) != 0);
+        ExitAction::Finish(if failed { "Failed" } else { "Succeeded" })
+    }
+
+    /// SIGTERM to every container, SIGKILL to those still running after `grace`.
+    pub(super) async fn terminate(&mut self, grace: Duration) {
+        for c in &self.containers {
+            if let Some(pid) = c.child.as_ref().and_then(Child::id) {
+                signal(pid, Signal::SIGTERM);
+            }
+        }
+        let deadline = tokio::time::Instant::now() + grace;
+        for c in &mut self.containers {
+            if let Some(child) = c.child.as_mut()
+                && tokio::time::timeout_at(deadline, child.wait()).await.is_err()
+            {
+                let _ = child.kill().await;
+            }
+            c.child = None;
+        }
+    }
+
+    pub(super) async fn kill_all(&mut self) {
+        for c in &mut self.containers {
+            if let Some(child) = c.child.as_mut() {
+                let _ = child.kill().await;
+            }
+            c.child = None;
+        }
+    }
+
+    pub(super) fn schedule_restart(&mut self, index: usize, delay: Duration) {
+        if let Some(c) = self.containers.get_mut(index) {
+            c.restart_at = Some(tokio::time::Instant::now() + delay);
+        }
+    }
+
+    /// The earliest scheduled restart: (when, container index).
+    pub(super) fn next_restart(&self) -> Option<(tokio::time::Instant, usize)> {
+        self.containers.iter().enumerate().filter_map(|(i, c)| c.restart_at.map(|t| (t, i))).min()
+    }
+
+    pub(super) fn status(&self, finished: Option<&str>) -> serde_json::Value {
+        let statuses: Vec<_> = self
+            .containers
+            .iter()
+            .map(|c| {
+                let running = c.child.is_some();
+                let ready = running && c.probe_ok;
+                let state = match (running, c.last_exit) {
+                    (true, _) => json!({"running": {"startedAt": c.started_at}}),
+                    (false, Some(code)) if finished.is_some() => json!({"terminated": {"exitCode": code, "reason": exit_reason(code), "startedAt": c.started_at, "finishedAt": Time(k8s_openapi::jiff::Timestamp::now())}}),
+                    (false, _) => json!({"waiting": {"reason": "CrashLoopBackOff"}}),
+                };
+                let mut s = json!({"name": c.spec.name, "image": c.spec.image, "imageID": format!("local://{}", c.binary.display()),
+                                   "containerID": format!("local://{}", c.child.as_ref().and_then(Child::id).unwrap_or(0)),
+                                   "ready": ready, "started": running, "restartCount": c.restarts, "state": state});
+                if let Some(code) = c.last_exit.filter(|_| finished.is_none()) {
+                    s["lastState"] = json!({"terminated": {"exitCode": code, "reason": exit_reason(code)}});
+                }
+                s
+            })
+            .collect();
+        let all_ready = finished.is_none() && self.containers.iter().all(|c| c.child.is_some() && c.probe_ok);
+        let ready = if all_ready { "True" } else { "False" };
+        let phase = finished.unwrap_or("Running");
+        json!({
+            "phase": phase, "hostIP": HOST_IP, "podIP": self.pod_ip, "podIPs": [{"ip": self.pod_ip}],
+            "startTime": self.started,
+            "conditions": [
+                {"type": "PodScheduled", "status": "True"},
+                {"type": "Initialized", "status": "True"},
+                {"type": "ContainersReady", "status": ready},
+                {"type": "Ready", "status": ready},
+            ],
+            "containerStatuses": statuses,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn restart_backoff_doubles_and_caps() {
+        assert_eq!(restart_backoff(1), Duration::from_secs(1));
+        assert_eq!(restart_backoff(3), Duration::from_secs(4));
+        assert_eq!(restart_backoff(100), MAX_BACKOFF);
+    }
+}
