@@ -55,6 +55,64 @@ pub async fn autoclaim<C: ConnectionLike + Send>(
     Ok(Claimed { entries, deleted: reply.deleted_ids, next: reply.next_stream_id })
 }
 
+/// Takes back up to `count` of `consumer`'s own pending entries after
+/// `after` (exclusive; `-` for the start): what a restarted process under the
+/// same consumer name read before and never settled. `XCLAIM` to itself
+/// returns the entries that still exist; the others are `deleted`. `next` is
+/// the last ID looked at, or `0-0` when the PEL holds no more of them.
+pub async fn claim_own<C: ConnectionLike + Send>(
+    conn: &mut C,
+    stream: &str,
+    group: &str,
+    consumer: &str,
+    after: &str,
+    count: usize,
+) -> Result<Claimed, StreamError> {
+    let err = |e| StreamError::new("taking back own pending entries", e);
+    let start = if after == "-" { after.to_string() } else { format!("({after}") };
+    let pending: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg(stream)
+        .arg(group)
+        .arg(&start)
+        .arg("+")
+        .arg(count)
+        .arg(consumer)
+        .query_async(conn)
+        .await
+        .map_err(err)?;
+    let Some((last, ..)) = pending.last() else {
+        return Ok(Claimed { entries: Vec::new(), deleted: Vec::new(), next: "0-0".into() });
+    };
+    let next = if pending.len() < count { "0-0".to_string() } else { last.clone() };
+    let ids: Vec<&String> = pending.iter().map(|(id, ..)| id).collect();
+    let reply: redis::streams::StreamClaimReply = redis::cmd("XCLAIM")
+        .arg(stream)
+        .arg(group)
+        .arg(consumer)
+        .arg(0)
+        .arg(&ids)
+        .query_async(conn)
+        .await
+        .map_err(err)?;
+    let mut found: HashMap<String, HashMap<String, redis::Value>> =
+        reply.ids.into_iter().map(|e| (e.id, e.map)).collect();
+    let mut entries = Vec::new();
+    let mut deleted = Vec::new();
+    for (id, _, _, deliveries) in pending {
+        match found.remove(&id) {
+            // The claim was one more delivery.
+            Some(map) => entries.push(Entry {
+                stream: stream.to_string(),
+                deliveries: deliveries.saturating_add(1),
+                fields: fields_from_map(map),
+                id,
+            }),
+            None => deleted.push(id),
+        }
+    }
+    Ok(Claimed { entries, deleted, next })
+}
+
 /// Delivery counts of `ids`: one pipelined round trip of single-entry
 /// extended XPENDING calls, bounded by the batch size.
 pub async fn delivery_counts<C: ConnectionLike + Send>(

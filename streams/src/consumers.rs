@@ -4,11 +4,44 @@ use crate::error::StreamError;
 use redis::aio::ConnectionLike;
 use std::time::Duration;
 
+/// How long a consumer stays in the dead-consumer registry: far longer than
+/// any guard mark it may have left.
+const DEAD_FOR: Duration = Duration::from_secs(24 * 3600);
+
+/// Declares `consumer` dead (its pod is gone): its idempotency-guard marks are
+/// void from now on (`keys::dead_consumers_key`). Old declarations expire.
+pub async fn declare_dead<C: ConnectionLike + Send>(
+    conn: &mut C,
+    stream: &str,
+    group: &str,
+    consumer: &str,
+) -> Result<(), StreamError> {
+    let key = crate::keys::dead_consumers_key(stream, group);
+    let now = crate::recovery::now_ms();
+    let expired = now.saturating_sub(u64::try_from(DEAD_FOR.as_millis()).unwrap_or(u64::MAX));
+    let () = redis::pipe()
+        .cmd("ZADD")
+        .arg(&key)
+        .arg(now)
+        .arg(consumer)
+        .ignore()
+        .cmd("ZREMRANGEBYSCORE")
+        .arg(&key)
+        .arg("-inf")
+        .arg(format!("({expired}"))
+        .ignore()
+        .query_async(conn)
+        .await
+        .map_err(|e| StreamError::new("declaring a consumer dead", e))?;
+    Ok(())
+}
+
 /// Makes up to `count` of `consumer`'s pending entries claimable at once, by
 /// re-claiming them to the same consumer with an idle time of `min_idle`
 /// (`XCLAIM ... IDLE ... JUSTID`: owner and delivery count unchanged). The
 /// next XAUTOCLAIM of any live consumer takes them, without waiting out
-/// min-idle-time. Returns how many were released now (entries already
+/// min-idle-time; the consumer is declared dead first ([`declare_dead`]), so
+/// its idempotency-guard marks do not hold them up either. Returns how many were released now (entries already
 /// released earlier are left as they are).
 pub async fn release_pending<C: ConnectionLike + Send>(
     conn: &mut C,
@@ -34,6 +67,8 @@ pub async fn release_pending<C: ConnectionLike + Send>(
     if stale.is_empty() {
         return Ok(0);
     }
+    // First void its guard marks, so whoever claims these does not wait them out.
+    declare_dead(conn, stream, group, consumer).await?;
     let released: Vec<String> = redis::cmd("XCLAIM")
         .arg(stream)
         .arg(group)

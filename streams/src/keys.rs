@@ -30,6 +30,13 @@ pub fn last_error_key(stream: &str, group: &str) -> String {
     companion_key(stream, &format!("last-error:{group}"))
 }
 
+/// The sorted set of consumers of `group` declared dead (member: consumer
+/// name, score: when, in ms). Their idempotency-guard marks are void, so a
+/// live worker may take over an entry they held without waiting them out.
+pub fn dead_consumers_key(stream: &str, group: &str) -> String {
+    companion_key(stream, &format!("dead-consumers:{group}"))
+}
+
 /// The text Redis Cluster hashes to place `key`: its hash tag, or the whole key.
 pub fn slot_text(key: &str) -> &str {
     hash_tag(key).unwrap_or(key)

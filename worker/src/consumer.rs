@@ -12,7 +12,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
-use streamfleet_streams::claim::autoclaim;
+use streamfleet_streams::claim::{autoclaim, claim_own};
 use streamfleet_streams::config::{RunMode, WorkerConfig};
 use streamfleet_streams::deadletter::{self, Letter, Reason};
 use streamfleet_streams::entry::fields_from_map;
@@ -148,8 +148,8 @@ impl<H: Handler> Worker<H> {
     async fn consume(&self, conn: &mut StreamConnection, stop: &AtomicBool) -> Result<(), WorkerError> {
         let mut reader = StreamConnection::connect_blocking(&self.config.endpoint, self.config.block).await?;
         // Often enough that entries released from a dead consumer move within
-        // seconds; XAUTOCLAIM over an empty or fresh PEL is cheap.
-        let claim_every = (self.config.min_idle / 2).min(Duration::from_secs(3));
+        // a second or two; XAUTOCLAIM over an empty or fresh PEL is cheap.
+        let claim_every = (self.config.min_idle / 2).min(Duration::from_secs(1));
         let mut next_claim = Instant::now();
         // Redis 8.4 can hand idle entries out with the read itself
         // (XREADGROUP ... CLAIM); older servers get the XAUTOCLAIM cycle. The
@@ -157,6 +157,11 @@ impl<H: Handler> Worker<H> {
         let version = streamfleet_streams::version::server_version(conn).await?;
         let claim_in_read = !self.at_most_once && version.is_some_and(|v| v.has_readgroup_claim());
         tracing::info!(?version, claim_in_read, at_most_once = self.at_most_once, "consuming");
+        if !self.at_most_once {
+            // A restart under the same name (same pod): what this consumer read
+            // before and never settled is handled first, at once.
+            self.take_back_own(conn, stop).await?;
+        }
         // Never cancel a read in flight: entries it delivered would sit in our
         // PEL unseen until claimed. The short BLOCK bounds the drain instead.
         while !stopping(stop) {
@@ -204,6 +209,41 @@ impl<H: Handler> Worker<H> {
         Ok(())
     }
 
+    /// Handles this consumer's own pending entries, oldest first.
+    async fn take_back_own(&self, conn: &mut StreamConnection, stop: &AtomicBool) -> Result<(), WorkerError> {
+        for stream in &self.config.streams {
+            let mut after = "-".to_string();
+            while !stopping(stop) {
+                let own =
+                    claim_own(conn, stream, &self.config.group, &self.config.consumer, &after, self.config.batch_size)
+                        .await?;
+                if !own.entries.is_empty() || !own.deleted.is_empty() {
+                    tracing::info!(stream = %stream, entries = own.entries.len(), "taking back own pending entries");
+                }
+                self.settle_claimed(conn, stream, own.deleted, own.entries).await?;
+                if own.next == "0-0" {
+                    break;
+                }
+                after = own.next;
+            }
+        }
+        Ok(())
+    }
+
+    /// Claimed entries are handled; IDs whose payload is gone are recorded lost.
+    async fn settle_claimed(
+        &self,
+        conn: &mut StreamConnection,
+        stream: &str,
+        deleted: Vec<String>,
+        entries: Vec<Entry>,
+    ) -> Result<(), WorkerError> {
+        for id in &deleted {
+            self.payload_missing(conn, stream, id).await?;
+        }
+        self.process(conn, entries).await
+    }
+
     /// One pass of XAUTOCLAIM over each stream's PEL, from `0-0` until the
     /// cursor returns to `0-0`. Returns how many entries were claimed.
     async fn claim_cycle(&self, conn: &mut StreamConnection, stop: &AtomicBool) -> Result<usize, WorkerError> {
@@ -223,10 +263,7 @@ impl<H: Handler> Worker<H> {
                 .await?;
                 total += claimed.entries.len();
                 self.stats.add(&self.stats.claimed, claimed.entries.len());
-                for id in &claimed.deleted {
-                    self.payload_missing(conn, stream, id).await?;
-                }
-                self.process(conn, claimed.entries).await?;
+                self.settle_claimed(conn, stream, claimed.deleted, claimed.entries).await?;
                 cursor = claimed.next;
                 if cursor == "0-0" || stopping(stop) {
                     break;

@@ -370,3 +370,85 @@ async fn a_users_own_idempotency_store_is_used_in_place_of_the_redis_guard() -> 
     assert!(redis_keys.is_empty(), "the Redis guard was not used: {redis_keys:?}");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_of_a_consumer_declared_dead_are_handled_at_once_despite_its_guard_marks() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        ids.push(add(&mut conn, &[("kind", "ok"), ("key", &format!("k{i}"))]).await?);
+    }
+    // A guarded worker read them, marked them processing, and its pod died.
+    let opts = redis::streams::StreamReadOptions::default().group("g", "dead-pod").count(10);
+    let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
+    for i in 0..3 {
+        let _: () = conn.set_ex(format!("{{orders}}:idem:g:k{i}"), "processing:dead-pod", 60).await?;
+    }
+    // The operator's reaper releases its entries (min-idle-time 60 s).
+    let released = streamfleet_streams::consumers::release_pending(
+        &mut conn,
+        "orders",
+        "g",
+        "dead-pod",
+        Duration::from_secs(60),
+        10,
+    )
+    .await?;
+    assert_eq!(released, 3);
+    let handler = Scripted::default();
+    let worker = Worker::new(config(&server, "live-pod", 60_000, 5), handler.clone())
+        .with_idempotency_guard(Duration::from_secs(600));
+    let stats = worker.stats();
+    let started = std::time::Instant::now();
+    let (stop, run) = spawn(worker);
+    eventually("handled", T, || async { Ok((Stats::get(&stats.processed) == 3).then_some(())) }).await?;
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    let _ = stop.send(());
+    run.await??;
+    assert_eq!(pending(&mut conn).await?, 0);
+    for id in &ids {
+        assert_eq!(handler.calls(id), 1);
+    }
+    // A live consumer's mark is still respected.
+    let live = add(&mut conn, &[("kind", "ok"), ("key", "k-live")]).await?;
+    let _: () = conn.set_ex("{orders}:idem:g:k-live", "processing:other-live-pod", 60).await?;
+    let worker = Worker::new(config(&server, "live-pod", 60_000, 5), handler.clone())
+        .with_idempotency_guard(Duration::from_secs(600));
+    let (stop, run) = spawn(worker);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let _ = stop.send(());
+    run.await??;
+    assert_eq!(handler.calls(&live), 0, "held by a live consumer: left pending");
+    assert_eq!(pending(&mut conn).await?, 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_consumer_handles_its_own_pending_entries_first() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    let mine = add(&mut conn, &[("kind", "ok"), ("key", "mine")]).await?;
+    let gone = add(&mut conn, &[("kind", "ok"), ("key", "gone")]).await?;
+    // The container read them, marked one processing, and restarted (same pod name).
+    let opts = redis::streams::StreamReadOptions::default().group("g", "pod-a").count(10);
+    let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
+    let _: () = conn.set_ex("{orders}:idem:g:mine", "processing:pod-a", 60).await?;
+    let _: i64 = conn.xdel("orders", &[&gone]).await?;
+    let handler = Scripted::default();
+    let worker = Worker::new(config(&server, "pod-a", 60_000, 5), handler.clone())
+        .with_idempotency_guard(Duration::from_secs(600));
+    let stats = worker.stats();
+    let started = std::time::Instant::now();
+    let (stop, run) = spawn(worker);
+    eventually("own entries settled", T, || async {
+        Ok((Stats::get(&stats.processed) == 1 && Stats::get(&stats.payload_missing) == 1).then_some(()))
+    })
+    .await?;
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    let _ = stop.send(());
+    run.await??;
+    assert_eq!(handler.calls(&mine), 1);
+    assert_eq!(pending(&mut conn).await?, 0);
+    let lost: HashMap<String, u64> = conn.hgetall("{orders}:payload-lost:g").await?;
+    assert_eq!(lost.get("count"), Some(&1), "the lost payload is on record");
+    Ok(())
+}
