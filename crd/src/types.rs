@@ -250,6 +250,8 @@ pub struct RecoverySpec {
     /// Cron schedule of the sweep (five fields, as in a CronJob).
     #[serde(default = "default_schedule")]
     #[x_kube(validation = Rule::new("self.split(' ').filter(f, f != '').size() == 5").message("spec.recovery.schedule must have five cron fields"))]
+    #[x_kube(validation = Rule::new("self.split(' ').filter(f, f != '').size() != 5 || self.split(' ').filter(f, f != '')[0].matches('^([*]|[0-5]?[0-9](-[0-5]?[0-9])?)(/[0-9]+)?(,([0-5]?[0-9](-[0-5]?[0-9])?)(/[0-9]+)?)*$')").message("spec.recovery.schedule: the minute field takes 0-59"))]
+    #[x_kube(validation = Rule::new("self.split(' ').filter(f, f != '').size() != 5 || self.split(' ').filter(f, f != '')[1].matches('^([*]|(1?[0-9]|2[0-3])(-(1?[0-9]|2[0-3]))?)(/[0-9]+)?(,((1?[0-9]|2[0-3])(-(1?[0-9]|2[0-3]))?)(/[0-9]+)?)*$')").message("spec.recovery.schedule: the hour field takes 0-23"))]
     #[schemars(length(min = 9, max = 128))]
     pub schedule: String,
 
@@ -514,6 +516,7 @@ mod tests {
         assert!(crd.contains("self.scaling.minReplicas <= self.scaling.maxReplicas"));
         assert!(crd.contains("spec.group is immutable"));
         assert!(crd.contains("spec.recovery.deadLetterStream must differ from spec.stream"));
+        assert!(crd.contains("the minute field takes 0-59") && crd.contains("the hour field takes 0-23"));
         assert!(crd.contains("spec.stream is immutable"));
         assert!(crd.contains("x-kubernetes-preserve-unknown-fields"));
     }

@@ -133,22 +133,8 @@ pub fn decide(
         replicas: scaling.replicas,
         payload_lost_unacknowledged: u64::try_from(payload_lost.unacknowledged).unwrap_or(0),
     });
-    let (retention, trim_to) = match observed.retention {
-        Some(bounds) => {
-            let (point, blocked) = retention::trim_point(bounds.target, bounds.floor);
-            (Some(Retention { floor: bounds.floor, target: bounds.target, blocked, trimmed: 0 }), point)
-        }
-        None => (None, None),
-    };
-    let mut events = Vec::new();
-    if let Some(current) = current_replicas.filter(|c| *c != scaling.replicas) {
-        events.push(PlannedEvent {
-            type_: EventType::Normal,
-            reason: "Scaled",
-            action: "Scale",
-            note: format!("workers {current} -> {}: {}", scaling.replicas, scaling.reason),
-        });
-    }
+    let (retention, trim_to) = retention_plan(observed);
+    let mut events: Vec<PlannedEvent> = scaling_event(current_replicas, &scaling).into_iter().collect();
     events.extend(recovery_event(at.scg, last_recovery.as_ref()));
     events.extend(payload_loss_event(at.scg, &payload_lost));
     events.extend(health_event(at.scg, health, &health_message));
@@ -167,6 +153,24 @@ pub fn decide(
         trim_to,
         events,
     })))
+}
+
+/// Trim to the policy's target, never past the safe floor.
+fn retention_plan(observed: &Observation) -> (Option<Retention>, Option<StreamId>) {
+    let Some(bounds) = observed.retention else { return (None, None) };
+    let (point, blocked) = retention::trim_point(bounds.target, bounds.floor);
+    (Some(Retention { floor: bounds.floor, target: bounds.target, blocked, trimmed: 0 }), point)
+}
+
+/// A Normal Event with the numbers whenever the replicas change.
+fn scaling_event(current: Option<i32>, scaling: &scaling::Decision) -> Option<PlannedEvent> {
+    let current = current.filter(|c| *c != scaling.replicas)?;
+    Some(PlannedEvent {
+        type_: EventType::Normal,
+        reason: "Scaled",
+        action: "Scale",
+        note: format!("workers {current} -> {}: {}", scaling.replicas, scaling.reason),
+    })
 }
 
 /// The claimant that came first, if it came before this resource (ties

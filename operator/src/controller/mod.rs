@@ -182,6 +182,13 @@ impl Context {
         }
     }
 
+    /// Whether the resource cache holds `scg` itself: until it does, it is
+    /// not complete enough to tell who else claims the group.
+    fn knows(&self, scg: &StreamConsumerGroup) -> bool {
+        let reference = ObjectRef::new(&scg.name_any()).within(&scg.namespace().unwrap_or_default());
+        self.resources.get(&reference).is_some()
+    }
+
     fn remember_endpoint(&self, scg: &StreamConsumerGroup, endpoint: &Endpoint) {
         if let Ok(mut endpoints) = self.endpoints.lock() {
             endpoints.insert(key(scg), endpoint.clone());
@@ -285,13 +292,12 @@ where
     (store, events)
 }
 
-/// Reaping needs complete pod knowledge; applies need the owned caches;
-/// finding a group's other claimants needs every resource.
+/// Reaping needs complete pod knowledge; applies need the owned caches.
 async fn mark_synced(ctx: Arc<Context>) {
     let ready = ctx.pods.wait_until_ready().await.is_ok()
         && ctx.deployments.wait_until_ready().await.is_ok()
-        && ctx.cronjobs.wait_until_ready().await.is_ok()
-        && ctx.resources.wait_until_ready().await.is_ok();
+        && ctx.cronjobs.wait_until_ready().await.is_ok();
+    tracing::info!(ready, "owned-object caches synced");
     ctx.caches_synced.store(ready, Ordering::SeqCst);
 }
 
@@ -354,8 +360,9 @@ async fn reconcile_resource(scg: &StreamConsumerGroup, ctx: &Context) -> Result<
         return finalizer::cleanup(scg, ctx).await;
     }
     // Decide nothing on a half-filled cache: a missing Deployment would read
-    // as zero replicas, a missing pod as a dead consumer.
-    if !ctx.caches_synced.load(Ordering::SeqCst) {
+    // as zero replicas, a missing pod as a dead consumer, a missing resource
+    // as no other claimant of the group.
+    if !ctx.caches_synced.load(Ordering::SeqCst) || !ctx.knows(scg) {
         return Ok(Action::requeue(Duration::from_millis(500)));
     }
     finalizer::sync(scg, ctx).await?;

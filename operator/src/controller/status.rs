@@ -262,12 +262,11 @@ mod tests {
     #[test]
     fn a_refused_object_is_a_condition_and_health_is_still_reported() {
         let resource = scg();
-        let refused =
-            Error::Refused { kind: "CronJob", message: "spec.schedule: Invalid value: \"61 * * * *\"".into() };
+        let refused = Error::Refused { kind: "CronJob", message: "spec.schedule: Invalid value: \"0 0 0 * *\"".into() };
         let s = converged(&resource, &plan(&resource, 5), &outcome(1, vec![refused]), &at(1));
         let (status, reason, message) = condition(&s, conditions::READY);
         assert_eq!((status, reason), ("False", "CronJobRefused"));
-        assert!(message.contains("61 * * * *"), "{message}");
+        assert!(message.contains("0 0 0 * *"), "{message}");
         assert_eq!((s.health, s.lag), (Some(Health::Healthy), Some(5)));
     }
 

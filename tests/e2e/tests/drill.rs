@@ -1,9 +1,12 @@
 //! The crash drill: 10,000 orders (DRILL_ORDERS) through the example
 //! pipeline while workers crash between charge and ack, are SIGKILLed from
 //! outside, hit transient gateway failures, and one slow but alive worker
-//! shares the group; 1% of orders are poison. At the end every order is
-//! charged exactly once, every entry is acked or dead-lettered, each poison
-//! order is a dead letter with its metadata, and the PEL is empty.
+//! shares the group; 1% of orders are poison; and an outside `XTRIM` deletes
+//! the payloads of entries pending in a vanished consumer's hands. At the end
+//! every other order is charged exactly once, every entry is acked or
+//! dead-lettered, each poison order is a dead letter with its metadata, the
+//! status counts exactly the trimmed pending entries as lost, the PEL is
+//! empty, and every injected fault is shown to have happened.
 //!
 //! By hand: `cargo test -p streamfleet-e2e --test drill -- --nocapture`.
 
@@ -24,6 +27,8 @@ use streamfleet_streams::deadletter as dl;
 use streamfleet_testbed::eventually;
 
 const MIN_IDLE_MS: u64 = 3000;
+/// Pending entries whose payloads the outside trim deletes.
+const TRIMMED: usize = 25;
 
 fn pipeline() -> String {
     let spec = format!(
@@ -34,7 +39,7 @@ fn pipeline() -> String {
         "orders",
         "billing",
         "streamfleet/example-worker",
-        &[("EXAMPLE_TRANSIENT_PERCENT", "3"), ("EXAMPLE_CRASH_PERCENT", "0.05")],
+        &[("EXAMPLE_TRANSIENT_PERCENT", "3"), ("EXAMPLE_CRASH_PERCENT", "0.1")],
         &spec,
     )
 }
@@ -76,15 +81,12 @@ async fn crash_drill_every_order_charged_exactly_once() -> Result<()> {
     let orders: usize = std::env::var("DRILL_ORDERS").ok().and_then(|v| v.parse().ok()).unwrap_or(10_000);
     let f = Fixture::start("e2e-drill", &[]).await?;
     let (client, ns, mut conn) = (f.client.clone(), &f.ns, f.conn.clone());
-    f.apply(&pipeline()).await?;
-    Api::<Deployment>::namespaced(client.clone(), &ns.name)
-        .create(&PostParams::default(), &slow_worker(&f.redis.url())?)
-        .await?;
-    wait_condition(&client, &ns.name, "orders", "Ready", "True", None, Duration::from_secs(120)).await?;
+    streamfleet_streams::ensure_group(&mut conn, "orders", "billing", "0").await?;
 
     // 1% poison, spread through the stream.
     let started = Instant::now();
     let mut poison = Vec::new();
+    let mut ids: Vec<String> = Vec::new();
     for chunk in (0..orders).collect::<Vec<_>>().chunks(1000) {
         let mut pipe = redis::pipe();
         for &i in chunk {
@@ -94,12 +96,26 @@ async fn crash_drill_every_order_charged_exactly_once() -> Result<()> {
                 poison.push(i.to_string());
             }
         }
-        let _: Vec<String> = pipe.query_async(&mut conn).await?;
+        ids.extend(pipe.query_async::<Vec<String>>(&mut conn).await?);
     }
+    // A consumer outside the pipeline takes the first orders and vanishes;
+    // then an outside trim deletes exactly those pending entries' payloads.
+    let opts = redis::streams::StreamReadOptions::default().group("billing", "vanished").count(TRIMMED);
+    let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
+    let trimmed: u64 = redis::cmd("XTRIM").arg("orders").arg("MINID").arg(&ids[TRIMMED]).query_async(&mut conn).await?;
+    assert_eq!(trimmed, TRIMMED as u64, "the trim deleted exactly the vanished consumer's pending entries");
+    let lost_orders: Vec<String> = (0..TRIMMED).map(|i| i.to_string()).collect();
 
-    // SIGKILL random workers from outside while they work.
+    f.apply(&pipeline()).await?;
+    Api::<Deployment>::namespaced(client.clone(), &ns.name)
+        .create(&PostParams::default(), &slow_worker(&f.redis.url())?)
+        .await?;
+    wait_condition(&client, &ns.name, "orders", "Ready", "True", None, Duration::from_secs(120)).await?;
+
+    // SIGKILL random workers from outside while they work; note what each
+    // held and how much of it was charged but not yet acked.
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
-    let mut kills = 0;
+    let (mut kills, mut held_at_kill, mut charged_unacked_at_kill) = (0, 0, 0);
     for _ in 0..5 {
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let workers = pods.list(&ListParams::default().labels("app.kubernetes.io/component=worker")).await?.items;
@@ -109,29 +125,51 @@ async fn crash_drill_every_order_charged_exactly_once() -> Result<()> {
             continue;
         }
         let victim = &running[rand::rng().random_range(0..running.len())];
+        let held: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+            .arg("orders")
+            .arg("billing")
+            .arg("-")
+            .arg("+")
+            .arg(1000)
+            .arg(victim)
+            .query_async(&mut conn)
+            .await?;
         pods.delete(victim, &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
         kills += 1;
+        held_at_kill += held.len();
+        for (id, ..) in &held {
+            let entry: redis::streams::StreamRangeReply = conn.xrange("orders", id, id).await?;
+            let order = entry.ids.first().and_then(|e| e.get::<String>("order_id")).unwrap_or_default();
+            if conn.hexists("ledger:charges", &order).await? {
+                charged_unacked_at_kill += 1;
+            }
+        }
     }
 
-    let expected = orders - poison.len();
+    let expected = orders - poison.len() - TRIMMED;
     let settled = eventually("every order settled", Duration::from_secs(600), || async {
         let mut c = conn.clone();
         let charged: usize = c.hlen("ledger:charges").await?;
         let dead: usize = c.xlen("{orders}:dead").await?;
+        let dead = dead.saturating_sub(TRIMMED);
         let pending: redis::streams::StreamPendingReply = c.xpending("orders", "billing").await?;
         Ok((charged == expected && dead == poison.len() && pending.count() == 0).then_some(()))
     })
     .await;
     let charged: usize = conn.hlen("ledger:charges").await?;
     let dead: usize = conn.xlen("{orders}:dead").await?;
+    let dead = dead.saturating_sub(TRIMMED);
     let pending: redis::streams::StreamPendingReply = conn.xpending("orders", "billing").await?;
     settled
         .map_err(|e| e.context(format!("charged {charged}/{expected}, dead {dead}, pending {}", pending.count())))?;
 
     // Exactly once in the ledger: every order, the right amount, no extras.
     let ledger: HashMap<String, u64> = conn.hgetall("ledger:charges").await?;
-    for i in (0..orders).filter(|i| i % 100 != 42) {
+    for i in (TRIMMED..orders).filter(|i| i % 100 != 42) {
         assert_eq!(ledger.get(&i.to_string()), Some(&(100 + u64::try_from(i)?)), "order {i}");
+    }
+    for order in &lost_orders {
+        assert!(!ledger.contains_key(order), "order {order} had no payload left to charge");
     }
     assert_eq!(ledger.len(), expected);
     // Every entry acked or dead-lettered: nothing pending, nothing undelivered.
@@ -140,36 +178,67 @@ async fn crash_drill_every_order_charged_exactly_once() -> Result<()> {
     // Each poison order is a dead letter with its metadata.
     let letters: redis::streams::StreamRangeReply = conn.xrange_all("{orders}:dead").await?;
     let mut dead_keys = Vec::new();
+    let mut payload_missing = Vec::new();
     for e in letters.ids {
         let f: HashMap<String, String> = streamfleet_streams::entry::fields_from_map(e.map)
             .into_iter()
             .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
             .collect();
-        assert_eq!(f[dl::F_REASON], "permanent", "{f:?}");
         assert_eq!(f[dl::F_SOURCE_STREAM], "orders");
         assert_eq!(f[dl::F_GROUP], "billing");
-        assert!(f[dl::F_ERROR].contains("card declined"));
         assert!(!f[dl::F_SOURCE_ID].is_empty() && !f[dl::F_CONSUMER].is_empty() && !f[dl::F_AT].is_empty());
+        if f[dl::F_REASON] == "payload-missing" {
+            payload_missing.push(f[dl::F_SOURCE_ID].clone());
+            continue;
+        }
+        assert_eq!(f[dl::F_REASON], "permanent", "{f:?}");
+        assert!(f[dl::F_ERROR].contains("card declined"));
         assert_eq!(f["poison"], "1");
         assert_eq!(f[dl::F_BUSINESS_KEY], f["order_id"]);
         dead_keys.push(f["order_id"].clone());
     }
+    payload_missing.sort();
+    let mut trimmed_ids = ids[..TRIMMED].to_vec();
+    trimmed_ids.sort();
+    assert_eq!(payload_missing, trimmed_ids, "each trimmed pending entry is on record as payload-missing");
+    // The resource says exactly how much was lost.
+    let scgs: Api<streamfleet_crd::StreamConsumerGroup> = Api::namespaced(client.clone(), &ns.name);
+    let status = eventually("payloadLost in status", Duration::from_secs(60), || async {
+        let s = scgs.get("orders").await?.status.unwrap_or_default();
+        Ok(s.payload_lost.clone().filter(|p| p.total > 0).map(|p| (p, s.health)))
+    })
+    .await?;
+    assert_eq!(status.0.total, TRIMMED as i64, "payload-lost total is exactly the trimmed pending entries");
+    assert_eq!(status.1, Some(streamfleet_crd::Health::PayloadLost));
     dead_keys.sort();
     poison.sort();
     assert_eq!(dead_keys, poison);
 
-    // Redeliveries happened and were absorbed: by the guard (suppressed) or
-    // refused by the ledger as a second charge.
+    // Every injected fault happened, and redeliveries were absorbed: by the
+    // guard (suppressed) or refused by the ledger as a second charge.
+    let faults: HashMap<String, u64> = conn.hgetall("ledger:faults").await?;
+    let by_consumer: HashMap<String, u64> = conn.hgetall("ledger:by-consumer").await?;
+    let slow_charges: u64 = by_consumer.iter().filter(|(c, _)| c.starts_with("slow-worker-")).map(|(_, n)| n).sum();
     let suppressed: Option<u64> = conn.get(streamfleet_worker::guard::suppressed_key("orders", "billing")).await?;
     let refused: HashMap<String, u64> = conn.hgetall("ledger:duplicates").await?;
     println!(
-        "drill: {orders} orders ({} poison) settled in {:?}; {kills} workers SIGKILLed; \
-         duplicates suppressed by the guard: {}; second charges refused by the ledger: {}",
+        "drill: {orders} orders ({} poison, {TRIMMED} trimmed while pending) settled in {:?}; {kills} workers SIGKILLed \
+         holding {held_at_kill} entries ({charged_unacked_at_kill} charged, not acked); crashes after the charge: {}; \
+         transient failures: {}; charged by the slow worker: {slow_charges}; duplicates suppressed by the guard: {}; \
+         second charges refused by the ledger: {}",
         poison.len(),
         started.elapsed(),
+        faults.get("crash").copied().unwrap_or(0),
+        faults.get("transient").copied().unwrap_or(0),
         suppressed.unwrap_or(0),
         refused.values().sum::<u64>()
     );
+    assert_eq!(kills, 5, "every SIGKILL landed on a running worker");
+    assert!(held_at_kill > 0, "no SIGKILL caught a worker holding entries");
+    assert!(charged_unacked_at_kill > 0, "no SIGKILL landed between a charge and its ack");
+    assert!(faults.get("crash").copied().unwrap_or(0) > 0, "no crash between charge and ack happened");
+    assert!(faults.get("transient").copied().unwrap_or(0) > 0, "no transient failure happened");
+    assert!(slow_charges > 0, "the slow worker took no part");
     assert!(suppressed.unwrap_or(0) + refused.values().sum::<u64>() > 0, "the drill caused no redelivery at all");
     Ok(())
 }

@@ -174,6 +174,8 @@ async fn invalid_specs_are_refused_at_admission_naming_the_field() -> Result<()>
         ),
         ("  startId: \"yesterday\"\n", "spec.startId"),
         ("  recovery: {schedule: \"every minute\"}\n", "spec.recovery.schedule"),
+        ("  recovery: {schedule: \"61 * * * *\"}\n", "spec.recovery.schedule: the minute field takes 0-59"),
+        ("  recovery: {schedule: \"0 24 * * *\"}\n", "spec.recovery.schedule: the hour field takes 0-23"),
         ("  scaling: {maxReplicas: 0}\n", "spec.scaling.maxReplicas"),
         ("  deletionPolicy: Shred\n", "spec.deletionPolicy"),
         // A dead-letter stream that is the source would feed itself forever.

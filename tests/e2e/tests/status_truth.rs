@@ -133,15 +133,15 @@ async fn a_refused_cronjob_is_a_condition_with_the_api_message_and_health_is_sti
     let f = Fixture::start("e2e-refused", &[]).await?;
     let (client, ns) = (f.client.clone(), f.ns.name.clone());
     let records = tempfile::tempdir()?;
-    // Five fields pass admission; minute 61 does not exist: the API server
-    // refuses the CronJob.
+    // Admission checks five fields and the minute and hour ranges; day of
+    // month 0 does not exist: the API server refuses the CronJob.
     let spec =
-        "  scaling: {minReplicas: 1, maxReplicas: 1, pollIntervalSeconds: 1}\n  recovery: {schedule: \"61 * * * *\"}";
+        "  scaling: {minReplicas: 1, maxReplicas: 1, pollIntervalSeconds: 1}\n  recovery: {schedule: \"0 0 0 * *\"}";
     f.apply(&recording_manifest("p", "orders", "billing", &records.path().display().to_string(), spec)).await?;
     let scg = wait_condition(&client, &ns, "p", "Ready", "False", Some("CronJobRefused"), T).await?;
     let status = scg.status.unwrap();
     let ready = status.conditions.iter().find(|c| c.type_ == "Ready").unwrap();
-    assert!(ready.message.contains("61 * * * *") || ready.message.contains("schedule"), "{}", ready.message);
+    assert!(ready.message.contains("0 0 0 * *") && ready.message.contains("schedule"), "{}", ready.message);
     assert!(status.conditions.iter().any(|c| c.type_ == "GroupReady" && c.status == "True"));
     assert_eq!((status.health, status.lag, status.pending), (Some(Health::Healthy), Some(0), Some(0)));
     let events = events_about(&client, &ns, "p").await?;

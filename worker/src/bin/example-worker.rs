@@ -5,6 +5,9 @@
 //! with the order ID as the idempotency key: `HSETNX ledger:charges <order>`.
 //! A repeated charge is refused by the ledger and counted in
 //! `ledger:duplicates`, so "every order charged exactly once" can be checked.
+//! Injected faults are counted in `ledger:faults` (`transient`, `crash`) and
+//! charges per consumer in `ledger:by-consumer`, so a drill can prove that
+//! what it injected happened.
 //!
 //! Knobs for drills (all optional):
 //! * `EXAMPLE_LEDGER_URL`: the ledger's Redis (default: the pipeline's);
@@ -22,6 +25,7 @@ use streamfleet_worker::{Entry, Handler, Outcome, Worker, WorkerConfig};
 
 struct Orders {
     ledger: StreamConnection,
+    consumer: String,
     transient_percent: f64,
     crash_percent: f64,
     handler_time: Duration,
@@ -29,6 +33,17 @@ struct Orders {
 
 fn percent(name: &str) -> f64 {
     std::env::var(name).ok().and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0).clamp(0.0, 100.0)
+}
+
+impl Orders {
+    /// Bookkeeping for drills; a failure to count is only logged.
+    async fn count(&self, ledger: &mut StreamConnection, hash: &str, field: &str) {
+        let counted: redis::RedisResult<i64> =
+            redis::cmd("HINCRBY").arg(hash).arg(field).arg(1).query_async(ledger).await;
+        if let Err(e) = counted {
+            tracing::warn!("counting {hash} {field}: {e}");
+        }
+    }
 }
 
 impl Handler for Orders {
@@ -49,25 +64,24 @@ impl Handler for Orders {
         if !self.handler_time.is_zero() {
             tokio::time::sleep(self.handler_time).await;
         }
+        let mut ledger = self.ledger.clone();
         if rand::rng().random_range(0.0..100.0) < self.transient_percent {
+            self.count(&mut ledger, "ledger:faults", "transient").await;
             return Outcome::Transient("payment gateway timeout".into());
         }
-        let mut ledger = self.ledger.clone();
         let charged: redis::RedisResult<i64> =
             redis::cmd("HSETNX").arg("ledger:charges").arg(order).arg(amount).query_async(&mut ledger).await;
         match charged {
-            Ok(1) => {}
+            Ok(1) => self.count(&mut ledger, "ledger:by-consumer", &self.consumer).await,
             // The ledger refused a second charge for this order: the effect
             // already happened, so this delivery is done too.
-            Ok(_) => {
-                let _: redis::RedisResult<i64> =
-                    redis::cmd("HINCRBY").arg("ledger:duplicates").arg(order).arg(1).query_async(&mut ledger).await;
-            }
+            Ok(_) => self.count(&mut ledger, "ledger:duplicates", order).await,
             Err(e) => return Outcome::Transient(format!("ledger: {e}")),
         }
         if rand::rng().random_range(0.0..100.0) < self.crash_percent {
             // The worst moment to die: charged, not yet acked.
             tracing::error!(order, "simulated crash after the charge, before the ack");
+            self.count(&mut ledger, "ledger:faults", "crash").await;
             std::process::abort();
         }
         Outcome::Done
@@ -99,6 +113,7 @@ async fn main() -> std::process::ExitCode {
     };
     let handler = Orders {
         ledger,
+        consumer: config.consumer.clone(),
         transient_percent: percent("EXAMPLE_TRANSIENT_PERCENT"),
         crash_percent: percent("EXAMPLE_CRASH_PERCENT"),
         handler_time: Duration::from_millis(
