@@ -14,8 +14,17 @@ use tokio::sync::Mutex;
 
 /// How long a published Event may be continued as a series.
 const SERIES_WINDOW: SignedDuration = SignedDuration::from_mins(6);
-/// Notes longer than this are cut (the API server caps them at 1 kB).
+/// Notes are cut to this many bytes (the API server caps them at 1 kB).
 const NOTE_LIMIT: usize = 1000;
+
+/// `note` cut at a character boundary to at most [`NOTE_LIMIT`] bytes.
+fn bounded(note: &str) -> String {
+    let mut end = note.len().min(NOTE_LIMIT);
+    while !note.is_char_boundary(end) {
+        end -= 1;
+    }
+    note[..end].to_string()
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum EventType {
@@ -63,7 +72,7 @@ impl EventPublisher {
         note: &str,
     ) -> Result<(), kube::Error> {
         let now = Timestamp::now();
-        let note: String = note.chars().take(NOTE_LIMIT).collect();
+        let note = bounded(note);
         let namespace = regarding.namespace.clone().unwrap_or_else(|| "default".into());
         let key = Key {
             regarding: regarding.uid.clone().unwrap_or_else(|| format!("{namespace}/{:?}", regarding.name)),
@@ -72,18 +81,31 @@ impl EventPublisher {
             action: action.into(),
             note: note.clone(),
         };
-        let mut published = self.published.lock().await;
-        published.retain(|_, p| now.duration_since(p.last) < SERIES_WINDOW);
-        let events: Api<Event> = Api::namespaced(self.client.clone(), &namespace);
-        if let Some(p) = published.get_mut(&key) {
-            p.count = p.count.saturating_add(1);
-            p.last = now;
-            let series = EventSeries { count: p.count, last_observed_time: MicroTime(now) };
+        // The lock is held only to read and update the record, never across
+        // an API call.
+        let series = {
+            let mut published = self.published.lock().await;
+            published.retain(|_, p| now.duration_since(p.last) < SERIES_WINDOW);
+            published.get_mut(&key).map(|p| {
+                p.count = p.count.saturating_add(1);
+                p.last = now;
+                (p.name.clone(), p.namespace.clone(), p.count)
+            })
+        };
+        if let Some((name, series_namespace, count)) = series {
+            let series = EventSeries { count, last_observed_time: MicroTime(now) };
             let patch = serde_json::json!({ "series": series });
-            let events: Api<Event> = Api::namespaced(self.client.clone(), &p.namespace);
-            events.patch(&p.name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
-            return Ok(());
+            let events: Api<Event> = Api::namespaced(self.client.clone(), &series_namespace);
+            match events.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+                Ok(_) => return Ok(()),
+                // Gone (expired, deleted): start a new Event below.
+                Err(e) => {
+                    tracing::debug!(error = %e, "continuing an event series");
+                    self.published.lock().await.remove(&key);
+                }
+            }
         }
+        let events: Api<Event> = Api::namespaced(self.client.clone(), &namespace);
         let event = Event {
             metadata: ObjectMeta {
                 // `<object>.<time in ns, hex>`, as kubectl and client-go name them.
@@ -107,7 +129,21 @@ impl EventPublisher {
         };
         let created = events.create(&PostParams::default(), &event).await?;
         let name = created.metadata.name.unwrap_or_default();
-        published.insert(key, Published { name, namespace, count: 1, last: now });
+        self.published.lock().await.insert(key, Published { name, namespace, count: 1, last: now });
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn notes_are_cut_to_the_byte_limit_at_a_character_boundary() {
+        let long = "é".repeat(NOTE_LIMIT);
+        let cut = bounded(&long);
+        assert!(cut.len() <= NOTE_LIMIT && cut.len() >= NOTE_LIMIT - 1);
+        assert!(cut.chars().all(|c| c == 'é'));
+        assert_eq!(bounded("short"), "short");
     }
 }

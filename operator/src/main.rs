@@ -91,7 +91,11 @@ async fn main() -> Result<()> {
 
 async fn run(args: RunArgs) -> Result<()> {
     let client = kube::Client::try_default().await.context("connecting to the Kubernetes API")?;
-    let identity = args.identity.clone().unwrap_or_else(|| format!("streamfleet-{}", std::process::id()));
+    // Without a pod name, a random one: a pid is 1 in every container.
+    let identity = args.identity.clone().unwrap_or_else(|| {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        format!("streamfleet-{}-{nanos:08x}", std::process::id())
+    });
     let readiness = Readiness::default();
     let listener = tokio::net::TcpListener::bind(&args.health_addr)
         .await

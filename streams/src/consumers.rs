@@ -63,12 +63,12 @@ pub async fn release_pending<C: ConnectionLike + Send>(
         .await
         .map_err(err)?;
     let idle_ms = u64::try_from(min_idle.as_millis()).unwrap_or(u64::MAX).saturating_add(1);
+    // First void its guard marks, so whoever claims its entries does not wait them out.
+    declare_dead(conn, stream, group, consumer).await?;
     let stale: Vec<&String> = pending.iter().filter(|(_, _, idle, _)| *idle < idle_ms).map(|(id, ..)| id).collect();
     if stale.is_empty() {
         return Ok(0);
     }
-    // First void its guard marks, so whoever claims these does not wait them out.
-    declare_dead(conn, stream, group, consumer).await?;
     let released: Vec<String> = redis::cmd("XCLAIM")
         .arg(stream)
         .arg(group)

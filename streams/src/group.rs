@@ -38,6 +38,22 @@ pub async fn destroy_group<C: ConnectionLike + Send>(
 ) -> Result<bool, StreamError> {
     let destroyed: redis::RedisResult<i64> =
         redis::cmd("XGROUP").arg("DESTROY").arg(stream).arg(group).query_async(conn).await;
+    // The group's bookkeeping goes with it: a group created again under the
+    // same name starts clean. (One DEL per key: they share a slot, but a
+    // multi-key DEL is one command per node on a cluster either way.)
+    let side_keys = [
+        crate::payload_loss::count_key(stream, group),
+        crate::payload_loss::ids_key(stream, group),
+        crate::recovery::report_key(stream, group),
+        crate::keys::last_error_key(stream, group),
+        crate::keys::dead_consumers_key(stream, group),
+        crate::keys::suppressed_key(stream, group),
+    ];
+    let mut pipe = redis::pipe();
+    for key in &side_keys {
+        pipe.cmd("DEL").arg(key).ignore();
+    }
+    let () = pipe.query_async(conn).await.map_err(|e| StreamError::new("removing the group's bookkeeping", e))?;
     match destroyed {
         Ok(n) => Ok(n > 0),
         // The stream itself is gone: so is the group.

@@ -37,6 +37,11 @@ pub fn dead_consumers_key(stream: &str, group: &str) -> String {
     companion_key(stream, &format!("dead-consumers:{group}"))
 }
 
+/// The durable count of duplicates the idempotency guard suppressed for `group`.
+pub fn suppressed_key(stream: &str, group: &str) -> String {
+    companion_key(stream, &format!("suppressed:{group}"))
+}
+
 /// The text Redis Cluster hashes to place `key`: its hash tag, or the whole key.
 pub fn slot_text(key: &str) -> &str {
     hash_tag(key).unwrap_or(key)

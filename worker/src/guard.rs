@@ -191,10 +191,7 @@ impl Guard {
     }
 }
 
-/// The durable count of duplicates the guard suppressed for `group`.
-pub fn suppressed_key(stream: &str, group: &str) -> String {
-    keys::companion_key(stream, &format!("suppressed:{group}"))
-}
+pub use streamfleet_streams::keys::suppressed_key;
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)

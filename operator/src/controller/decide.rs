@@ -27,10 +27,16 @@ use streamfleet_streams::retention::{self, Retention, StreamId};
 pub struct PolicyMemory {
     pub scaling: ScalingMemory,
     pub health: HealthMemory,
+    /// The payload-loss total already announced (the status forgets it while
+    /// the group cannot be inspected).
+    pub payload_lost_announced: i64,
 }
 
 /// What one reconcile will do.
 pub enum Plan {
+    /// An older resource names the same stream and group, and its Redis is
+    /// not known yet: do nothing until it is (never stand down on a guess).
+    Wait,
     /// Another resource runs this group: run no workers.
     Conflict(Box<Conflict>),
     /// The group does not exist: create it at the start ID, then look again.
@@ -45,6 +51,8 @@ pub struct Claimant {
     /// `namespace/name`.
     pub key: String,
     pub created: Option<Time>,
+    /// Whether it is known to use the same Redis (else: not resolved yet).
+    pub same_endpoint_known: bool,
 }
 
 /// This resource stands down: the group belongs to `owner`, the resource
@@ -108,6 +116,9 @@ pub fn decide(
     at: &Situation<'_>,
 ) -> Result<Plan, Error> {
     if let Some(owner) = earlier_claimant(at.scg, &observed.claimants) {
+        if !owner.same_endpoint_known {
+            return Ok(Plan::Wait);
+        }
         return conflict(at, observed, owner);
     }
     let Some(snapshot) = observed.group.clone() else {
@@ -136,7 +147,8 @@ pub fn decide(
     let (retention, trim_to) = retention_plan(observed);
     let mut events: Vec<PlannedEvent> = scaling_event(current_replicas, &scaling).into_iter().collect();
     events.extend(recovery_event(at.scg, last_recovery.as_ref()));
-    events.extend(payload_loss_event(at.scg, &payload_lost));
+    events.extend(payload_loss_event(at.scg, &payload_lost, memory.payload_lost_announced));
+    memory.payload_lost_announced = memory.payload_lost_announced.max(payload_lost.total);
     events.extend(health_event(at.scg, health, &health_message));
     Ok(Plan::Converge(Box::new(Convergence {
         reap: reap_plan(at.scg, &snapshot, observed),
@@ -237,9 +249,11 @@ fn reap_plan(scg: &StreamConsumerGroup, snapshot: &GroupSnapshot, observed: &Obs
 
 pub fn recovery_status(r: RecoveryReport) -> RecoveryStatus {
     let int = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
-    let ms = i64::try_from(r.finished_at_ms).unwrap_or(0);
+    // Seconds, as the API stores a Time: a finer value would never compare
+    // equal to the stored one, and every poll would rewrite the status.
+    let seconds = i64::try_from(r.finished_at_ms / 1000).unwrap_or(0);
     RecoveryStatus {
-        time: Time(k8s_openapi::jiff::Timestamp::from_millisecond(ms).unwrap_or_default()),
+        time: Time(k8s_openapi::jiff::Timestamp::from_second(seconds).unwrap_or_default()),
         claimed: int(r.claimed),
         dead_lettered: int(r.dead_lettered),
         payload_lost: int(r.payload_lost),
@@ -284,8 +298,9 @@ fn payload_lost_status(scg: &StreamConsumerGroup, loss: &PayloadLoss) -> Payload
 }
 
 /// A Warning each time the record grows, naming the count and the latest IDs.
-fn payload_loss_event(scg: &StreamConsumerGroup, now: &PayloadLostStatus) -> Option<PlannedEvent> {
-    let before = scg.status.as_ref().and_then(|s| s.payload_lost.as_ref()).map_or(0, |p| p.total);
+fn payload_loss_event(scg: &StreamConsumerGroup, now: &PayloadLostStatus, announced: i64) -> Option<PlannedEvent> {
+    let shown = scg.status.as_ref().and_then(|s| s.payload_lost.as_ref()).map_or(0, |p| p.total);
+    let before = shown.max(announced);
     (now.total > before && now.unacknowledged > 0).then(|| PlannedEvent {
         type_: EventType::Warning,
         reason: "PayloadLost",
@@ -440,7 +455,7 @@ mod tests {
     fn a_new_recovery_that_dead_lettered_is_a_warning_once() {
         let mut seen = observed(Some(snapshot(0, 0, &[])), Some(1));
         seen.last_recovery = Some(RecoveryReport {
-            finished_at_ms: 999_000_000,
+            finished_at_ms: 999_000_123,
             scanned: 5,
             claimed: 2,
             dead_lettered: 1,
@@ -494,7 +509,11 @@ mod tests {
     }
 
     fn claimant(key: &str, created_s: i64) -> Claimant {
-        Claimant { key: key.into(), created: Some(Time(k8s_openapi::jiff::Timestamp::from_second(created_s).unwrap())) }
+        Claimant {
+            key: key.into(),
+            created: Some(Time(k8s_openapi::jiff::Timestamp::from_second(created_s).unwrap())),
+            same_endpoint_known: true,
+        }
     }
 
     fn created_at(mut scg: StreamConsumerGroup, s: i64) -> StreamConsumerGroup {
@@ -520,6 +539,14 @@ mod tests {
         fresh.claimants = vec![claimant("shop/older", 100)];
         let Plan::Conflict(plan) = run(&resource, &fresh) else { panic!("expected a conflict") };
         assert!(plan.deployment.is_none());
+    }
+
+    #[test]
+    fn an_older_claimant_on_a_redis_not_yet_known_means_wait_not_stand_down() {
+        let resource = created_at(scg(), 200);
+        let mut seen = observed(Some(snapshot(0, 0, &[])), Some(1));
+        seen.claimants = vec![Claimant { same_endpoint_known: false, ..claimant("shop/older", 100) }];
+        assert!(matches!(run(&resource, &seen), Plan::Wait));
     }
 
     #[test]

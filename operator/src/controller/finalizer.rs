@@ -46,12 +46,26 @@ pub async fn cleanup(scg: &StreamConsumerGroup, ctx: &Context) -> Result<Action,
     }
     if scg.spec.deletion_policy == DeletionPolicy::Delete {
         let destroyed = async {
-            let mut conn = super::observe::endpoint(ctx, scg).await?;
-            Ok::<_, Error>(streamfleet_streams::destroy_group(&mut conn, &scg.spec.stream, &scg.spec.group).await?)
+            let (endpoint, mut conn) = super::observe::endpoint(ctx, scg).await?;
+            // Another resource names this group on this Redis: it is theirs too.
+            if let Some(other) = ctx.claimants(scg, &endpoint).first() {
+                return Ok(Err(other.key.clone()));
+            }
+            let existed = streamfleet_streams::destroy_group(&mut conn, &scg.spec.stream, &scg.spec.group).await?;
+            Ok::<_, Error>(Ok(existed))
         }
         .await;
         match destroyed {
-            Ok(existed) => tracing::info!(existed, "consumer group destroyed"),
+            Ok(Ok(existed)) => tracing::info!(existed, "consumer group destroyed"),
+            Ok(Err(other)) => {
+                let note = format!(
+                    "deletionPolicy Delete: group {:?} on stream {:?} kept, {other} names it too",
+                    scg.spec.group, scg.spec.stream
+                );
+                let event =
+                    PlannedEvent { type_: EventType::Warning, reason: "GroupKept", action: "DestroyGroup", note };
+                super::act::publish(ctx, scg, &event).await;
+            }
             Err(e) => {
                 let event = PlannedEvent {
                     type_: EventType::Warning,

@@ -197,7 +197,7 @@ impl Context {
 
     /// The other resources this operator serves that name the same stream
     /// and group on the same Redis (or on a Redis not yet known).
-    fn claimants(&self, scg: &StreamConsumerGroup, endpoint: &Endpoint) -> Vec<decide::Claimant> {
+    pub(crate) fn claimants(&self, scg: &StreamConsumerGroup, endpoint: &Endpoint) -> Vec<decide::Claimant> {
         let Ok(endpoints) = self.endpoints.lock() else { return Vec::new() };
         let me = key(scg);
         self.resources
@@ -206,8 +206,14 @@ impl Context {
             .filter_map(|r| r.0.as_ref().ok())
             .filter(|o| o.spec.stream == scg.spec.stream && o.spec.group == scg.spec.group)
             .filter(|o| o.metadata.deletion_timestamp.is_none() && key(o) != me)
-            .filter(|o| endpoints.get(&key(o)).is_none_or(|e| e == endpoint))
-            .map(|o| decide::Claimant { key: key(o), created: o.metadata.creation_timestamp.clone() })
+            .filter_map(|o| {
+                let known = endpoints.get(&key(o));
+                known.is_none_or(|e| e == endpoint).then(|| decide::Claimant {
+                    key: key(o),
+                    created: o.metadata.creation_timestamp.clone(),
+                    same_endpoint_known: known.is_some(),
+                })
+            })
             .collect()
     }
 
@@ -380,6 +386,7 @@ async fn reconcile_resource(scg: &StreamConsumerGroup, ctx: &Context) -> Result<
     let planned = ctx.with_policy(&key(scg), |memory| decide::decide(&spec, &observed, memory, &situation));
     let plan = match planned.and_then(|plan| plan) {
         Ok(Plan::Converge(plan)) => plan,
+        Ok(Plan::Wait) => return Ok(Action::requeue(Duration::from_secs(1))),
         Ok(Plan::Conflict(plan)) => {
             let refused = act::stand_down(ctx, scg, &plan).await;
             status::write(ctx, scg, status::conflicted(scg, &plan, &refused, &wall_now)).await?;
@@ -407,14 +414,15 @@ async fn reconcile_resource(scg: &StreamConsumerGroup, ctx: &Context) -> Result<
     Ok(Action::requeue(spec.poll_interval))
 }
 
-/// A pass that stopped before the group was inspected: the user's errors
-/// become a Warning Event and a status with health `Unknown`.
+/// A pass that stopped before the group was inspected: a status with health
+/// `Unknown`, and a Warning Event when the user can fix the cause.
 async fn report_failure(scg: &StreamConsumerGroup, ctx: &Context, e: Error) -> Error {
     if e.is_users() {
         ctx.publish(&scg.object_ref(&()), EventType::Warning, e.reason(), "Reconcile", e.to_string()).await;
-        if let Err(write) = status::write(ctx, scg, status::failed(scg, &e, &now())).await {
-            tracing::warn!(error = %write, "writing the failure status");
-        }
+    }
+    // Whoever's fault it is, the group's state is now unknown.
+    if let Err(write) = status::write(ctx, scg, status::failed(scg, &e, &now())).await {
+        tracing::warn!(error = %write, "writing the failure status");
     }
     e
 }

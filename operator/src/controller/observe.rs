@@ -144,8 +144,9 @@ async fn read_secret_key(secrets: &Api<Secret>, r: &SecretKeyRef) -> Result<Vec<
         .ok_or_else(|| Error::SecretKeyNotFound { name: r.name.clone(), key: r.key.clone() })
 }
 
-/// The endpoint alone, for deletion (which needs no snapshot).
-pub async fn endpoint(ctx: &Context, scg: &StreamConsumerGroup) -> Result<StreamConnection, Error> {
+/// The endpoint and a connection to it, for deletion (which needs no snapshot).
+pub async fn endpoint(ctx: &Context, scg: &StreamConsumerGroup) -> Result<(Endpoint, StreamConnection), Error> {
     let endpoint = resolve_endpoint(&ctx.client, scg).await?;
-    Ok(ctx.connections.get(&endpoint).await?)
+    let conn = ctx.connections.get(&endpoint).await?;
+    Ok((endpoint, conn))
 }

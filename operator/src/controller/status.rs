@@ -55,9 +55,13 @@ pub fn converged(
     if status.conditions.iter().any(|c| c.type_ == conditions::CONFLICT) {
         set(&mut status, conditions::CONFLICT, false, "NoConflict", "this resource runs the group");
     }
-    if let Some(r) = &plan.retention {
-        let (reason, message) = retention_condition(r);
-        set(&mut status, conditions::RETENTION_BLOCKED, r.blocked, reason, &message);
+    match &plan.retention {
+        Some(r) => {
+            let (reason, message) = retention_condition(r);
+            set(&mut status, conditions::RETENTION_BLOCKED, r.blocked, reason, &message);
+        }
+        // No retention, or its bounds unread this poll: nothing to claim.
+        None => status.conditions.retain(|c| c.type_ != conditions::RETENTION_BLOCKED),
     }
     status.health = Some(plan.health);
     if plan.last_recovery.is_some() {
@@ -162,6 +166,7 @@ pub fn failed(scg: &StreamConsumerGroup, error: &Error, now: &Time) -> StreamCon
     let unknown = format!("the group could not be inspected: {message}");
     conditions::set(&mut status.conditions, conditions::DEGRADED, true, "GroupNotInspected", &unknown, generation, now);
     status.health = Some(Health::Unknown);
+    status.conditions.retain(|c| c.type_ != conditions::RETENTION_BLOCKED);
     set_figures(&mut status, None);
     status
 }
