@@ -70,26 +70,20 @@ pub async fn claim_own<C: ConnectionLike + Send>(
 ) -> Result<Claimed, StreamError> {
     let err = |e| StreamError::new("taking back own pending entries", e);
     let start = if after == "-" { after.to_string() } else { format!("({after}") };
-    let pending: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
-        .arg(stream)
-        .arg(group)
-        .arg(&start)
-        .arg("+")
-        .arg(count)
-        .arg(consumer)
-        .query_async(conn)
-        .await
-        .map_err(err)?;
+    let pending = crate::consumers::pending_of(conn, stream, group, consumer, &start, count).await?;
     let Some((last, ..)) = pending.last() else {
         return Ok(Claimed { entries: Vec::new(), deleted: Vec::new(), next: "0-0".into() });
     };
     let next = if pending.len() < count { "0-0".to_string() } else { last.clone() };
     let ids: Vec<&String> = pending.iter().map(|(id, ..)| id).collect();
+    // A compare-and-set on idleness: an entry someone else claimed since the
+    // XPENDING above has a fresh idle time and is left to them.
+    let least_idle = pending.iter().map(|(_, _, idle, _)| *idle).min().unwrap_or(0);
     let reply: redis::streams::StreamClaimReply = redis::cmd("XCLAIM")
         .arg(stream)
         .arg(group)
         .arg(consumer)
-        .arg(0)
+        .arg(least_idle)
         .arg(&ids)
         .query_async(conn)
         .await
@@ -97,7 +91,7 @@ pub async fn claim_own<C: ConnectionLike + Send>(
     let mut found: HashMap<String, HashMap<String, redis::Value>> =
         reply.ids.into_iter().map(|e| (e.id, e.map)).collect();
     let mut entries = Vec::new();
-    let mut deleted = Vec::new();
+    let mut missing = Vec::new();
     for (id, _, _, deliveries) in pending {
         match found.remove(&id) {
             // The claim was one more delivery.
@@ -107,9 +101,17 @@ pub async fn claim_own<C: ConnectionLike + Send>(
                 fields: fields_from_map(map),
                 id,
             }),
-            None => deleted.push(id),
+            None => missing.push(id),
         }
     }
+    // Not claimed: either its payload is gone, or someone else has it now.
+    let mut pipe = redis::pipe();
+    for id in &missing {
+        pipe.cmd("XRANGE").arg(stream).arg(id).arg(id);
+    }
+    let payloads: Vec<Vec<(String, HashMap<String, redis::Value>)>> =
+        if missing.is_empty() { Vec::new() } else { pipe.query_async(conn).await.map_err(err)? };
+    let deleted = missing.into_iter().zip(payloads).filter(|(_, p)| p.is_empty()).map(|(id, _)| id).collect();
     Ok(Claimed { entries, deleted, next })
 }
 

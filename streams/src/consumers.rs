@@ -8,6 +8,31 @@ use std::time::Duration;
 /// any guard mark it may have left.
 const DEAD_FOR: Duration = Duration::from_secs(24 * 3600);
 
+/// One pending entry: ID, owner, idle milliseconds, deliveries.
+pub type PendingEntry = (String, String, u64, u64);
+
+/// Up to `count` of `consumer`'s pending entries from `start` (an ID, `(ID`
+/// for after it, or `-`), oldest first.
+pub async fn pending_of<C: ConnectionLike + Send>(
+    conn: &mut C,
+    stream: &str,
+    group: &str,
+    consumer: &str,
+    start: &str,
+    count: usize,
+) -> Result<Vec<PendingEntry>, StreamError> {
+    redis::cmd("XPENDING")
+        .arg(stream)
+        .arg(group)
+        .arg(start)
+        .arg("+")
+        .arg(count)
+        .arg(consumer)
+        .query_async(conn)
+        .await
+        .map_err(|e| StreamError::new("reading a consumer's pending entries", e))
+}
+
 /// Declares `consumer` dead (its pod is gone): its idempotency-guard marks are
 /// void from now on (`keys::dead_consumers_key`). Old declarations expire.
 pub async fn declare_dead<C: ConnectionLike + Send>(
@@ -52,16 +77,7 @@ pub async fn release_pending<C: ConnectionLike + Send>(
     count: usize,
 ) -> Result<usize, StreamError> {
     let err = |e| StreamError::new("releasing a dead consumer's entries", e);
-    let pending: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
-        .arg(stream)
-        .arg(group)
-        .arg("-")
-        .arg("+")
-        .arg(count)
-        .arg(consumer)
-        .query_async(conn)
-        .await
-        .map_err(err)?;
+    let pending = pending_of(conn, stream, group, consumer, "-", count).await?;
     let idle_ms = u64::try_from(min_idle.as_millis()).unwrap_or(u64::MAX).saturating_add(1);
     // First void its guard marks, so whoever claims its entries does not wait them out.
     declare_dead(conn, stream, group, consumer).await?;

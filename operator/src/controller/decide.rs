@@ -334,68 +334,10 @@ fn health_event(scg: &StreamConsumerGroup, health: Health, message: &str) -> Opt
 
 #[cfg(test)]
 mod tests {
-    use super::super::observe::{Observation, RetentionBounds};
-    use super::super::validate::validate;
+    use super::super::fixtures::{observed, run, scg, snapshot};
+    use super::super::observe::RetentionBounds;
     use super::*;
-    use k8s_openapi::api::apps::v1::DeploymentSpec;
-    use serde_json::json;
-    use std::collections::HashSet;
-    use std::sync::Arc;
     use streamfleet_crd::StreamConsumerGroupStatus;
-    use streamfleet_streams::health::{ConsumerState, Lag};
-
-    fn scg() -> StreamConsumerGroup {
-        serde_json::from_value(json!({
-            "apiVersion": "streamfleet.io/v1alpha1", "kind": "StreamConsumerGroup",
-            "metadata": {"name": "orders", "namespace": "shop", "uid": "u-1", "generation": 2},
-            "spec": {"redis": {"urlSecretRef": {"name": "r", "key": "url"}}, "stream": "s", "group": "g",
-                     "scaling": {"minReplicas": 1, "maxReplicas": 5, "targetPerReplica": 100},
-                     "worker": {"template": {"spec": {"containers": [{"name": "w", "image": "w"}]}}}}
-        }))
-        .unwrap()
-    }
-
-    fn snapshot(lag: u64, pending: u64, consumers: &[(&str, u64)]) -> GroupSnapshot {
-        GroupSnapshot {
-            lag: Lag::Known(lag),
-            pending,
-            entries_read: Some(10),
-            last_delivered_id: "10-0".into(),
-            oldest_pending_idle_ms: (pending > 0).then_some(1_000),
-            max_delivery_count: (pending > 0).then_some(1),
-            consumers: consumers
-                .iter()
-                .map(|(name, pending)| ConsumerState { name: (*name).into(), pending: *pending, idle_ms: 1 })
-                .collect(),
-            stream_length: 1000,
-            dead_letter_length: 0,
-            commands: 5,
-        }
-    }
-
-    fn observed(group: Option<GroupSnapshot>, replicas: Option<i32>) -> Observation {
-        Observation {
-            group,
-            last_recovery: None,
-            payload_loss: PayloadLoss::default(),
-            retention: None,
-            deployment: replicas.map(|r| {
-                Arc::new(Deployment {
-                    spec: Some(DeploymentSpec { replicas: Some(r), ..DeploymentSpec::default() }),
-                    ..Deployment::default()
-                })
-            }),
-            cronjob: None,
-            live_pods: HashSet::from(["orders-worker-a".to_string()]),
-            claimants: Vec::new(),
-        }
-    }
-
-    fn run(scg: &StreamConsumerGroup, observed: &Observation) -> Plan {
-        let settings = ObjectSettings { operator_image: "op".into() };
-        let at = Situation { scg, settings: &settings, now: Duration::from_secs(100) };
-        decide(&validate(scg).unwrap(), observed, &mut PolicyMemory::default(), &at).unwrap()
-    }
 
     fn converge(plan: Plan) -> Convergence {
         match plan {

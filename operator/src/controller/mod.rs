@@ -12,6 +12,8 @@
 pub mod act;
 pub mod decide;
 pub mod finalizer;
+#[cfg(test)]
+mod fixtures;
 pub mod observe;
 pub mod status;
 pub mod validate;

@@ -190,53 +190,16 @@ pub async fn write(ctx: &Context, scg: &StreamConsumerGroup, status: StreamConsu
 
 #[cfg(test)]
 mod tests {
-    use super::super::decide::{Plan, PolicyMemory, Situation, decide};
-    use super::super::observe::Observation;
-    use super::super::validate::validate;
+    use super::super::decide::Plan;
+    use super::super::fixtures::{observed, run, scg, snapshot};
     use super::*;
-    use crate::objects::ObjectSettings;
-    use std::time::Duration;
-
-    fn scg() -> StreamConsumerGroup {
-        serde_json::from_value(json!({
-            "apiVersion": "streamfleet.io/v1alpha1", "kind": "StreamConsumerGroup",
-            "metadata": {"name": "orders", "namespace": "shop", "uid": "u-1", "generation": 4},
-            "spec": {"redis": {"urlSecretRef": {"name": "r", "key": "url"}}, "stream": "s", "group": "g",
-                     "worker": {"template": {"spec": {"containers": [{"name": "w"}]}}}}
-        }))
-        .unwrap()
-    }
 
     fn at(s: i64) -> Time {
         Time(k8s_openapi::jiff::Timestamp::from_second(s).unwrap())
     }
 
     fn plan(scg: &StreamConsumerGroup, lag: u64) -> Convergence {
-        let snapshot = GroupSnapshot {
-            lag: Lag::Known(lag),
-            pending: 2,
-            entries_read: Some(1),
-            last_delivered_id: "1-0".into(),
-            oldest_pending_idle_ms: Some(3_000),
-            max_delivery_count: Some(1),
-            consumers: vec![],
-            stream_length: 9,
-            dead_letter_length: 1,
-            commands: 5,
-        };
-        let observed = Observation {
-            group: Some(snapshot),
-            last_recovery: None,
-            payload_loss: Default::default(),
-            retention: None,
-            deployment: None,
-            cronjob: None,
-            live_pods: Default::default(),
-            claimants: Vec::new(),
-        };
-        let settings = ObjectSettings { operator_image: "op".into() };
-        let situation = Situation { scg, settings: &settings, now: Duration::from_secs(1) };
-        match decide(&validate(scg).unwrap(), &observed, &mut PolicyMemory::default(), &situation).unwrap() {
+        match run(scg, &observed(Some(snapshot(lag, 2, &[])), None)) {
             Plan::Converge(plan) => *plan,
             _ => panic!("the group exists and is ours"),
         }
@@ -255,12 +218,12 @@ mod tests {
     fn ready_only_with_an_available_worker() {
         let resource = scg();
         let s = converged(&resource, &plan(&resource, 5), &outcome(0, vec![]), &at(1));
-        assert_eq!(s.observed_generation, Some(4));
+        assert_eq!(s.observed_generation, Some(2));
         assert_eq!(condition(&s, conditions::GROUP_READY).0, "True");
         assert_eq!(condition(&s, conditions::READY).1, "NoWorkerAvailable");
         let s = converged(&resource, &plan(&resource, 5), &outcome(1, vec![]), &at(1));
         assert_eq!(condition(&s, conditions::READY), ("True", "Reconciled", "group ready and workers available"));
-        assert_eq!((s.lag, s.pending, s.dead_letter_length), (Some(5), Some(2), Some(1)));
+        assert_eq!((s.lag, s.pending, s.stream_length), (Some(5), Some(2), Some(1000)));
         assert_eq!(s.replicas.unwrap().summary, "1/1");
     }
 
