@@ -40,28 +40,47 @@ pub fn parse_info(info: &str) -> Option<Version> {
     })
 }
 
+/// The server's version; on a Redis Cluster, where `INFO` answers once per
+/// node, the lowest of them (a feature is usable only if every node has it).
 pub async fn server_version<C: ConnectionLike + Send>(conn: &mut C) -> Result<Option<Version>, StreamError> {
-    let info: String = redis::cmd("INFO")
+    let reply: redis::Value = redis::cmd("INFO")
         .arg("server")
         .query_async(conn)
         .await
         .map_err(|e| StreamError::new("reading the server version", e))?;
-    Ok(parse_info(&info))
+    let mut texts = Vec::new();
+    collect_texts(reply, &mut texts);
+    Ok(texts.iter().filter_map(|t| parse_info(t)).min())
+}
+
+/// Every text in a reply: one for a server, one per node (a map keyed by the
+/// node's address) for a cluster.
+fn collect_texts(value: redis::Value, out: &mut Vec<String>) {
+    match value {
+        redis::Value::BulkString(bytes) => out.push(String::from_utf8_lossy(&bytes).into_owned()),
+        redis::Value::SimpleString(text) | redis::Value::VerbatimString { text, .. } => out.push(text),
+        redis::Value::Array(items) | redis::Value::Set(items) => {
+            items.into_iter().for_each(|v| collect_texts(v, out));
+        }
+        redis::Value::Map(pairs) => pairs.into_iter().for_each(|(_, v)| collect_texts(v, out)),
+        _ => {}
+    }
 }
 
 #[cfg(test)]
-mod tests {
+mod reply_tests {
     use super::*;
 
     #[test]
-    fn parses_and_gates_features() {
-        let v = parse_info("# Server\r\nredis_version:7.0.15\r\nredis_git_sha1:0\r\n").unwrap();
-        assert_eq!(v, Version { major: 7, minor: 0, patch: 15 });
-        assert!(!v.has_readgroup_claim() && !v.has_acked_trim() && !v.has_consumer_inactive());
-        let v = parse_info("redis_version:8.4.0").unwrap();
-        assert!(v.has_readgroup_claim() && v.has_acked_trim() && v.has_consumer_inactive());
-        assert!(parse_info("redis_version:8.2").unwrap().has_acked_trim());
-        assert!(!parse_info("redis_version:8.2").unwrap().has_readgroup_claim());
-        assert_eq!(parse_info("no version here"), None);
+    fn a_cluster_reply_yields_the_lowest_node_version() {
+        let node = |v: &str| redis::Value::BulkString(format!("# Server\r\nredis_version:{v}\r\n").into_bytes());
+        let reply = redis::Value::Map(vec![
+            (redis::Value::SimpleString("127.0.0.1:7000".into()), node("8.4.0")),
+            (redis::Value::SimpleString("127.0.0.1:7001".into()), node("7.0.15")),
+        ]);
+        let mut texts = Vec::new();
+        collect_texts(reply, &mut texts);
+        let lowest = texts.iter().filter_map(|t| parse_info(t)).min();
+        assert_eq!(lowest, Some(Version { major: 7, minor: 0, patch: 15 }));
     }
 }
