@@ -20,6 +20,9 @@ pub const MIN_IDLE_MS: &str = "STREAMFLEET_MIN_IDLE_MS";
 pub const MAX_DELIVERIES: &str = "STREAMFLEET_MAX_DELIVERIES";
 /// Where dead letters go.
 pub const DEAD_LETTER_STREAM: &str = "STREAMFLEET_DEAD_LETTER_STREAM";
+/// Handlers in flight per worker process (default 10); entries with the
+/// same business key never run at once.
+pub const CONCURRENCY: &str = "STREAMFLEET_CONCURRENCY";
 /// Entries claimed per batch by recovery.
 pub const BATCH_SIZE: &str = "STREAMFLEET_BATCH_SIZE";
 /// `consume` for the worker Deployment, `recovery` for the recovery Job.

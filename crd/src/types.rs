@@ -152,6 +152,13 @@ pub struct WorkerSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 63))]
     pub container_name: Option<String>,
+
+    /// Handlers in flight per worker pod (`STREAMFLEET_CONCURRENCY`; the
+    /// library's default is 10). Entries with the same business key never
+    /// run at once. `scaling.targetPerReplica` is per pod, whatever this is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub concurrency: Option<i32>,
 }
 
 /// The pod template is validated by the API server when the operator applies

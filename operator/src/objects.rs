@@ -108,6 +108,9 @@ pub fn contract_env(scg: &StreamConsumerGroup, mode: &str) -> Vec<EnvVar> {
     if let Some(ca) = spec.redis.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
         out.push(secret(env::REDIS_CA_PEM, ca));
     }
+    if let Some(n) = spec.worker.concurrency {
+        out.push(value(env::CONCURRENCY, n.to_string()));
+    }
     out
 }
 

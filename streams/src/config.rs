@@ -18,6 +18,8 @@ pub struct WorkerConfig {
     pub max_deliveries: u64,
     pub dead_letter_stream: String,
     pub batch_size: usize,
+    /// Handlers in flight at once.
+    pub concurrency: usize,
     /// How long one blocking read waits for new entries.
     pub block: Duration,
     pub mode: RunMode,
@@ -106,6 +108,7 @@ impl WorkerConfig {
             max_deliveries,
             dead_letter_stream,
             batch_size: usize::try_from(number(env::BATCH_SIZE, 100)?.clamp(1, 10_000)).unwrap_or(100),
+            concurrency: usize::try_from(number(env::CONCURRENCY, 10)?.clamp(1, 1_000)).unwrap_or(10),
             block: Duration::from_millis(2_000),
             mode: run_mode,
             streams,

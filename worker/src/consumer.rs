@@ -5,6 +5,7 @@
 
 use crate::guard::{Guard, GuardState, IdempotencyStore};
 use crate::stats::Stats;
+use futures::{FutureExt as _, StreamExt as _};
 use rand::Rng as _;
 use redis::streams::{StreamReadOptions, StreamReadReply};
 use std::collections::BTreeMap;
@@ -20,13 +21,46 @@ use streamfleet_streams::recovery::{RecoveryReport, now_ms, write_report};
 use streamfleet_streams::{Entry, StreamConnection, StreamError};
 
 /// What becomes of one entry of a batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Settled {
-    /// Ack with the batch.
+    /// Ack in the next flush.
     Ack,
-    /// Mark its business key completed, then ack, with the batch.
+    /// Mark its business key completed, then ack, in the next flush.
     AckCompleted,
     /// Leave pending (for redelivery), or already acked by its dead letter.
     Leave,
+}
+
+/// An entry's business key, as the handler's extractor gave it.
+enum KeyOf {
+    Key(String),
+    None,
+    Panicked(String),
+}
+
+/// Groups the batch's entries by (stream, key), in stream order: a group runs
+/// one entry after another, groups run concurrently.
+fn key_groups(items: &[(&str, &str)]) -> Vec<Vec<usize>> {
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut index: std::collections::HashMap<(&str, &str), usize> = std::collections::HashMap::new();
+    for (i, item) in items.iter().enumerate() {
+        match index.get(item) {
+            Some(&g) => groups[g].push(i),
+            None => {
+                index.insert(*item, groups.len());
+                groups.push(vec![i]);
+            }
+        }
+    }
+    groups
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
 }
 
 fn stopping(stop: &AtomicBool) -> bool {
@@ -314,17 +348,26 @@ impl<H: Handler> Worker<H> {
             .unwrap_or_default())
     }
 
-    /// Handles a batch: one round trip to learn every entry's guard state, the
-    /// handlers one by one, then one round trip that marks the completed
-    /// business keys and acks (in that order, so a crash between them leaves a
-    /// completed key whose redelivery is suppressed, never an unmarked ack).
+    /// Handles a batch: one round trip to learn every entry's guard state,
+    /// then up to `concurrency` handlers at once (entries sharing a business
+    /// key one after another, in stream order). Each entry is settled as soon
+    /// as its handler is done: its completion mark and ack go out in the next
+    /// small flush (mark first, so a crash between them leaves a completed key
+    /// whose redelivery is suppressed, never an unmarked ack), never deferred
+    /// to the end of the batch.
     async fn process(&self, conn: &mut StreamConnection, entries: Vec<Entry>) -> Result<(), WorkerError> {
         if entries.is_empty() {
             return Ok(());
         }
-        let keys: Vec<Option<String>> = entries.iter().map(|e| self.handler.business_key(e)).collect();
-        let tokens: Vec<String> =
-            entries.iter().zip(&keys).map(|(e, k)| k.clone().unwrap_or_else(|| e.id.clone())).collect();
+        let keys: Vec<KeyOf> = entries.iter().map(|e| self.key_of(e)).collect();
+        let tokens: Vec<String> = entries
+            .iter()
+            .zip(&keys)
+            .map(|(e, k)| match k {
+                KeyOf::Key(key) => key.clone(),
+                _ => e.id.clone(),
+            })
+            .collect();
         let items: Vec<(&str, &str)> =
             entries.iter().zip(&tokens).map(|(e, t)| (e.stream.as_str(), t.as_str())).collect();
         let states = match &self.guard {
@@ -332,22 +375,92 @@ impl<H: Handler> Worker<H> {
             Some(Idempotency::Store(store)) => store.begin(&items).await.map_err(store_error)?,
             None => vec![GuardState::Acquired; entries.len()],
         };
-        let mut acks: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-        let mut completed: Vec<(&str, &str)> = Vec::new();
-        for (((entry, key), token), state) in entries.iter().zip(&keys).zip(&tokens).zip(states) {
-            match self.settle(conn, entry, key.as_deref(), token, state).await? {
-                Settled::Ack => acks.entry(&entry.stream).or_default().push(&entry.id),
-                Settled::AckCompleted => {
-                    acks.entry(&entry.stream).or_default().push(&entry.id);
-                    completed.push((&entry.stream, token));
-                }
-                Settled::Leave => {}
+        let (settled_tx, settled_rx) = tokio::sync::mpsc::unbounded_channel::<(usize, Settled)>();
+        let failure: std::sync::Mutex<Option<WorkerError>> = std::sync::Mutex::new(None);
+        let handlers = async {
+            futures::stream::iter(key_groups(&items))
+                .for_each_concurrent(self.config.concurrency, |group| {
+                    let (tx, mut conn, failure) = (settled_tx.clone(), conn.clone(), &failure);
+                    let (entries, keys, tokens, states) = (&entries, &keys, &tokens, &states);
+                    async move {
+                        for i in group {
+                            match self.settle(&mut conn, &entries[i], &keys[i], &tokens[i], states[i]).await {
+                                Ok(Settled::Leave) => {}
+                                Ok(settled) => {
+                                    let _ = tx.send((i, settled));
+                                }
+                                Err(e) => {
+                                    if let Ok(mut slot) = failure.lock() {
+                                        slot.get_or_insert(e);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                })
+                .await;
+            drop(settled_tx);
+        };
+        let flushes = self.flush_settled(conn.clone(), settled_rx, &entries, &tokens);
+        let ((), flushed) = tokio::join!(handlers, flushes);
+        if let Some(e) = failure.into_inner().ok().flatten() {
+            return Err(e);
+        }
+        flushed
+    }
+
+    /// The business key, or why there is none. A key extractor that panics
+    /// marks the entry malformed instead of wedging it.
+    fn key_of(&self, entry: &Entry) -> KeyOf {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.handler.business_key(entry))) {
+            Ok(Some(key)) => KeyOf::Key(key),
+            Ok(None) => KeyOf::None,
+            Err(panic) => KeyOf::Panicked(panic_message(panic.as_ref())),
+        }
+    }
+
+    /// Sends the settled entries' completion marks and acks as they come, in
+    /// as few round trips as they arrive in.
+    async fn flush_settled(
+        &self,
+        mut conn: StreamConnection,
+        mut settled: tokio::sync::mpsc::UnboundedReceiver<(usize, Settled)>,
+        entries: &[Entry],
+        tokens: &[String],
+    ) -> Result<(), WorkerError> {
+        let mut failure = None;
+        while let Some(first) = settled.recv().await {
+            let mut batch = vec![first];
+            while let Ok(more) = settled.try_recv() {
+                batch.push(more);
+            }
+            if let Err(e) = self.flush(&mut conn, &batch, entries, tokens).await {
+                failure.get_or_insert(e);
             }
         }
-        if acks.is_empty() || self.at_most_once {
+        failure.map_or(Ok(()), Err)
+    }
+
+    async fn flush(
+        &self,
+        conn: &mut StreamConnection,
+        batch: &[(usize, Settled)],
+        entries: &[Entry],
+        tokens: &[String],
+    ) -> Result<(), WorkerError> {
+        if self.at_most_once {
             return Ok(());
         }
         let started = Instant::now();
+        let completed: Vec<(&str, &str)> = batch
+            .iter()
+            .filter(|(_, s)| *s == Settled::AckCompleted)
+            .map(|(i, _)| (entries[*i].stream.as_str(), tokens[*i].as_str()))
+            .collect();
+        let mut acks: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for (i, _) in batch {
+            acks.entry(entries[*i].stream.as_str()).or_default().push(entries[*i].id.as_str());
+        }
         let mut pipe = redis::pipe();
         match &self.guard {
             Some(Idempotency::Redis(guard)) => {
@@ -373,10 +486,18 @@ impl<H: Handler> Worker<H> {
         &self,
         conn: &mut StreamConnection,
         entry: &Entry,
-        key: Option<&str>,
+        key_of: &KeyOf,
         token: &str,
         state: GuardState,
     ) -> Result<Settled, WorkerError> {
+        let key = match key_of {
+            KeyOf::Key(key) => Some(key.as_str()),
+            KeyOf::None => None,
+            KeyOf::Panicked(why) => {
+                let error = format!("the business key extractor panicked: {why}");
+                return self.reject(conn, entry, Reason::Malformed, &error, None, token).await;
+            }
+        };
         if entry.deliveries > self.config.max_deliveries {
             let error = deadletter::last_error(conn, &entry.stream, &self.config.group, &entry.id).await?;
             let error = error.unwrap_or_else(|| "delivered too often".into());
@@ -457,7 +578,12 @@ impl<H: Handler> Worker<H> {
         let started = Instant::now();
         let mut delay = Duration::from_millis(50);
         loop {
-            let outcome = self.handler.handle(entry).await;
+            // A panicking handler fails this entry only (retried, and
+            // dead-lettered past maxDeliveries like any failure).
+            let outcome = match std::panic::AssertUnwindSafe(self.handler.handle(entry)).catch_unwind().await {
+                Ok(outcome) => outcome,
+                Err(panic) => Outcome::Transient(format!("handler panicked: {}", panic_message(panic.as_ref()))),
+            };
             let Outcome::Transient(_) = &outcome else {
                 return outcome;
             };

@@ -19,6 +19,10 @@ use streamfleet_worker::{Entry, Handler, Outcome, Stats, Worker, WorkerConfig};
 #[derive(Clone, Default)]
 struct Scripted {
     calls: Arc<Mutex<HashMap<String, u32>>>,
+    /// Handlers running now, the most seen at once, and keys running now.
+    in_flight: Arc<Mutex<(usize, usize, Vec<String>)>>,
+    overlapping_keys: Arc<Mutex<u32>>,
+    release: Arc<tokio::sync::Notify>,
 }
 
 impl Scripted {
@@ -32,6 +36,9 @@ impl Scripted {
 
 impl Handler for Scripted {
     fn business_key(&self, entry: &Entry) -> Option<String> {
+        if entry.field_str("key") == Some("explode") {
+            panic!("cannot read this key");
+        }
         entry.field_str("key").map(str::to_string)
     }
 
@@ -44,6 +51,30 @@ impl Handler for Scripted {
         };
         match entry.field_str("kind").unwrap_or("ok") {
             "ok" => Outcome::Done,
+            "slow" => {
+                let key = entry.field_str("key").unwrap_or_default().to_string();
+                {
+                    let mut f = self.in_flight.lock().unwrap();
+                    if f.2.contains(&key) {
+                        *self.overlapping_keys.lock().unwrap() += 1;
+                    }
+                    f.0 += 1;
+                    f.1 = f.1.max(f.0);
+                    f.2.push(key.clone());
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let mut f = self.in_flight.lock().unwrap();
+                f.0 -= 1;
+                if let Some(at) = f.2.iter().position(|k| *k == key) {
+                    f.2.remove(at);
+                }
+                Outcome::Done
+            }
+            "wait" => {
+                self.release.notified().await;
+                Outcome::Done
+            }
+            "panic" => panic!("handler bug"),
             "flaky" if n > 2 => Outcome::Done,
             "flaky" | "down" => Outcome::Transient("dependency down".into()),
             "refused" => Outcome::Permanent("business rule says no".into()),
@@ -450,5 +481,84 @@ async fn a_restarted_consumer_handles_its_own_pending_entries_first() -> Result<
     assert_eq!(pending(&mut conn).await?, 0);
     let lost: HashMap<String, u64> = conn.hgetall("{orders}:payload-lost:g").await?;
     assert_eq!(lost.get("count"), Some(&1), "the lost payload is on record");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handlers_run_concurrently_but_never_two_with_one_business_key() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    // 40 slow entries over 20 keys: two per key.
+    for i in 0..40 {
+        add(&mut conn, &[("kind", "slow"), ("key", &format!("k{}", i % 20))]).await?;
+    }
+    let handler = Scripted::default();
+    let mut config = config(&server, "c1", 10_000, 5);
+    config.concurrency = 10;
+    let worker = Worker::new(config, handler.clone());
+    let stats = worker.stats();
+    let started = std::time::Instant::now();
+    let (stop, run) = spawn(worker);
+    eventually("all handled", T, || async { Ok((Stats::get(&stats.processed) == 40).then_some(())) }).await?;
+    let took = started.elapsed();
+    let _ = stop.send(());
+    run.await??;
+    let most = handler.in_flight.lock().unwrap().1;
+    assert!(most > 1 && most <= 10, "{most} handlers at once");
+    assert_eq!(*handler.overlapping_keys.lock().unwrap(), 0, "one business key ran twice at once");
+    // 40 x 100 ms one at a time would take 4 s.
+    assert!(took < Duration::from_secs(3), "took {took:?}");
+    assert_eq!(pending(&mut conn).await?, 0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_entry_is_acked_when_its_handler_is_done_not_with_the_batch() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    let quick = add(&mut conn, &[("kind", "ok"), ("key", "quick")]).await?;
+    let slow = add(&mut conn, &[("kind", "wait"), ("key", "slow")]).await?;
+    let handler = Scripted::default();
+    let worker = Worker::new(config(&server, "c1", 10_000, 5), handler.clone());
+    let (stop, run) = spawn(worker);
+    // The quick entry is acked while the other handler of its batch still runs.
+    eventually("quick entry acked", T, || async {
+        let mut c = conn.clone();
+        let left: Vec<(String, String, u64, u64)> =
+            redis::cmd("XPENDING").arg("orders").arg("g").arg("-").arg("+").arg(10).query_async(&mut c).await?;
+        let ids: Vec<&str> = left.iter().map(|(id, ..)| id.as_str()).collect();
+        Ok((ids == [slow.as_str()] && handler.calls(&quick) == 1).then_some(()))
+    })
+    .await?;
+    handler.release.notify_one();
+    eventually("slow entry acked", T, || async { Ok((pending(&mut conn.clone()).await? == 0).then_some(())) }).await?;
+    let _ = stop.send(());
+    run.await??;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_handler_or_key_extractor_fails_its_entry_only() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    let fine = add(&mut conn, &[("kind", "ok"), ("key", "fine")]).await?;
+    let buggy = add(&mut conn, &[("kind", "panic"), ("key", "buggy")]).await?;
+    let unreadable = add(&mut conn, &[("kind", "ok"), ("key", "explode")]).await?;
+    let handler = Scripted::default();
+    let worker = Worker::new(config(&server, "c1", 300, 2), handler.clone());
+    let stats = worker.stats();
+    let (stop, run) = spawn(worker);
+    eventually("settled", T, || async {
+        Ok((Stats::get(&stats.dead_lettered) == 2 && pending(&mut conn.clone()).await? == 0).then_some(()))
+    })
+    .await?;
+    let _ = stop.send(());
+    run.await??;
+    assert_eq!(handler.calls(&fine), 1);
+    assert_eq!(handler.calls(&unreadable), 0, "never handled without its key");
+    let letters = dead_letters(&mut conn).await?;
+    let by_id: HashMap<&str, &HashMap<String, String>> =
+        letters.iter().map(|l| (l[dl::F_SOURCE_ID].as_str(), l)).collect();
+    assert_eq!(by_id[buggy.as_str()][dl::F_REASON], "max-deliveries");
+    assert!(by_id[buggy.as_str()][dl::F_ERROR].contains("handler panicked: handler bug"));
+    assert_eq!(by_id[unreadable.as_str()][dl::F_REASON], "malformed");
+    assert!(by_id[unreadable.as_str()][dl::F_ERROR].contains("cannot read this key"));
     Ok(())
 }
