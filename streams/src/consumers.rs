@@ -73,31 +73,70 @@ pub async fn release_pending<C: ConnectionLike + Send>(
     stream: &str,
     group: &str,
     consumer: &str,
+    dead_letter_stream: &str,
     min_idle: Duration,
     count: usize,
-) -> Result<usize, StreamError> {
+) -> Result<Released, StreamError> {
     let err = |e| StreamError::new("releasing a dead consumer's entries", e);
     let pending = pending_of(conn, stream, group, consumer, "-", count).await?;
     let idle_ms = u64::try_from(min_idle.as_millis()).unwrap_or(u64::MAX).saturating_add(1);
     // First void its guard marks, so whoever claims its entries does not wait them out.
     declare_dead(conn, stream, group, consumer).await?;
-    let stale: Vec<&String> = pending.iter().filter(|(_, _, idle, _)| *idle < idle_ms).map(|(id, ..)| id).collect();
+    let stale: Vec<&PendingEntry> = pending.iter().filter(|(_, _, idle, _)| *idle < idle_ms).collect();
     if stale.is_empty() {
-        return Ok(0);
+        return Ok(Released::default());
+    }
+    // XCLAIM drops IDs whose payload is gone from the PEL without a word:
+    // record those as lost first.
+    let mut pipe = redis::pipe();
+    for (id, ..) in &stale {
+        pipe.cmd("XRANGE").arg(stream).arg(id).arg(id);
+    }
+    let payloads: Vec<Vec<(String, std::collections::HashMap<String, redis::Value>)>> =
+        pipe.query_async(conn).await.map_err(err)?;
+    let mut alive = Vec::new();
+    let mut lost = 0;
+    for ((id, _, _, deliveries), payload) in stale.into_iter().zip(payloads) {
+        if !payload.is_empty() {
+            alive.push(id);
+            continue;
+        }
+        let entry = crate::Entry { stream: stream.into(), id: id.clone(), fields: Vec::new(), deliveries: *deliveries };
+        let letter = crate::deadletter::Letter {
+            group,
+            consumer,
+            reason: crate::deadletter::Reason::PayloadMissing,
+            error: "payload trimmed or deleted while pending (found releasing a dead consumer)",
+            business_key: None,
+        };
+        crate::deadletter::dead_letter(conn, dead_letter_stream, &entry, &letter).await?;
+        lost += 1;
+    }
+    if alive.is_empty() {
+        return Ok(Released { released: 0, payload_lost: lost });
     }
     let released: Vec<String> = redis::cmd("XCLAIM")
         .arg(stream)
         .arg(group)
         .arg(consumer)
         .arg(0)
-        .arg(&stale)
+        .arg(&alive)
         .arg("IDLE")
         .arg(idle_ms)
         .arg("JUSTID")
         .query_async(conn)
         .await
         .map_err(err)?;
-    Ok(released.len())
+    Ok(Released { released: released.len(), payload_lost: lost })
+}
+
+/// What releasing a dead consumer's entries did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Released {
+    /// Entries made claimable now.
+    pub released: usize,
+    /// Entries whose payload was gone: recorded as lost and dead-lettered.
+    pub payload_lost: usize,
 }
 
 /// Deletes `consumer` only if it owns no pending entry, atomically: deleting

@@ -1,5 +1,6 @@
 //! Dead letters: an entry moved to the dead-letter stream atomically with its
-//! ack (one MULTI/EXEC: XADD, XACK), carrying why and where it came from.
+//! ack (one script: XADD, then XACK only if the XADD succeeded), carrying why
+//! and where it came from.
 //!
 //! Record format (`docs/dead-letters.md`): the original fields unchanged, plus
 //! `streamfleet.*` metadata fields.
@@ -45,6 +46,27 @@ impl Reason {
     }
 }
 
+/// XADD the dead letter, and only once that succeeded ack the entry, drop its
+/// last error and, for a lost payload, record it (a failing `redis.call`
+/// stops the script: a MULTI would ack even when the XADD failed).
+/// KEYS: dead-letter stream, stream, last-error hash, payload-lost count and
+/// IDs. ARGV: group, entry ID, lost (1/0), last index of the kept IDs, then
+/// the dead letter's fields and values.
+static DEAD_LETTER: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(
+        r"
+        local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 5))
+        redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
+        redis.call('HDEL', KEYS[3], ARGV[2])
+        if ARGV[3] == '1' then
+            redis.call('HINCRBY', KEYS[4], 'count', 1)
+            redis.call('LPUSH', KEYS[5], ARGV[2])
+            redis.call('LTRIM', KEYS[5], 0, tonumber(ARGV[4]))
+        end
+        return id",
+    )
+});
+
 /// What to record about a dead letter besides the entry itself.
 pub struct Letter<'a> {
     pub group: &'a str,
@@ -64,8 +86,18 @@ pub async fn dead_letter<C: ConnectionLike + Send>(
     letter: &Letter<'_>,
 ) -> Result<String, StreamError> {
     let now_ms = crate::recovery::now_ms();
-    let mut xadd = redis::cmd("XADD");
-    xadd.arg(dead_letter_stream).arg("*");
+    let lost = letter.reason == Reason::PayloadMissing;
+    let mut script = DEAD_LETTER.prepare_invoke();
+    script
+        .key(dead_letter_stream)
+        .key(&entry.stream)
+        .key(keys::last_error_key(&entry.stream, letter.group))
+        .key(crate::payload_loss::count_key(&entry.stream, letter.group))
+        .key(crate::payload_loss::ids_key(&entry.stream, letter.group))
+        .arg(letter.group)
+        .arg(&entry.id)
+        .arg(if lost { "1" } else { "0" })
+        .arg(crate::payload_loss::LATEST - 1);
     let meta = [
         (F_SOURCE_STREAM, entry.stream.clone()),
         (F_SOURCE_ID, entry.id.clone()),
@@ -77,31 +109,15 @@ pub async fn dead_letter<C: ConnectionLike + Send>(
         (F_AT, now_ms.to_string()),
     ];
     for (k, v) in meta {
-        xadd.arg(k).arg(v);
+        script.arg(k).arg(v);
     }
     if let Some(key) = letter.business_key {
-        xadd.arg(F_BUSINESS_KEY).arg(key);
+        script.arg(F_BUSINESS_KEY).arg(key);
     }
     for (k, v) in &entry.fields {
-        xadd.arg(k).arg(v.as_slice());
+        script.arg(k).arg(v.as_slice());
     }
-    let mut pipe = redis::pipe();
-    pipe.atomic()
-        .add_command(xadd)
-        .cmd("XACK")
-        .arg(&entry.stream)
-        .arg(letter.group)
-        .arg(&entry.id)
-        .ignore()
-        .cmd("HDEL")
-        .arg(keys::last_error_key(&entry.stream, letter.group))
-        .arg(&entry.id)
-        .ignore();
-    if letter.reason == Reason::PayloadMissing {
-        // Lost work is counted where the operator looks, whoever found it.
-        crate::payload_loss::record(&mut pipe, &entry.stream, letter.group, &entry.id);
-    }
-    let (id,): (String,) = pipe.query_async(conn).await.map_err(|e| StreamError::new("dead-lettering an entry", e))?;
+    let id: String = script.invoke_async(conn).await.map_err(|e| StreamError::new("dead-lettering an entry", e))?;
     Ok(id)
 }
 

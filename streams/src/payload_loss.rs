@@ -1,7 +1,7 @@
 //! The durable record of lost payloads, per group: whoever meets a pending
 //! entry whose payload was trimmed or deleted (a worker's claim loop, the
 //! sweep, a worker in another language) records it here, in the same
-//! MULTI as its `payload-missing` dead letter, and the operator reads it
+//! script as its `payload-missing` dead letter, and the operator reads it
 //! every poll. Two keys in the stream's hash slot:
 //!
 //! * `<tag>:payload-lost:<group>`: a hash; field `count` is the total ever lost;
@@ -21,15 +21,6 @@ pub fn count_key(stream: &str, group: &str) -> String {
 
 pub fn ids_key(stream: &str, group: &str) -> String {
     keys::companion_key(stream, &format!("payload-lost-ids:{group}"))
-}
-
-/// Adds the commands that record one lost payload to `pipe` (inside the
-/// caller's MULTI, beside the dead letter).
-pub fn record(pipe: &mut redis::Pipeline, stream: &str, group: &str, id: &str) {
-    let ids = ids_key(stream, group);
-    pipe.cmd("HINCRBY").arg(count_key(stream, group)).arg("count").arg(1).ignore();
-    pipe.cmd("LPUSH").arg(&ids).arg(id).ignore();
-    pipe.cmd("LTRIM").arg(&ids).arg(0).arg(LATEST - 1).ignore();
 }
 
 /// What has been lost in a group, as recorded.

@@ -415,17 +415,27 @@ async fn entries_of_a_consumer_declared_dead_are_handled_at_once_despite_its_gua
     for i in 0..3 {
         let _: () = conn.set_ex(format!("{{orders}}:idem:g:k{i}"), "processing:dead-pod", 60).await?;
     }
-    // The operator's reaper releases its entries (min-idle-time 60 s).
+    // One more it held lost its payload to an outside XDEL.
+    let gone = add(&mut conn, &[("kind", "ok"), ("key", "gone")]).await?;
+    let opts = redis::streams::StreamReadOptions::default().group("g", "dead-pod").count(10);
+    let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
+    let _: i64 = conn.xdel("orders", &[&gone]).await?;
+    // The operator's reaper releases its entries (min-idle-time 60 s); the
+    // lost one is recorded, not silently dropped.
     let released = streamfleet_streams::consumers::release_pending(
         &mut conn,
         "orders",
         "g",
         "dead-pod",
+        "{orders}:dead",
         Duration::from_secs(60),
         10,
     )
     .await?;
-    assert_eq!(released, 3);
+    assert_eq!((released.released, released.payload_lost), (3, 1));
+    let lost: HashMap<String, u64> = conn.hgetall("{orders}:payload-lost:g").await?;
+    assert_eq!(lost.get("count"), Some(&1));
+    assert_eq!(dead_letters(&mut conn).await?[0][dl::F_SOURCE_ID], gone);
     let handler = Scripted::default();
     let worker = Worker::new(config(&server, "live-pod", 60_000, 5), handler.clone())
         .with_idempotency_guard(Duration::from_secs(600));
@@ -560,5 +570,22 @@ async fn a_panicking_handler_or_key_extractor_fails_its_entry_only() -> Result<(
     assert!(by_id[buggy.as_str()][dl::F_ERROR].contains("handler panicked: handler bug"));
     assert_eq!(by_id[unreadable.as_str()][dl::F_REASON], "malformed");
     assert!(by_id[unreadable.as_str()][dl::F_ERROR].contains("cannot read this key"));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_that_cannot_be_written_leaves_its_entry_pending() -> Result<()> {
+    let (_server, mut conn) = setup().await?;
+    let id = add(&mut conn, &[("kind", "refused"), ("key", "k")]).await?;
+    let opts = redis::streams::StreamReadOptions::default().group("g", "c1").count(10);
+    let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
+    // The dead-letter key holds something else: XADD fails.
+    let _: () = conn.set("{orders}:dead", "not a stream").await?;
+    let entry = Entry { stream: "orders".into(), id: id.clone(), fields: vec![], deliveries: 1 };
+    let letter =
+        dl::Letter { group: "g", consumer: "c1", reason: dl::Reason::Permanent, error: "no", business_key: None };
+    let moved = dl::dead_letter(&mut conn, "{orders}:dead", &entry, &letter).await;
+    assert!(moved.is_err(), "{moved:?}");
+    assert_eq!(pending(&mut conn).await?, 1, "not acked: the entry is not lost");
     Ok(())
 }

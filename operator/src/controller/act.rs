@@ -130,18 +130,29 @@ async fn reap_consumer(
 ) {
     use streamfleet_streams::consumers;
     let result = match reap {
-        Reap::Release(name) => {
-            consumers::release_pending(conn, &spec.stream, &spec.group, name, spec.min_idle, spec.batch).await.map(
-                |n| {
-                    (n > 0).then(|| {
-                        (
-                            "DeadConsumerReleased",
-                            format!("released {n} pending entries of {name} (pod gone) for claiming"),
-                        )
-                    })
-                },
-            )
-        }
+        Reap::Release(name) => consumers::release_pending(
+            conn,
+            &spec.stream,
+            &spec.group,
+            name,
+            &spec.dead_letter_stream,
+            spec.min_idle,
+            spec.batch,
+        )
+        .await
+        .map(|r| {
+            let lost = if r.payload_lost > 0 {
+                format!("; {} had lost their payload (recorded)", r.payload_lost)
+            } else {
+                String::new()
+            };
+            (r.released + r.payload_lost > 0).then(|| {
+                (
+                    "DeadConsumerReleased",
+                    format!("released {} pending entries of {name} (pod gone) for claiming{lost}", r.released),
+                )
+            })
+        }),
         Reap::Delete(name) => consumers::delete_if_empty(conn, &spec.stream, &spec.group, name).await.map(|deleted| {
             deleted.then(|| ("DeadConsumerDeleted", format!("deleted consumer {name} (pod gone, owned nothing)")))
         }),
