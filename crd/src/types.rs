@@ -419,6 +419,15 @@ pub struct StreamConsumerGroupStatus {
     /// acknowledged (annotation `streamfleet.io/payload-lost-acknowledged`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub payload_lost: Option<PayloadLostStatus>,
+
+    /// Where the group would be created again if it vanished (its stream
+    /// deleted, Redis restarted without persistence): just before its oldest
+    /// pending entry, or at its last delivered one, as last observed. Nothing
+    /// that was not acknowledged is skipped; some entries may be delivered
+    /// again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 64))]
+    pub resume_id: Option<String>,
 }
 
 /// The annotation through which a user acknowledges lost payloads: its value

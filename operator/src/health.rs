@@ -122,6 +122,7 @@ mod tests {
             oldest_pending_idle_ms: (pending > 0).then_some(1_000),
             max_delivery_count: (pending > 0).then_some(1),
             consumers: vec![],
+            before_oldest_pending: None,
             stream_length: 100,
             dead_letter_length: 0,
             commands: 5,

@@ -62,6 +62,8 @@ pub struct GroupSnapshot {
     /// Highest delivery count among the oldest pending entries.
     pub max_delivery_count: Option<u64>,
     pub consumers: Vec<ConsumerState>,
+    /// The ID before the oldest pending entry (`None` when nothing is pending).
+    pub before_oldest_pending: Option<String>,
     pub stream_length: u64,
     pub dead_letter_length: u64,
     /// Redis commands this inspection sent (for the benchmark).
@@ -109,6 +111,8 @@ pub async fn inspect<C: ConnectionLike + Send>(
     // longest since first delivery; its idle times tell how stuck it is.
     let oldest_pending_idle_ms = oldest.iter().map(|(_, _, idle, _)| *idle).max();
     let max_delivery_count = oldest.iter().map(|(_, _, _, count)| *count).max();
+    let before_oldest_pending =
+        oldest.first().and_then(|(id, ..)| crate::retention::StreamId::parse(id)).map(|id| id.prev().to_string());
     Ok(Some(GroupSnapshot {
         lag,
         pending: to_u64(info.pending),
@@ -121,6 +125,7 @@ pub async fn inspect<C: ConnectionLike + Send>(
             .into_iter()
             .map(|c| ConsumerState { name: c.name, pending: to_u64(c.pending), idle_ms: to_u64(c.idle) })
             .collect(),
+        before_oldest_pending,
         stream_length,
         dead_letter_length,
         commands,

@@ -24,6 +24,15 @@ impl StreamId {
         Some(Self { ms: ms.parse().ok()?, seq: seq.parse().ok()? })
     }
 
+    /// The largest ID before this one (`0-0` stays `0-0`).
+    pub fn prev(self) -> Self {
+        match self.seq.checked_sub(1) {
+            Some(seq) => Self { ms: self.ms, seq },
+            None if self.ms > 0 => Self { ms: self.ms - 1, seq: u64::MAX },
+            None => self,
+        }
+    }
+
     /// The smallest ID after this one.
     pub fn next(self) -> Self {
         match self.seq.checked_add(1) {
@@ -175,6 +184,9 @@ mod tests {
         assert!(id(2, 0) > id(1, 99));
         assert_eq!(id(5, 1).next(), id(5, 2));
         assert_eq!(id(5, u64::MAX).next(), id(6, 0));
+        assert_eq!(id(6, 0).prev(), id(5, u64::MAX));
+        assert_eq!(id(6, 3).prev(), id(6, 2));
+        assert_eq!(id(0, 0).prev(), id(0, 0));
     }
 
     #[test]

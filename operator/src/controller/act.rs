@@ -29,23 +29,40 @@ pub struct Outcome {
     pub refused: Vec<Error>,
 }
 
-/// Creates the missing group at the start ID.
+/// Creates the missing group at `start`; a group that `vanished` is a Warning.
 pub async fn create_group(
     ctx: &Context,
     scg: &StreamConsumerGroup,
     conn: &mut StreamConnection,
     spec: &ValidSpec,
+    start: &str,
+    vanished: bool,
 ) -> Result<(), Error> {
-    let created = streamfleet_streams::ensure_group(conn, &spec.stream, &spec.group, &spec.start_id).await?;
-    if created == GroupCreation::Created {
-        let note = format!("created group {:?} on stream {:?} at {}", spec.group, spec.stream, spec.start_id);
-        publish(
-            ctx,
-            scg,
-            &PlannedEvent { type_: EventType::Normal, reason: "GroupCreated", action: "EnsureGroup", note },
-        )
-        .await;
+    let created = streamfleet_streams::ensure_group(conn, &spec.stream, &spec.group, start).await?;
+    if created != GroupCreation::Created {
+        return Ok(());
     }
+    let event = if vanished {
+        PlannedEvent {
+            type_: EventType::Warning,
+            reason: "GroupRecreated",
+            action: "EnsureGroup",
+            note: format!(
+                "group {:?} on stream {:?} had vanished (stream deleted, or Redis restarted without persistence): \
+                 created again at {start}, where it was, so nothing unacknowledged is skipped; entries pending \
+                 before are delivered again, entries trimmed with the stream are gone",
+                spec.group, spec.stream
+            ),
+        }
+    } else {
+        PlannedEvent {
+            type_: EventType::Normal,
+            reason: "GroupCreated",
+            action: "EnsureGroup",
+            note: format!("created group {:?} on stream {:?} at {start}", spec.group, spec.stream),
+        }
+    };
+    publish(ctx, scg, &event).await;
     Ok(())
 }
 

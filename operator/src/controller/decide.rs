@@ -39,8 +39,9 @@ pub enum Plan {
     Wait,
     /// Another resource runs this group: run no workers.
     Conflict(Box<Conflict>),
-    /// The group does not exist: create it at the start ID, then look again.
-    CreateGroup,
+    /// The group does not exist: create it at `start`, then look again.
+    /// `vanished`: it existed before (its position comes from the status).
+    CreateGroup { start: String, vanished: bool },
     /// The group exists: converge everything else.
     Converge(Box<Convergence>),
 }
@@ -122,7 +123,11 @@ pub fn decide(
         return conflict(at, observed, owner);
     }
     let Some(snapshot) = observed.group.clone() else {
-        return Ok(Plan::CreateGroup);
+        // Never silently at `$`: a group seen before resumes where it was.
+        return Ok(match at.scg.status.as_ref().and_then(|s| s.resume_id.clone()) {
+            Some(start) => Plan::CreateGroup { start, vanished: true },
+            None => Plan::CreateGroup { start: spec.start_id.clone(), vanished: false },
+        });
     };
     let current_replicas = observed.deployment.as_ref().and_then(|d| d.spec.as_ref().and_then(|s| s.replicas));
     let scaling = scaling::decide(
@@ -347,8 +352,13 @@ mod tests {
     }
 
     #[test]
-    fn a_missing_group_is_created_first() {
-        assert!(matches!(run(&scg(), &observed(None, Some(1))), Plan::CreateGroup));
+    fn a_missing_group_is_created_at_the_start_id_or_where_it_was() {
+        let fresh = run(&scg(), &observed(None, Some(1)));
+        assert!(matches!(fresh, Plan::CreateGroup { start, vanished: false } if start == "$"));
+        let mut seen_before = scg();
+        seen_before.status = Some(StreamConsumerGroupStatus { resume_id: Some("41-7".into()), ..Default::default() });
+        let again = run(&seen_before, &observed(None, Some(1)));
+        assert!(matches!(again, Plan::CreateGroup { start, vanished: true } if start == "41-7"));
     }
 
     #[test]

@@ -36,6 +36,7 @@ pub fn snapshot(lag: u64, pending: u64, consumers: &[(&str, u64)]) -> GroupSnaps
             .iter()
             .map(|(name, pending)| ConsumerState { name: (*name).into(), pending: *pending, idle_ms: 1 })
             .collect(),
+        before_oldest_pending: (pending > 0).then(|| "4-0".into()),
         stream_length: 1000,
         dead_letter_length: 0,
         commands: 5,

@@ -397,8 +397,8 @@ async fn reconcile_resource(scg: &StreamConsumerGroup, ctx: &Context) -> Result<
                 None => Ok(Action::requeue(spec.poll_interval)),
             };
         }
-        Ok(Plan::CreateGroup) => {
-            if let Err(e) = act::create_group(ctx, scg, &mut conn, &spec).await {
+        Ok(Plan::CreateGroup { start, vanished }) => {
+            if let Err(e) = act::create_group(ctx, scg, &mut conn, &spec, &start, vanished).await {
                 return Err(report_failure(scg, ctx, e).await);
             }
             return Ok(Action::requeue(AFTER_GROUP_CREATED));

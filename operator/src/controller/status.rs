@@ -68,6 +68,8 @@ pub fn converged(
         status.last_recovery = plan.last_recovery.clone();
     }
     status.payload_lost = Some(plan.payload_lost.clone());
+    status.resume_id =
+        Some(plan.snapshot.before_oldest_pending.clone().unwrap_or_else(|| plan.snapshot.last_delivered_id.clone()));
     status.replicas = Some(ReplicaStatus { desired, current: available, summary: format!("{available}/{desired}") });
     set_figures(&mut status, Some(&plan.snapshot));
     status
