@@ -119,11 +119,20 @@ pub struct Worker<H> {
     guard: Option<Idempotency>,
     stats: Arc<Stats>,
     at_most_once: bool,
+    /// Set on shutdown: no handler starts after it.
+    stop: Arc<AtomicBool>,
 }
 
 impl<H: Handler> Worker<H> {
     pub fn new(config: WorkerConfig, handler: H) -> Self {
-        Self { config, handler: Arc::new(handler), guard: None, stats: Arc::new(Stats::default()), at_most_once: false }
+        Self {
+            config,
+            handler: Arc::new(handler),
+            guard: None,
+            stats: Arc::new(Stats::default()),
+            at_most_once: false,
+            stop: Arc::new(AtomicBool::new(false)),
+        }
     }
 
     /// At-most-once delivery (`XREADGROUP ... NOACK`), for lossy telemetry
@@ -161,10 +170,11 @@ impl<H: Handler> Worker<H> {
     }
 
     /// Runs until `shutdown` resolves (consume mode) or until nothing is left
-    /// to claim (recovery mode). On shutdown it stops reading, finishes and
-    /// acks the batch in hand, and returns.
+    /// to claim (recovery mode). On shutdown it stops reading and starts no
+    /// new handler; handlers in flight finish and are acked; entries of the
+    /// batch not started stay pending with their guard marks released.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), WorkerError> {
-        let stop = Arc::new(AtomicBool::new(false));
+        let stop = self.stop.clone();
         let flag = stop.clone();
         let watcher = tokio::spawn(async move {
             shutdown.await;
@@ -384,6 +394,16 @@ impl<H: Handler> Worker<H> {
                     let (entries, keys, tokens, states) = (&entries, &keys, &tokens, &states);
                     async move {
                         for i in group {
+                            if stopping(&self.stop) {
+                                // Shutting down: start nothing new; let the next
+                                // holder take it at once.
+                                if states[i] == GuardState::Acquired
+                                    && let Err(e) = self.release(&mut conn, &entries[i].stream, &tokens[i]).await
+                                {
+                                    tracing::warn!(error = %e, "releasing a mark on shutdown");
+                                }
+                                continue;
+                            }
                             match self.settle(&mut conn, &entries[i], &keys[i], &tokens[i], states[i]).await {
                                 Ok(Settled::Leave) => {}
                                 Ok(settled) => {

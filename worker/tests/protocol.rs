@@ -589,3 +589,36 @@ async fn a_dead_letter_that_cannot_be_written_leaves_its_entry_pending() -> Resu
     assert_eq!(pending(&mut conn).await?, 1, "not acked: the entry is not lost");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_starts_no_new_handler_and_releases_what_it_did_not_start() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    let started = add(&mut conn, &[("kind", "wait"), ("key", "started")]).await?;
+    let mut waiting = Vec::new();
+    for i in 0..3 {
+        // Queued behind it in the same batch (one handler at a time).
+        waiting.push(add(&mut conn, &[("kind", "ok"), ("key", &format!("later-{i}"))]).await?);
+    }
+    let handler = Scripted::default();
+    let mut config = config(&server, "c1", 10_000, 5);
+    config.concurrency = 1;
+    let worker = Worker::new(config, handler.clone()).with_idempotency_guard(Duration::from_secs(600));
+    let (stop, run) = spawn(worker);
+    eventually("first handler running", T, || async { Ok((handler.calls(&started) == 1).then_some(())) }).await?;
+    let _ = stop.send(());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    handler.release.notify_one();
+    tokio::time::timeout(Duration::from_secs(5), run).await???;
+    assert_eq!(handler.total(), 1, "nothing started after the shutdown signal");
+    // The running one finished and was acked; the others wait for the next
+    // worker, their guard marks released so it need not wait them out.
+    let left: Vec<(String, String, u64, u64)> =
+        redis::cmd("XPENDING").arg("orders").arg("g").arg("-").arg("+").arg(10).query_async(&mut conn).await?;
+    let left: Vec<String> = left.into_iter().map(|(id, ..)| id).collect();
+    assert_eq!(left, waiting);
+    for i in 0..3 {
+        let mark: Option<String> = conn.get(format!("{{orders}}:idem:g:later-{i}")).await?;
+        assert_eq!(mark, None, "mark of an entry never started is released");
+    }
+    Ok(())
+}
