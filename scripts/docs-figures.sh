@@ -18,14 +18,11 @@ for path in sorted(pathlib.Path("docs/figures").glob("*.json")):
     name = path.stem
     f = json.loads(path.read_text())
     settings = ", ".join(f"{k}={json.dumps(v)}" for k, v in f.get("settings", {}).items())
-    rows = "\n".join(
-        f"| {i + 1} | {r['entries']} | {r['seconds']:.2f} s |" for i, r in enumerate(f.get("runs", []))
-    )
+    header = "| " + " | ".join(f["columns"]) + " |\n|" + "---:|" * len(f["columns"])
+    rows = "\n".join("| " + " | ".join(str(c) for c in row) + " |" for row in f["rows"])
     body = (
-        f"{f['what']}; settings: {settings}; {len(f.get('runs', []))} runs "
-        f"(from `docs/figures/{name}.json`, written by the test that measured it).\n\n"
-        f"| run | entries held | time |\n|---:|---:|---:|\n{rows}\n\n"
-        f"**Median {f['medianSeconds']:.2f} s.**\n"
+        f"{f['what']}. Settings: {settings} (from `docs/figures/{name}.json`, written by the program that measured it).\n\n"
+        f"{header}\n{rows}\n\n**{f['summary']}**\n"
     )
     block = f"<!-- figure:{name} -->\n{body}<!-- /figure:{name} -->"
     pattern = re.compile(rf"<!-- figure:{name} -->.*?<!-- /figure:{name} -->", re.S)

@@ -238,12 +238,3 @@ pub async fn operator_http(client: &Client, namespace: &str, path: &str) -> Resu
     stream.read_to_string(&mut response).await?;
     Ok(response.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).unwrap_or_default())
 }
-
-/// Writes a measured figure as `target/figures/<name>.json`, from which
-/// `scripts/docs-figures.sh` generates its section of `docs/benchmarks.md`.
-pub fn write_figure(name: &str, figure: &serde_json::Value) -> Result<()> {
-    let dir = repo_path("target/figures");
-    std::fs::create_dir_all(&dir)?;
-    std::fs::write(dir.join(format!("{name}.json")), serde_json::to_string_pretty(figure)?)?;
-    Ok(())
-}

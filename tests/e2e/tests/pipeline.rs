@@ -272,13 +272,14 @@ async fn a_killed_workers_entries_are_handled_and_acked_within_seconds_and_live_
     let mut times: Vec<Duration> = figures.iter().map(|(t, _)| *t).collect();
     times.sort();
     let median = times[times.len() / 2];
-    write_figure(
+    streamfleet_testbed::write_figure(
         "reclaim",
         &serde_json::json!({
-            "what": "force-deleted worker: from the pod's deletion to the last of its held entries handled (charged) and acked",
+            "what": "A force-deleted worker's entries: from the pod's deletion to the last of them handled (charged) and acked",
             "settings": {"minIdleTimeMs": 60000, "guard": true, "batchSize": 4, "handlerMs": 300, "workers": 3, "pollIntervalSeconds": 2},
-            "runs": figures.iter().map(|(t, n)| serde_json::json!({"seconds": t.as_secs_f64(), "entries": n})).collect::<Vec<_>>(),
-            "medianSeconds": median.as_secs_f64(),
+            "columns": ["run", "entries held", "seconds"],
+            "rows": figures.iter().enumerate().map(|(i, (t, n))| serde_json::json!([i + 1, n, format!("{:.2}", t.as_secs_f64())])).collect::<Vec<_>>(),
+            "summary": format!("Median {:.2} s over {} runs.", median.as_secs_f64(), figures.len()),
         }),
     )?;
     assert!(median < Duration::from_secs(5), "median {median:?} over {times:?}");

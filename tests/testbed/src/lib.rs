@@ -172,6 +172,16 @@ fn clean_stale_runs() {
     }
 }
 
+/// Writes a measured figure as `target/figures/<name>.json`, from which
+/// `scripts/docs-figures.sh` generates its section of `docs/benchmarks.md`.
+/// Shape: `what`, `settings`, `columns`, `rows`, `summary`.
+pub fn write_figure(name: &str, figure: &serde_json::Value) -> Result<()> {
+    let dir = tools::workspace_root().join("target/figures");
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join(format!("{name}.json")), serde_json::to_string_pretty(figure)?)?;
+    Ok(())
+}
+
 pub fn random_suffix() -> String {
     random_string(6)
 }
