@@ -71,3 +71,23 @@ pub async fn redis_used_mib(conn: &mut redis::aio::MultiplexedConnection) -> Res
         info.lines().find_map(|l| l.strip_prefix("used_memory:")).and_then(|v| v.trim().parse().ok()).unwrap_or(0.0);
     Ok(bytes / 1024.0 / 1024.0)
 }
+
+/// Runs `worker` until it has processed `n` entries; returns how long that took.
+pub async fn run_until_processed<H: streamfleet_worker::Handler>(
+    worker: streamfleet_worker::Worker<H>,
+    n: usize,
+) -> Result<Duration> {
+    let stats = worker.stats();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let start = Instant::now();
+    let running = tokio::spawn(worker.run(async move {
+        let _ = rx.await;
+    }));
+    while streamfleet_worker::Stats::get(&stats.processed) < u64::try_from(n)? {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let took = start.elapsed();
+    let _ = tx.send(());
+    running.await??;
+    Ok(took)
+}

@@ -6,12 +6,12 @@
 
 use anyhow::Result;
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use streamfleet_bench::fill;
 use streamfleet_contract as env;
 use streamfleet_streams::ensure_group;
 use streamfleet_testbed::RedisServer;
-use streamfleet_worker::{Entry, Handler, Outcome, Stats, Worker, WorkerConfig};
+use streamfleet_worker::{Entry, Handler, Outcome, Worker, WorkerConfig};
 
 const HANDLER: Duration = Duration::from_millis(10);
 
@@ -37,18 +37,7 @@ async fn run(server: &RedisServer, stream: &str, n: usize, concurrency: usize) -
         (env::CONCURRENCY, concurrency.to_string()),
     ]);
     let worker = Worker::new(WorkerConfig::from_lookup(|k| vars.get(k).cloned())?, IoBound);
-    let stats = worker.stats();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let start = Instant::now();
-    let running = tokio::spawn(worker.run(async move {
-        let _ = rx.await;
-    }));
-    while Stats::get(&stats.processed) < u64::try_from(n)? {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let took = start.elapsed();
-    let _ = tx.send(());
-    running.await??;
+    let took = streamfleet_bench::run_until_processed(worker, n).await?;
     Ok(n as f64 / took.as_secs_f64())
 }
 

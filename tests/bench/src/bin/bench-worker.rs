@@ -12,7 +12,7 @@ use streamfleet_bench::fill;
 use streamfleet_contract as env;
 use streamfleet_streams::ensure_group;
 use streamfleet_testbed::RedisServer;
-use streamfleet_worker::{Entry, Handler, Outcome, Stats, Worker, WorkerConfig};
+use streamfleet_worker::{Entry, Handler, Outcome, Worker, WorkerConfig};
 
 struct Trivial;
 impl Handler for Trivial {
@@ -62,19 +62,7 @@ async fn library(server: &RedisServer, stream: &str, n: usize, guard: bool) -> R
     if guard {
         worker = worker.with_idempotency_guard(Duration::from_secs(3600));
     }
-    let stats = worker.stats();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let start = Instant::now();
-    let run = tokio::spawn(worker.run(async move {
-        let _ = rx.await;
-    }));
-    while Stats::get(&stats.processed) < u64::try_from(n)? {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let took = start.elapsed();
-    let _ = tx.send(());
-    run.await??;
-    Ok(took)
+    streamfleet_bench::run_until_processed(worker, n).await
 }
 
 /// Builds and runs the Watermill peer program; returns its consumption time.
