@@ -61,6 +61,35 @@ impl EventPublisher {
         Self { client, controller: controller.into(), instance, published: Mutex::new(HashMap::new()) }
     }
 
+    /// Counts one more in the series of an identical recent Event; false when
+    /// there is none (or it is gone), so a new Event must be created. The
+    /// lock is held only to read and update the record, never across an API
+    /// call.
+    async fn continue_series(&self, key: &Key, now: Timestamp) -> bool {
+        let series = {
+            let mut published = self.published.lock().await;
+            published.retain(|_, p| now.duration_since(p.last) < SERIES_WINDOW);
+            published.get_mut(key).map(|p| {
+                p.count = p.count.saturating_add(1);
+                p.last = now;
+                (p.name.clone(), p.namespace.clone(), p.count)
+            })
+        };
+        let Some((name, namespace, count)) = series else { return false };
+        let series = EventSeries { count, last_observed_time: MicroTime(now) };
+        let patch = serde_json::json!({ "series": series });
+        let events: Api<Event> = Api::namespaced(self.client.clone(), &namespace);
+        match events.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+            Ok(_) => true,
+            // Gone (expired, deleted): start a new Event.
+            Err(e) => {
+                tracing::debug!(error = %e, "continuing an event series");
+                self.published.lock().await.remove(key);
+                false
+            }
+        }
+    }
+
     /// Creates an Event about `regarding`, or counts one more in the series
     /// of an identical Event published within the last minutes.
     pub async fn publish(
@@ -81,29 +110,8 @@ impl EventPublisher {
             action: action.into(),
             note: note.clone(),
         };
-        // The lock is held only to read and update the record, never across
-        // an API call.
-        let series = {
-            let mut published = self.published.lock().await;
-            published.retain(|_, p| now.duration_since(p.last) < SERIES_WINDOW);
-            published.get_mut(&key).map(|p| {
-                p.count = p.count.saturating_add(1);
-                p.last = now;
-                (p.name.clone(), p.namespace.clone(), p.count)
-            })
-        };
-        if let Some((name, series_namespace, count)) = series {
-            let series = EventSeries { count, last_observed_time: MicroTime(now) };
-            let patch = serde_json::json!({ "series": series });
-            let events: Api<Event> = Api::namespaced(self.client.clone(), &series_namespace);
-            match events.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
-                Ok(_) => return Ok(()),
-                // Gone (expired, deleted): start a new Event below.
-                Err(e) => {
-                    tracing::debug!(error = %e, "continuing an event series");
-                    self.published.lock().await.remove(&key);
-                }
-            }
+        if self.continue_series(&key, now).await {
+            return Ok(());
         }
         let events: Api<Event> = Api::namespaced(self.client.clone(), &namespace);
         let event = Event {

@@ -123,11 +123,7 @@ pub fn decide(
         return conflict(at, observed, owner);
     }
     let Some(snapshot) = observed.group.clone() else {
-        // Never silently at `$`: a group seen before resumes where it was.
-        return Ok(match at.scg.status.as_ref().and_then(|s| s.resume_id.clone()) {
-            Some(start) => Plan::CreateGroup { start, vanished: true },
-            None => Plan::CreateGroup { start: spec.start_id.clone(), vanished: false },
-        });
+        return Ok(create_group(spec, at.scg));
     };
     let current_replicas = observed.deployment.as_ref().and_then(|d| d.spec.as_ref().and_then(|s| s.replicas));
     let scaling = scaling::decide(
@@ -170,6 +166,15 @@ pub fn decide(
         trim_to,
         events,
     })))
+}
+
+/// The missing group's start: never silently at `$` for a group seen before,
+/// which resumes where it was.
+fn create_group(spec: &ValidSpec, scg: &StreamConsumerGroup) -> Plan {
+    match scg.status.as_ref().and_then(|s| s.resume_id.clone()) {
+        Some(start) => Plan::CreateGroup { start, vanished: true },
+        None => Plan::CreateGroup { start: spec.start_id.clone(), vanished: false },
+    }
 }
 
 /// Trim to the policy's target, never past the safe floor.
