@@ -317,7 +317,7 @@ async fn a_killed_workers_entries_are_handled_and_acked_within_seconds_and_live_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_under_load_drains_the_batch_in_hand_and_loses_nothing() -> Result<()> {
+async fn sigterm_under_load_finishes_what_it_started_releases_the_rest_and_loses_nothing() -> Result<()> {
     let f = Fixture::start("e2e-drain", &[]).await?;
     let (bed, client, ns, mut conn) = (f.bed, f.client.clone(), &f.ns, f.conn.clone());
     let spec = "  startId: \"0\"\n  scaling: {minReplicas: 2, maxReplicas: 2, pollIntervalSeconds: 2}\n  recovery: {minIdleTimeMs: 60000, batchSize: 20}";
@@ -344,8 +344,9 @@ async fn sigterm_under_load_drains_the_batch_in_hand_and_loses_nothing() -> Resu
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
     pods.delete(&victim, &DeleteParams::default()).await?;
     eventually("victim gone", T, || async { Ok(pods.get_opt(&victim).await?.is_none().then_some(())) }).await?;
-    // It finished and acked its batch before exiting: the reaper found it
-    // owning nothing (deleted it) and had nothing to release.
+    // It finished and acked the handlers it had started and started no new
+    // one: what was left of its batch (at most one batch) is released by the
+    // reaper to the other worker. Nothing lost, nothing run twice.
     eventually("all charged", T, || async {
         let charged: usize = conn.clone().hlen("ledger:charges").await?;
         Ok((charged == 2000).then_some(()))
@@ -360,7 +361,12 @@ async fn sigterm_under_load_drains_the_batch_in_hand_and_loses_nothing() -> Resu
         .filter(|e| e.reason.as_deref() == Some("DeadConsumerReleased"))
         .filter_map(|e| e.note)
         .collect();
-    assert!(released.iter().all(|n| !n.contains(&victim)), "the drained worker left entries behind: {released:?}");
+    let left_behind: usize = released
+        .iter()
+        .filter(|n| n.contains(&victim))
+        .filter_map(|n| n.strip_prefix("released ")?.split_whitespace().next()?.parse::<usize>().ok())
+        .sum();
+    assert!(left_behind <= 20, "the drained worker left more than its unstarted batch behind: {released:?}");
     let log = std::fs::read_to_string(bed.pod_dir(&ns.name, &victim).join("worker.log")).unwrap_or_default();
     assert!(log.contains("drained; stopping"), "worker log:\n{log}");
     let duplicates: usize = conn.hlen("ledger:duplicates").await?;
