@@ -125,25 +125,34 @@ async fn crash_drill_every_order_charged_exactly_once() -> Result<()> {
             continue;
         }
         let victim = &running[rand::rng().random_range(0..running.len())];
-        let held: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
-            .arg("orders")
-            .arg("billing")
-            .arg("-")
-            .arg("+")
-            .arg(1000)
-            .arg(victim)
-            .query_async(&mut conn)
-            .await?;
+        // One atomic look right before the kill: what it holds, and how much
+        // of that is already charged but not acked.
+        let (held, charged_unacked): (usize, usize) = redis::Script::new(
+            r"
+            local held = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1000, ARGV[2])
+            local charged = 0
+            for _, p in ipairs(held) do
+                local e = redis.call('XRANGE', KEYS[1], p[1], p[1])[1]
+                if e then
+                    for i = 1, #e[2], 2 do
+                        if e[2][i] == 'order_id' and redis.call('HEXISTS', KEYS[2], e[2][i + 1]) == 1 then
+                            charged = charged + 1
+                        end
+                    end
+                end
+            end
+            return {#held, charged}",
+        )
+        .key("orders")
+        .key("ledger:charges")
+        .arg("billing")
+        .arg(victim)
+        .invoke_async(&mut conn)
+        .await?;
+        charged_unacked_at_kill += charged_unacked;
         pods.delete(victim, &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
         kills += 1;
-        held_at_kill += held.len();
-        for (id, ..) in &held {
-            let entry: redis::streams::StreamRangeReply = conn.xrange("orders", id, id).await?;
-            let order = entry.ids.first().and_then(|e| e.get::<String>("order_id")).unwrap_or_default();
-            if conn.hexists("ledger:charges", &order).await? {
-                charged_unacked_at_kill += 1;
-            }
-        }
+        held_at_kill += held;
     }
 
     let expected = orders - poison.len() - TRIMMED;
