@@ -389,14 +389,16 @@ impl<H: Handler> Worker<H> {
         let failure: std::sync::Mutex<Option<WorkerError>> = std::sync::Mutex::new(None);
         let handlers = async {
             futures::stream::iter(key_groups(&items))
-                .for_each_concurrent(self.config.concurrency, |group| {
+                .for_each_concurrent(self.config.concurrency.max(1), |group| {
                     let (tx, mut conn, failure) = (settled_tx.clone(), conn.clone(), &failure);
                     let (entries, keys, tokens, states) = (&entries, &keys, &tokens, &states);
                     async move {
                         for i in group {
-                            if stopping(&self.stop) {
-                                // Shutting down: start nothing new; let the next
-                                // holder take it at once.
+                            let failed = failure.lock().map_or(true, |f| f.is_some());
+                            // At-most-once entries are in no PEL: leaving one unstarted loses it.
+                            if failed || (stopping(&self.stop) && !self.at_most_once) {
+                                // Shutting down, or the batch failed: start nothing
+                                // new; let the next holder take it at once.
                                 if states[i] == GuardState::Acquired
                                     && let Err(e) = self.release(&mut conn, &entries[i].stream, &tokens[i]).await
                                 {
@@ -410,6 +412,7 @@ impl<H: Handler> Worker<H> {
                                     let _ = tx.send((i, settled));
                                 }
                                 Err(e) => {
+                                    tracing::warn!(error = %e, stream = %entries[i].stream, id = %entries[i].id, "settling an entry");
                                     if let Ok(mut slot) = failure.lock() {
                                         slot.get_or_insert(e);
                                     }
@@ -521,6 +524,10 @@ impl<H: Handler> Worker<H> {
         if entry.deliveries > self.config.max_deliveries {
             let error = deadletter::last_error(conn, &entry.stream, &self.config.group, &entry.id).await?;
             let error = error.unwrap_or_else(|| "delivered too often".into());
+            // Its mark goes too, or later entries of the key wait it out.
+            if state == GuardState::Acquired {
+                self.release(conn, &entry.stream, token).await?;
+            }
             self.dead_letter(conn, entry, Reason::MaxDeliveries, &error, key).await?;
             return Ok(Settled::Leave);
         }
@@ -592,7 +599,9 @@ impl<H: Handler> Worker<H> {
 
     /// Runs the handler, retrying transient failures with exponential backoff
     /// and jitter while the entry is far from min-idle-time (half of it), so
-    /// no other consumer claims an entry this one still holds.
+    /// no other consumer claims an entry this one still holds. The same half
+    /// is every attempt's deadline: a handler still running then is dropped
+    /// and counts as a transient failure.
     async fn handle_with_retries(&self, entry: &Entry) -> Outcome {
         let budget = self.config.min_idle / 2;
         let started = Instant::now();
@@ -600,9 +609,15 @@ impl<H: Handler> Worker<H> {
         loop {
             // A panicking handler fails this entry only (retried, and
             // dead-lettered past maxDeliveries like any failure).
-            let outcome = match std::panic::AssertUnwindSafe(self.handler.handle(entry)).catch_unwind().await {
-                Ok(outcome) => outcome,
-                Err(panic) => Outcome::Transient(format!("handler panicked: {}", panic_message(panic.as_ref()))),
+            // Inside an async block, so a panic while building the future is caught too.
+            let attempt = async { self.handler.handle(entry).await };
+            let left = budget.saturating_sub(started.elapsed()).max(Duration::from_millis(1));
+            let outcome = match tokio::time::timeout(left, std::panic::AssertUnwindSafe(attempt).catch_unwind()).await {
+                // Past its deadline (half of min-idle-time): given up, so no one
+                // claims the entry while its first holder still runs it.
+                Err(_) => Outcome::Transient(format!("handler timed out after {left:?}")),
+                Ok(Ok(outcome)) => outcome,
+                Ok(Err(panic)) => Outcome::Transient(format!("handler panicked: {}", panic_message(panic.as_ref()))),
             };
             let Outcome::Transient(_) = &outcome else {
                 return outcome;

@@ -546,8 +546,10 @@ async fn each_entry_is_acked_when_its_handler_is_done_not_with_the_batch() -> Re
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_panicking_handler_or_key_extractor_fails_its_entry_only() -> Result<()> {
+async fn a_panicking_hung_handler_or_key_extractor_fails_its_entry_only() -> Result<()> {
     let (server, mut conn) = setup().await?;
+    // Never finishes: dropped at its deadline (half of min-idle-time).
+    let hung = add(&mut conn, &[("kind", "wait"), ("key", "hung")]).await?;
     let fine = add(&mut conn, &[("kind", "ok"), ("key", "fine")]).await?;
     let buggy = add(&mut conn, &[("kind", "panic"), ("key", "buggy")]).await?;
     let unreadable = add(&mut conn, &[("kind", "ok"), ("key", "explode")]).await?;
@@ -556,7 +558,7 @@ async fn a_panicking_handler_or_key_extractor_fails_its_entry_only() -> Result<(
     let stats = worker.stats();
     let (stop, run) = spawn(worker);
     eventually("settled", T, || async {
-        Ok((Stats::get(&stats.dead_lettered) == 2 && pending(&mut conn.clone()).await? == 0).then_some(()))
+        Ok((Stats::get(&stats.dead_lettered) == 3 && pending(&mut conn.clone()).await? == 0).then_some(()))
     })
     .await?;
     let _ = stop.send(());
@@ -568,6 +570,8 @@ async fn a_panicking_handler_or_key_extractor_fails_its_entry_only() -> Result<(
         letters.iter().map(|l| (l[dl::F_SOURCE_ID].as_str(), l)).collect();
     assert_eq!(by_id[buggy.as_str()][dl::F_REASON], "max-deliveries");
     assert!(by_id[buggy.as_str()][dl::F_ERROR].contains("handler panicked: handler bug"));
+    assert_eq!(by_id[hung.as_str()][dl::F_REASON], "max-deliveries");
+    assert!(by_id[hung.as_str()][dl::F_ERROR].contains("handler timed out"), "{:?}", by_id[hung.as_str()]);
     assert_eq!(by_id[unreadable.as_str()][dl::F_REASON], "malformed");
     assert!(by_id[unreadable.as_str()][dl::F_ERROR].contains("cannot read this key"));
     Ok(())
