@@ -18,6 +18,8 @@ step "cargo fmt --check"
 cargo fmt --all -- --check
 step "cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# The interleaving tests build the worker with its failpoints on.
+cargo clippy -p streamfleet-worker --all-targets --features failpoints --locked -- -D warnings
 
 step "no unused dependencies (cargo machete)"
 cargo machete
@@ -38,4 +40,6 @@ cargo build --workspace --bins --locked
 step "tests"
 # Tests mostly wait on the control plane and Redis: run more than one per core.
 RUST_TEST_THREADS=${RUST_TEST_THREADS:-4} cargo test --workspace --locked
+step "interleaving tests (failpoints)"
+cargo test -p streamfleet-worker --features failpoints --test interleavings --locked
 step "done"

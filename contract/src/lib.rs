@@ -23,6 +23,10 @@ pub const DEAD_LETTER_STREAM: &str = "STREAMFLEET_DEAD_LETTER_STREAM";
 /// Handlers in flight per worker process (default 10); entries with the
 /// same business key never run at once.
 pub const CONCURRENCY: &str = "STREAMFLEET_CONCURRENCY";
+/// Milliseconds a worker may spend finishing its handlers in flight after
+/// SIGTERM (the pod's grace period less a margin); entries still running then
+/// are handed back for another consumer. Default 25000.
+pub const DRAIN_TIMEOUT_MS: &str = "STREAMFLEET_DRAIN_TIMEOUT_MS";
 /// Entries claimed per batch by recovery.
 pub const BATCH_SIZE: &str = "STREAMFLEET_BATCH_SIZE";
 /// `consume` for the worker Deployment, `recovery` for the recovery Job.

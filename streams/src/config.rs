@@ -22,6 +22,8 @@ pub struct WorkerConfig {
     pub concurrency: usize,
     /// How long one blocking read waits for new entries.
     pub block: Duration,
+    /// How long handlers in flight may run on after shutdown begins.
+    pub drain_timeout: Duration,
     pub mode: RunMode,
 }
 
@@ -110,6 +112,7 @@ impl WorkerConfig {
             batch_size: usize::try_from(number(env::BATCH_SIZE, 100)?.clamp(1, 10_000)).unwrap_or(100),
             concurrency: usize::try_from(number(env::CONCURRENCY, 10)?.clamp(1, 1_000)).unwrap_or(10),
             block: Duration::from_millis(2_000),
+            drain_timeout: Duration::from_millis(number(env::DRAIN_TIMEOUT_MS, 25_000)?),
             mode: run_mode,
             streams,
         })

@@ -3,7 +3,8 @@
 //! what must leave, leave the rest pending for redelivery; claim entries that
 //! crashed consumers left idle; drain on shutdown.
 
-use crate::guard::{Guard, GuardState, IdempotencyStore};
+use crate::guard::{Acquisition, Guard, GuardState, IdempotencyStore};
+use crate::lease::{Held, Lease};
 use crate::stats::Stats;
 use futures::{FutureExt as _, StreamExt as _};
 use rand::Rng as _;
@@ -29,6 +30,74 @@ enum Settled {
     AckCompleted,
     /// Leave pending (for redelivery), or already acked by its dead letter.
     Leave,
+}
+
+/// Backoff of a failing consume step.
+const RETRY_FIRST: Duration = Duration::from_millis(200);
+const RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// What the consume loop has learned so far.
+struct ConsumeState {
+    /// Whether reads claim idle entries themselves (Redis 8.4); `None` until known.
+    claim_in_read: Option<bool>,
+    /// Whether this consumer's own pending entries were taken back.
+    taken_back: bool,
+    next_claim: Instant,
+}
+
+/// Where an entry of a batch stands.
+const WAITING: u8 = 0;
+const RUNNING: u8 = 1;
+const SETTLED: u8 = 2;
+
+/// A batch in hand.
+struct Batch {
+    entries: Vec<Entry>,
+    keys: Vec<KeyOf>,
+    /// Each entry's guard token: its business key, or its ID.
+    tokens: Vec<String>,
+    acquisitions: Vec<Acquisition>,
+    /// `WAITING`, `RUNNING` or `SETTLED` (committed, or left for redelivery).
+    phase: Vec<std::sync::atomic::AtomicU8>,
+    /// Notified when a failpoint stops the batch where it stands (tests).
+    crash: tokio::sync::Notify,
+}
+
+impl Batch {
+    /// The entries not settled yet, per stream.
+    fn open_by_stream(&self) -> BTreeMap<&str, Vec<usize>> {
+        let mut open: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+        for (i, entry) in self.entries.iter().enumerate() {
+            if self.phase[i].load(Ordering::SeqCst) != SETTLED {
+                open.entry(entry.stream.as_str()).or_default().push(i);
+            }
+        }
+        open
+    }
+}
+
+/// The delivery a handler is running, as [`current_delivery`] tells it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Delivery {
+    pub consumer: String,
+    pub stream: String,
+    pub id: String,
+    /// Times delivered, this delivery included.
+    pub deliveries: u64,
+    /// With the Redis guard: this acquisition's fencing token. Every
+    /// acquisition of a business key gets a larger one, so a business store
+    /// that records the largest fence per key and refuses a smaller one never
+    /// applies a stale holder's effect after a newer holder's.
+    pub fence: Option<u64>,
+}
+
+tokio::task_local! {
+    static DELIVERY: Delivery;
+}
+
+/// The delivery the calling handler is running (`None` outside a handler).
+pub fn current_delivery() -> Option<Delivery> {
+    DELIVERY.try_with(Delivery::clone).ok()
 }
 
 /// An entry's business key, as the handler's extractor gave it.
@@ -99,6 +168,9 @@ pub enum WorkerError {
     Redis(#[from] StreamError),
     #[error("idempotency store: {0}")]
     Store(String),
+    /// A failpoint (tests only) stopped the worker where it stood, as a crash would.
+    #[error("stopped at failpoint {0}")]
+    Failpoint(&'static str),
 }
 
 fn store_error(e: Box<dyn std::error::Error + Send + Sync>) -> WorkerError {
@@ -189,42 +261,68 @@ impl<H: Handler> Worker<H> {
         result
     }
 
+    /// The consume loop. A failing step (Redis unreachable, the group gone
+    /// while the operator recreates it) is retried with backoff, never fatal:
+    /// a worker that exits would only crash-loop until Redis is back.
     async fn consume(&self, conn: &mut StreamConnection, stop: &AtomicBool) -> Result<(), WorkerError> {
         let mut reader = StreamConnection::connect_blocking(&self.config.endpoint, self.config.block).await?;
-        // Often enough that entries released from a dead consumer move within
-        // a second or two; XAUTOCLAIM over an empty or fresh PEL is cheap.
-        let claim_every = (self.config.min_idle / 2).min(Duration::from_secs(1));
-        let mut next_claim = Instant::now();
-        // Redis 8.4 can hand idle entries out with the read itself
-        // (XREADGROUP ... CLAIM); older servers get the XAUTOCLAIM cycle. The
-        // cycle runs in both cases: it also reports payloads lost while pending.
-        let version = streamfleet_streams::version::server_version(conn).await?;
-        let claim_in_read = !self.at_most_once && version.is_some_and(|v| v.has_readgroup_claim());
-        tracing::info!(?version, claim_in_read, at_most_once = self.at_most_once, "consuming");
-        if !self.at_most_once {
-            // A restart under the same name (same pod): what this consumer read
-            // before and never settled is handled first, at once.
-            self.take_back_own(conn, stop).await?;
-        }
-        // Never cancel a read in flight: entries it delivered would sit in our
-        // PEL unseen until claimed. The short BLOCK bounds the drain instead.
+        let mut state = ConsumeState { claim_in_read: None, taken_back: self.at_most_once, next_claim: Instant::now() };
+        let mut delay = RETRY_FIRST;
         while !stopping(stop) {
-            if !self.at_most_once && Instant::now() >= next_claim {
-                self.claim_cycle(conn, stop).await?;
-                next_claim = Instant::now() + claim_every;
-            }
-            let entries = match self.read(&mut reader, claim_in_read).await {
-                Ok(entries) => entries,
+            match self.consume_step(conn, &mut reader, stop, &mut state).await {
+                Ok(()) => delay = RETRY_FIRST,
+                Err(e @ WorkerError::Failpoint(_)) => return Err(e),
                 Err(e) => {
-                    tracing::warn!(error = %e, "read failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                    continue;
+                    tracing::warn!(error = %e, retry_in = ?delay, "consuming failed; retrying");
+                    let until = Instant::now() + delay;
+                    while Instant::now() < until && !stopping(stop) {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                    delay = (delay * 2).min(RETRY_MAX);
                 }
-            };
-            self.process(conn, entries).await?;
+            }
         }
         tracing::info!(consumer = %self.config.consumer, "drained; stopping");
         Ok(())
+    }
+
+    /// One turn of the consume loop: the claim cycle when due, one read, its batch.
+    async fn consume_step(
+        &self,
+        conn: &mut StreamConnection,
+        reader: &mut StreamConnection,
+        stop: &AtomicBool,
+        state: &mut ConsumeState,
+    ) -> Result<(), WorkerError> {
+        let claim_in_read = match state.claim_in_read {
+            Some(known) => known,
+            None => {
+                // Redis 8.4 can hand idle entries out with the read itself
+                // (XREADGROUP ... CLAIM); older servers get the XAUTOCLAIM
+                // cycle. The cycle runs in both cases: it also reports
+                // payloads lost while pending.
+                let version = streamfleet_streams::version::server_version(conn).await?;
+                let known = !self.at_most_once && version.is_some_and(|v| v.has_readgroup_claim());
+                tracing::info!(?version, claim_in_read = known, at_most_once = self.at_most_once, "consuming");
+                *state.claim_in_read.insert(known)
+            }
+        };
+        if !state.taken_back {
+            // A restart under the same name (same pod): what this consumer read
+            // before and never settled is handled first, at once.
+            self.take_back_own(conn, stop).await?;
+            state.taken_back = true;
+        }
+        if !self.at_most_once && Instant::now() >= state.next_claim {
+            self.claim_cycle(conn, stop).await?;
+            // Often enough that entries released from a dead consumer move
+            // within a second or two; XAUTOCLAIM over a fresh PEL is cheap.
+            state.next_claim = Instant::now() + (self.config.min_idle / 2).min(Duration::from_secs(1));
+        }
+        // Never cancel a read in flight: entries it delivered would sit in our
+        // PEL unseen until claimed. The short BLOCK bounds the drain instead.
+        let entries = self.read(reader, claim_in_read).await?;
+        self.process(conn, entries).await
     }
 
     /// Recovery mode: claim every idle entry, re-run handlers, until a full
@@ -358,13 +456,17 @@ impl<H: Handler> Worker<H> {
             .unwrap_or_default())
     }
 
-    /// Handles a batch: one round trip to learn every entry's guard state,
-    /// then up to `concurrency` handlers at once (entries sharing a business
-    /// key one after another, in stream order). Each entry is settled as soon
-    /// as its handler is done: its completion mark and ack go out in the next
-    /// small flush (mark first, so a crash between them leaves a completed key
-    /// whose redelivery is suppressed, never an unmarked ack), never deferred
-    /// to the end of the batch.
+    /// Handles a batch: one round trip to learn (and take) every entry's
+    /// guard state, then up to `concurrency` handlers at once (entries sharing
+    /// a business key one after another, in stream order). Each entry is
+    /// committed as soon as its handler is done: its completion mark and ack
+    /// go out in the next small flush (mark first, so a crash between them
+    /// leaves a completed key whose redelivery is suppressed, never an
+    /// unmarked ack), never deferred to the end of the batch. While the batch
+    /// is in hand its unsettled entries are held (`lease::Lease::extend`), so
+    /// neither a slow handler nor a long queue lets another consumer claim
+    /// them. What was not started (shutdown, a failed batch) or still runs at
+    /// the drain deadline is handed back, claimable at once.
     async fn process(&self, conn: &mut StreamConnection, entries: Vec<Entry>) -> Result<(), WorkerError> {
         if entries.is_empty() {
             return Ok(());
@@ -380,56 +482,184 @@ impl<H: Handler> Worker<H> {
             .collect();
         let items: Vec<(&str, &str)> =
             entries.iter().zip(&tokens).map(|(e, t)| (e.stream.as_str(), t.as_str())).collect();
-        let states = match &self.guard {
+        let acquired = |state| Acquisition { state, fence: None };
+        let acquisitions = match &self.guard {
             Some(Idempotency::Redis(guard)) => guard.begin_all(conn, &items).await?,
-            Some(Idempotency::Store(store)) => store.begin(&items).await.map_err(store_error)?,
-            None => vec![GuardState::Acquired; entries.len()],
+            Some(Idempotency::Store(store)) => {
+                store.begin(&items).await.map_err(store_error)?.into_iter().map(acquired).collect()
+            }
+            None => vec![acquired(GuardState::Acquired); entries.len()],
+        };
+        let groups = key_groups(&items);
+        drop(items);
+        let batch = Batch {
+            phase: entries.iter().map(|_| std::sync::atomic::AtomicU8::new(WAITING)).collect(),
+            entries,
+            keys,
+            tokens,
+            acquisitions,
+            crash: tokio::sync::Notify::new(),
         };
         let (settled_tx, settled_rx) = tokio::sync::mpsc::unbounded_channel::<(usize, Settled)>();
         let failure: std::sync::Mutex<Option<WorkerError>> = std::sync::Mutex::new(None);
+        let done = tokio::sync::Notify::new();
         let handlers = async {
-            futures::stream::iter(key_groups(&items))
-                .for_each_concurrent(self.config.concurrency.max(1), |group| {
-                    let (tx, mut conn, failure) = (settled_tx.clone(), conn.clone(), &failure);
-                    let (entries, keys, tokens, states) = (&entries, &keys, &tokens, &states);
-                    async move {
-                        for i in group {
-                            let failed = failure.lock().map_or(true, |f| f.is_some());
-                            // At-most-once entries are in no PEL: leaving one unstarted loses it.
-                            if failed || (stopping(&self.stop) && !self.at_most_once) {
-                                // Shutting down, or the batch failed: start nothing
-                                // new; let the next holder take it at once.
-                                if states[i] == GuardState::Acquired
-                                    && let Err(e) = self.release(&mut conn, &entries[i].stream, &tokens[i]).await
-                                {
-                                    tracing::warn!(error = %e, "releasing a mark on shutdown");
-                                }
-                                continue;
-                            }
-                            match self.settle(&mut conn, &entries[i], &keys[i], &tokens[i], states[i]).await {
-                                Ok(Settled::Leave) => {}
-                                Ok(settled) => {
-                                    let _ = tx.send((i, settled));
-                                }
-                                Err(e) => {
-                                    tracing::warn!(error = %e, stream = %entries[i].stream, id = %entries[i].id, "settling an entry");
-                                    if let Ok(mut slot) = failure.lock() {
-                                        slot.get_or_insert(e);
-                                    }
-                                }
-                            }
-                        }
-                    }
-                })
-                .await;
+            let run = futures::stream::iter(groups).for_each_concurrent(self.config.concurrency.max(1), |group| {
+                let (tx, conn, failure, batch) = (settled_tx.clone(), conn.clone(), &failure, &batch);
+                self.run_group(conn, batch, group, tx, failure)
+            });
+            tokio::select! {
+                () = run => {}
+                () = self.drain_deadline() => {
+                    tracing::warn!(consumer = %self.config.consumer, "drain deadline passed: handing back the entries still running");
+                }
+            }
             drop(settled_tx);
+            done.notify_one();
         };
-        let flushes = self.flush_settled(conn.clone(), settled_rx, &entries, &tokens);
-        let ((), flushed) = tokio::join!(handlers, flushes);
+        let flushes = self.flush_settled(conn.clone(), settled_rx, &batch);
+        let holds = self.hold(conn.clone(), &batch, &done);
+        tokio::select! {
+            ((), flushed, ()) = async { tokio::join!(handlers, flushes, holds) } => {
+                self.after_batch(conn, &batch, failure, flushed).await
+            }
+            // A failpoint: stop as a crash would, writing nothing more.
+            () = batch.crash.notified() => Err(WorkerError::Failpoint("crash")),
+        }
+    }
+
+    /// Hands back what the batch left open, then reports its first failure.
+    async fn after_batch(
+        &self,
+        conn: &mut StreamConnection,
+        batch: &Batch,
+        failure: std::sync::Mutex<Option<WorkerError>>,
+        flushed: Result<(), WorkerError>,
+    ) -> Result<(), WorkerError> {
+        let handed_back = self.hand_back_open(conn, batch).await;
         if let Some(e) = failure.into_inner().ok().flatten() {
             return Err(e);
         }
-        flushed
+        flushed?;
+        handed_back
+    }
+
+    /// Runs one business key's entries in stream order.
+    async fn run_group(
+        &self,
+        mut conn: StreamConnection,
+        batch: &Batch,
+        group: Vec<usize>,
+        settled: tokio::sync::mpsc::UnboundedSender<(usize, Settled)>,
+        failure: &std::sync::Mutex<Option<WorkerError>>,
+    ) {
+        for i in group {
+            let failed = failure.lock().map_or(true, |f| f.is_some());
+            // At-most-once entries are in no PEL: leaving one unstarted loses it.
+            if failed || (stopping(&self.stop) && !self.at_most_once) {
+                // Shutting down, or the batch failed: start nothing new.
+                continue;
+            }
+            batch.phase[i].store(RUNNING, Ordering::SeqCst);
+            match self.settle(&mut conn, batch, i).await {
+                Ok(Settled::Leave) => batch.phase[i].store(SETTLED, Ordering::SeqCst),
+                Ok(outcome) => {
+                    let _ = settled.send((i, outcome));
+                }
+                Err(e) => {
+                    if let WorkerError::Failpoint(_) = e {
+                        batch.crash.notify_one();
+                    }
+                    let entry = &batch.entries[i];
+                    tracing::warn!(error = %e, stream = %entry.stream, id = %entry.id, "settling an entry");
+                    if let Ok(mut slot) = failure.lock() {
+                        slot.get_or_insert(e);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Resolves `drain_timeout` after shutdown began (never, until it does).
+    async fn drain_deadline(&self) {
+        while !stopping(&self.stop) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tokio::time::sleep(self.config.drain_timeout).await;
+    }
+
+    /// Extends the hold on the batch's unsettled entries every third of
+    /// min-idle-time until the handlers are done.
+    async fn hold(&self, mut conn: StreamConnection, batch: &Batch, done: &tokio::sync::Notify) {
+        if self.at_most_once {
+            return;
+        }
+        let every = (self.config.min_idle / 3).max(Duration::from_millis(30));
+        loop {
+            tokio::select! {
+                () = done.notified() => return,
+                () = tokio::time::sleep(every) => {}
+            }
+            for (stream, open) in batch.open_by_stream() {
+                let held: Vec<Held> = open.iter().map(|&i| self.held(batch, i)).collect();
+                let lease = self.lease(stream);
+                let ttl = crate::guard::millis(self.config.min_idle);
+                match lease.extend(&mut conn, ttl, &held).await {
+                    Ok(owned) => {
+                        for (i, ours) in open.into_iter().zip(owned) {
+                            if !ours && batch.phase[i].load(Ordering::SeqCst) != SETTLED {
+                                tracing::warn!(stream, id = %batch.entries[i].id, "an entry in hand was claimed by another consumer");
+                            }
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "extending the hold on the batch"),
+                }
+            }
+        }
+    }
+
+    /// Hands back every entry of the batch not settled: not started, or
+    /// abandoned at the drain deadline. An entry never started gets its
+    /// delivery count back.
+    async fn hand_back_open(&self, conn: &mut StreamConnection, batch: &Batch) -> Result<(), WorkerError> {
+        if self.at_most_once {
+            return Ok(());
+        }
+        let idle = crate::guard::millis(self.config.min_idle).saturating_add(1);
+        for (stream, open) in batch.open_by_stream() {
+            let lease = self.lease(stream);
+            for i in open {
+                let entry = &batch.entries[i];
+                let started = batch.phase[i].load(Ordering::SeqCst) == RUNNING;
+                let deliveries = if started { entry.deliveries } else { entry.deliveries.saturating_sub(1) };
+                lease.hand_back(conn, &self.held(batch, i), idle, deliveries).await?;
+                if let (Some(Idempotency::Store(store)), GuardState::Acquired) =
+                    (&self.guard, batch.acquisitions[i].state)
+                {
+                    store.release(&entry.stream, &batch.tokens[i]).await.map_err(store_error)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn lease<'a>(&'a self, stream: &'a str) -> Lease<'a> {
+        Lease { stream, group: &self.config.group, consumer: &self.config.consumer }
+    }
+
+    /// An entry in hand, with its guard mark when the Redis guard gave it one.
+    fn held<'a>(&self, batch: &'a Batch, i: usize) -> Held<'a> {
+        Held { id: &batch.entries[i].id, mark: self.mark_of(batch, i) }
+    }
+
+    /// The Redis guard's mark of entry `i`: key and the value it acquired.
+    fn mark_of(&self, batch: &Batch, i: usize) -> Option<(String, String)> {
+        match (&self.guard, batch.acquisitions[i].fence) {
+            (Some(Idempotency::Redis(guard)), Some(fence)) => {
+                Some((guard.key(&batch.entries[i].stream, &batch.tokens[i]), guard.mark(fence)))
+            }
+            _ => None,
+        }
     }
 
     /// The business key, or why there is none. A key extractor that panics
@@ -448,16 +678,15 @@ impl<H: Handler> Worker<H> {
         &self,
         mut conn: StreamConnection,
         mut settled: tokio::sync::mpsc::UnboundedReceiver<(usize, Settled)>,
-        entries: &[Entry],
-        tokens: &[String],
+        batch: &Batch,
     ) -> Result<(), WorkerError> {
         let mut failure = None;
         while let Some(first) = settled.recv().await {
-            let mut batch = vec![first];
+            let mut ready = vec![first];
             while let Ok(more) = settled.try_recv() {
-                batch.push(more);
+                ready.push(more);
             }
-            if let Err(e) = self.flush(&mut conn, &batch, entries, tokens).await {
+            if let Err(e) = self.flush(&mut conn, &ready, batch).await {
                 failure.get_or_insert(e);
             }
         }
@@ -467,71 +696,75 @@ impl<H: Handler> Worker<H> {
     async fn flush(
         &self,
         conn: &mut StreamConnection,
-        batch: &[(usize, Settled)],
-        entries: &[Entry],
-        tokens: &[String],
+        ready: &[(usize, Settled)],
+        batch: &Batch,
     ) -> Result<(), WorkerError> {
+        let settle_all = || {
+            for (i, _) in ready {
+                batch.phase[*i].store(SETTLED, Ordering::SeqCst);
+            }
+        };
         if self.at_most_once {
+            settle_all();
             return Ok(());
         }
+        fail::fail_point!("worker::before-commit", |_| {
+            batch.crash.notify_one();
+            Err(WorkerError::Failpoint("worker::before-commit"))
+        });
         let started = Instant::now();
-        let completed: Vec<(&str, &str)> = batch
-            .iter()
-            .filter(|(_, s)| *s == Settled::AckCompleted)
-            .map(|(i, _)| (entries[*i].stream.as_str(), tokens[*i].as_str()))
-            .collect();
-        let mut acks: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-        for (i, _) in batch {
-            acks.entry(entries[*i].stream.as_str()).or_default().push(entries[*i].id.as_str());
-        }
-        let mut pipe = redis::pipe();
-        match &self.guard {
-            Some(Idempotency::Redis(guard)) => {
-                for (stream, token) in &completed {
-                    guard.complete_into(&mut pipe, stream, token);
-                }
-            }
-            Some(Idempotency::Store(store)) if !completed.is_empty() => {
+        if let Some(Idempotency::Store(store)) = &self.guard {
+            let completed: Vec<(&str, &str)> = ready
+                .iter()
+                .filter(|(_, s)| *s == Settled::AckCompleted)
+                .map(|(i, _)| (batch.entries[*i].stream.as_str(), batch.tokens[*i].as_str()))
+                .collect();
+            if !completed.is_empty() {
                 store.complete(&completed).await.map_err(store_error)?;
             }
-            _ => {}
         }
-        for (stream, ids) in &acks {
-            pipe.cmd("XACK").arg(stream).arg(&self.config.group).arg(ids).ignore();
+        let mut by_stream: BTreeMap<&str, Vec<(&str, Option<String>)>> = BTreeMap::new();
+        for &(i, settled) in ready {
+            let entry = &batch.entries[i];
+            let mark = match &self.guard {
+                Some(Idempotency::Redis(guard)) if settled == Settled::AckCompleted => {
+                    Some(guard.key(&entry.stream, &batch.tokens[i]))
+                }
+                _ => None,
+            };
+            by_stream.entry(entry.stream.as_str()).or_default().push((entry.id.as_str(), mark));
         }
-        let () = pipe.query_async(conn).await.map_err(|e| StreamError::new("acking entries", e))?;
+        let completed_ttl = match &self.guard {
+            Some(Idempotency::Redis(guard)) => crate::guard::millis(guard.completed_ttl()),
+            _ => 0,
+        };
+        for (stream, settled) in by_stream {
+            let not_ours = self.lease(stream).commit(conn, completed_ttl, &settled).await?;
+            if !not_ours.is_empty() {
+                // Its effect happened; the consumer that claimed it acks it.
+                self.stats.add(&self.stats.ownership_lost, not_ours.len());
+                tracing::warn!(stream, ids = ?not_ours, "done, but claimed by another consumer meanwhile: not acked here");
+            }
+        }
+        settle_all();
         self.stats.ack_latency.observe(started.elapsed());
         Ok(())
     }
 
     /// Decides one entry.
-    async fn settle(
-        &self,
-        conn: &mut StreamConnection,
-        entry: &Entry,
-        key_of: &KeyOf,
-        token: &str,
-        state: GuardState,
-    ) -> Result<Settled, WorkerError> {
-        let key = match key_of {
+    async fn settle(&self, conn: &mut StreamConnection, batch: &Batch, i: usize) -> Result<Settled, WorkerError> {
+        let (entry, token, acquisition) = (&batch.entries[i], batch.tokens[i].as_str(), batch.acquisitions[i]);
+        let key = match &batch.keys[i] {
             KeyOf::Key(key) => Some(key.as_str()),
             KeyOf::None => None,
             KeyOf::Panicked(why) => {
                 let error = format!("the business key extractor panicked: {why}");
-                return self.reject(conn, entry, Reason::Malformed, &error, None, token).await;
+                return self.reject(conn, entry, Reason::Malformed, &error, None, token, acquisition).await;
             }
         };
-        if entry.deliveries > self.config.max_deliveries {
-            let error = deadletter::last_error(conn, &entry.stream, &self.config.group, &entry.id).await?;
-            let error = error.unwrap_or_else(|| "delivered too often".into());
-            // Its mark goes too, or later entries of the key wait it out.
-            if state == GuardState::Acquired {
-                self.release(conn, &entry.stream, token).await?;
-            }
-            self.dead_letter(conn, entry, Reason::MaxDeliveries, &error, key).await?;
-            return Ok(Settled::Leave);
-        }
-        match (state, &self.guard) {
+        match (acquisition.state, &self.guard) {
+            // Completed by another delivery: acked as a duplicate, never
+            // dead-lettered (a replay of that letter would be a second effect).
             (GuardState::Completed, Some(guard)) => {
                 self.stats.add(&self.stats.suppressed, 1);
                 if let Idempotency::Redis(guard) = guard {
@@ -539,22 +772,38 @@ impl<H: Handler> Worker<H> {
                 }
                 return Ok(Settled::Ack);
             }
+            _ if entry.deliveries > self.config.max_deliveries => {
+                let error = deadletter::last_error(conn, &entry.stream, &self.config.group, &entry.id).await?;
+                let error = error.unwrap_or_else(|| "delivered too often".into());
+                // Its mark goes too, or later entries of the key wait it out.
+                self.release(conn, entry, token, acquisition).await?;
+                self.dead_letter(conn, entry, Reason::MaxDeliveries, &error, key).await?;
+                return Ok(Settled::Leave);
+            }
             // Someone is on it (or crashed mid-way): leave it pending; it is
             // claimed again once idle past min-idle-time.
             (GuardState::Busy, _) => return Ok(Settled::Leave),
             _ => {}
         }
         let started = Instant::now();
-        let outcome = self.handle_with_retries(entry).await;
+        let delivery = Delivery {
+            consumer: self.config.consumer.clone(),
+            stream: entry.stream.clone(),
+            id: entry.id.clone(),
+            deliveries: entry.deliveries,
+            fence: acquisition.fence,
+        };
+        let outcome = DELIVERY.scope(delivery, self.handle_with_retries(entry)).await;
         self.stats.handler_latency.observe(started.elapsed());
         match outcome {
             Outcome::Done => {
                 self.stats.add(&self.stats.processed, 1);
+                fail::fail_point!("worker::after-effect", |_| Err(WorkerError::Failpoint("worker::after-effect")));
                 Ok(Settled::AckCompleted)
             }
             Outcome::Transient(error) => {
                 self.stats.add(&self.stats.failed, 1);
-                self.release(conn, &entry.stream, token).await?;
+                self.release(conn, entry, token, acquisition).await?;
                 let error = format!("transient: {error}");
                 if self.at_most_once {
                     tracing::warn!(stream = %entry.stream, id = %entry.id, error, "dropped (at-most-once delivery)");
@@ -567,21 +816,36 @@ impl<H: Handler> Worker<H> {
                 }
                 Ok(Settled::Leave)
             }
-            Outcome::Permanent(error) => self.reject(conn, entry, Reason::Permanent, &error, key, token).await,
-            Outcome::Malformed(error) => self.reject(conn, entry, Reason::Malformed, &error, key, token).await,
+            Outcome::Permanent(error) => {
+                self.reject(conn, entry, Reason::Permanent, &error, key, token, acquisition).await
+            }
+            Outcome::Malformed(error) => {
+                self.reject(conn, entry, Reason::Malformed, &error, key, token, acquisition).await
+            }
         }
     }
 
-    async fn release(&self, conn: &mut StreamConnection, stream: &str, token: &str) -> Result<(), WorkerError> {
-        match &self.guard {
-            Some(Idempotency::Redis(guard)) => guard.release(conn, stream, token).await?,
-            Some(Idempotency::Store(store)) => store.release(stream, token).await.map_err(store_error)?,
-            None => {}
+    /// Drops the guard's hold on a key this delivery acquired.
+    async fn release(
+        &self,
+        conn: &mut StreamConnection,
+        entry: &Entry,
+        token: &str,
+        acquisition: Acquisition,
+    ) -> Result<(), WorkerError> {
+        if acquisition.state != GuardState::Acquired {
+            return Ok(());
+        }
+        match (&self.guard, acquisition.fence) {
+            (Some(Idempotency::Redis(guard)), Some(fence)) => guard.release(conn, &entry.stream, token, fence).await?,
+            (Some(Idempotency::Store(store)), _) => store.release(&entry.stream, token).await.map_err(store_error)?,
+            _ => {}
         }
         Ok(())
     }
 
     /// Permanent and malformed entries leave at once, acked by their dead letter.
+    #[allow(clippy::too_many_arguments)]
     async fn reject(
         &self,
         conn: &mut StreamConnection,
@@ -590,9 +854,10 @@ impl<H: Handler> Worker<H> {
         error: &str,
         key: Option<&str>,
         token: &str,
+        acquisition: Acquisition,
     ) -> Result<Settled, WorkerError> {
         self.stats.add(&self.stats.failed, 1);
-        self.release(conn, &entry.stream, token).await?;
+        self.release(conn, entry, token, acquisition).await?;
         self.dead_letter(conn, entry, reason, error, key).await?;
         Ok(Settled::Leave)
     }

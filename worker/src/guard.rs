@@ -3,22 +3,21 @@
 //! completed is acked without running the handler again.
 //!
 //! It saves repeated work; it does not replace an idempotent handler. A
-//! `processing` mark names its owner (`processing:<consumer>`). A crash after
-//! the effect and before `completed` is written leaves it behind: it expires
-//! after min-idle-time, or at once for a consumer the operator declared dead
-//! (its pod is gone: `keys::dead_consumers_key`), and the same consumer name
-//! (a restarted container in the same pod) owns it still. The entry then runs
-//! again, and the handler's own idempotency (a unique key in the business
-//! store) decides.
+//! `processing` mark names its owner and a fencing token
+//! (`processing:<consumer>:<fence>`); its holder extends it while the entry
+//! is in hand (`lease`) and only the holder of that very token releases it.
+//! A crash after the effect and before `completed` is written leaves the
+//! mark behind: it expires after min-idle-time, or is void at once for a
+//! consumer the operator declared dead (its pod is gone:
+//! `keys::dead_consumers_key`), and the same consumer name (a restarted
+//! container in the same pod) owns it still. The entry then runs again with a
+//! larger fence, and the handler's own idempotency decides: a business store
+//! that records the largest fence per key and refuses a smaller one turns
+//! the guard into a fence (`consumer::current_delivery`).
 
 use std::time::Duration;
 use streamfleet_streams::config::WorkerConfig;
 use streamfleet_streams::{StreamConnection, StreamError, keys};
-
-const COMPLETED: &str = "completed";
-/// Replaces a mark held by a dead consumer with ours, if it is still theirs.
-const TAKE_OVER: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
-     return redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) end return false";
 
 /// A boxed future, so stores can be trait objects.
 pub type StoreFuture<'a, T> = std::pin::Pin<
@@ -41,8 +40,7 @@ pub trait IdempotencyStore: Send + Sync + 'static {
 /// The built-in Redis guard.
 pub struct Guard {
     group: String,
-    /// This consumer's `processing` mark.
-    processing: String,
+    consumer: String,
     processing_ttl: Duration,
     completed_ttl: Duration,
 }
@@ -57,111 +55,121 @@ pub enum GuardState {
     Busy,
 }
 
+/// One business key's state, and for an acquired key the fencing token of
+/// this acquisition (from a per-group counter: every acquisition of any key
+/// gets a larger one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Acquisition {
+    pub state: GuardState,
+    pub fence: Option<u64>,
+}
+
+/// Takes every free mark of a batch, in one script per stream: a key is
+/// ours when it has no mark, when the mark is this consumer's own (a restart
+/// under the same name), or when its owner was declared dead; each
+/// acquisition gets the next fence from the group's counter, and the mark
+/// records owner and fence (`processing:<consumer>:<fence>`). A key repeated
+/// in the batch is busy after its first entry.
+/// KEYS: fence counter, dead-consumer registry, marks. ARGV: consumer, TTL ms.
+static ACQUIRE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(
+        r"
+        local out, seen = {}, {}
+        for i = 3, #KEYS do
+            local key, take = KEYS[i], false
+            if seen[key] then
+                out[#out + 1] = {2, 0}
+            else
+                seen[key] = true
+                local v = redis.call('GET', key)
+                if not v then
+                    take = true
+                elseif v == 'completed' then
+                    out[#out + 1] = {1, 0}
+                else
+                    local owner = string.match(v, '^processing:([^:]+)')
+                    if owner == ARGV[1] or (owner and redis.call('ZSCORE', KEYS[2], owner)) then
+                        take = true
+                    else
+                        out[#out + 1] = {2, 0}
+                    end
+                end
+                if take then
+                    local fence = redis.call('INCR', KEYS[1])
+                    redis.call('SET', key, 'processing:' .. ARGV[1] .. ':' .. fence, 'PX', ARGV[2])
+                    out[#out + 1] = {0, fence}
+                end
+            end
+        end
+        return out",
+    )
+});
+
+/// Deletes a mark only if it is still the given one (owner and fence).
+static RELEASE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0")
+});
+
 impl Guard {
     pub fn new(config: &WorkerConfig, completed_ttl: Duration) -> Self {
         Self {
             group: config.group.clone(),
-            processing: format!("processing:{}", config.consumer),
+            consumer: config.consumer.clone(),
             processing_ttl: config.min_idle,
             completed_ttl,
         }
     }
 
     /// Same slot as the stream, so a cluster keeps the guard beside its entries.
-    fn key(&self, stream: &str, token: &str) -> String {
-        keys::companion_key(stream, &format!("idem:{}:{token}", self.group))
+    pub fn key(&self, stream: &str, token: &str) -> String {
+        mark_key(stream, &self.group, token)
     }
 
-    /// The states of a batch's business keys: `SET NX` for every key, then
-    /// `GET` for those already taken; a mark of a consumer declared dead is
-    /// taken over (compare-and-set). One round trip when nothing is taken.
+    /// The value of the mark an acquisition with `fence` wrote.
+    pub fn mark(&self, fence: u64) -> String {
+        format!("processing:{}:{fence}", self.consumer)
+    }
+
+    pub fn processing_ttl(&self) -> Duration {
+        self.processing_ttl
+    }
+
+    pub fn completed_ttl(&self) -> Duration {
+        self.completed_ttl
+    }
+
+    /// The states of a batch's business keys, acquiring every free one: one
+    /// round trip per stream in the batch.
     pub async fn begin_all(
         &self,
         conn: &mut StreamConnection,
         items: &[(&str, &str)],
-    ) -> Result<Vec<GuardState>, StreamError> {
-        let err = |e| StreamError::new("idempotency guard", e);
-        let mut pipe = redis::pipe();
-        for (stream, token) in items {
-            pipe.cmd("SET")
-                .arg(self.key(stream, token))
-                .arg(&self.processing)
-                .arg("NX")
-                .arg("PX")
-                .arg(millis(self.processing_ttl));
-        }
-        let acquired: Vec<Option<String>> = pipe.query_async(conn).await.map_err(err)?;
-        let taken: Vec<usize> = acquired.iter().enumerate().filter(|(_, a)| a.is_none()).map(|(i, _)| i).collect();
-        let mut states = vec![GuardState::Acquired; items.len()];
-        if taken.is_empty() {
-            return Ok(states);
-        }
-        let mut pipe = redis::pipe();
-        for &i in &taken {
-            pipe.cmd("GET").arg(self.key(items[i].0, items[i].1));
-        }
-        let values: Vec<Option<String>> = pipe.query_async(conn).await.map_err(err)?;
-        let mut held_by_others = Vec::new();
-        let mut first_in_batch = std::collections::HashMap::new();
-        for (i, item) in items.iter().enumerate() {
-            first_in_batch.entry(*item).or_insert(i);
-        }
-        for (i, value) in taken.into_iter().zip(values) {
-            let repeated_in_batch = first_in_batch.get(&items[i]).is_some_and(|first| *first < i);
-            states[i] = match value {
-                Some(v) if v == COMPLETED => GuardState::Completed,
-                // The same key earlier in this batch holds it.
-                Some(_) if repeated_in_batch => GuardState::Busy,
-                // Ours, from before a restart of this same consumer.
-                Some(v) if v == self.processing => GuardState::Acquired,
-                // Expired between the two round trips: try again next delivery.
-                None => GuardState::Busy,
-                Some(v) => {
-                    held_by_others.push((i, v));
-                    GuardState::Busy
-                }
-            };
-        }
-        for (i, mark) in self.dead_owners(conn, items, held_by_others).await? {
-            let took: Option<String> = redis::Script::new(TAKE_OVER)
-                .key(self.key(items[i].0, items[i].1))
-                .arg(&mark)
-                .arg(&self.processing)
-                .arg(millis(self.processing_ttl))
-                .invoke_async(conn)
-                .await
-                .map_err(err)?;
-            if took.is_some() {
-                states[i] = GuardState::Acquired;
+    ) -> Result<Vec<Acquisition>, StreamError> {
+        let mut out = vec![Acquisition { state: GuardState::Busy, fence: None }; items.len()];
+        let mut streams: Vec<&str> = items.iter().map(|(s, _)| *s).collect();
+        streams.sort_unstable();
+        streams.dedup();
+        for stream in streams {
+            let indices: Vec<usize> = (0..items.len()).filter(|&i| items[i].0 == stream).collect();
+            let mut script = ACQUIRE.prepare_invoke();
+            script
+                .key(keys::companion_key(stream, &format!("fence:{}", self.group)))
+                .key(keys::dead_consumers_key(stream, &self.group));
+            for &i in &indices {
+                script.key(self.key(stream, items[i].1));
+            }
+            script.arg(&self.consumer).arg(millis(self.processing_ttl));
+            let states: Vec<(u8, u64)> =
+                script.invoke_async(conn).await.map_err(|e| StreamError::new("idempotency guard", e))?;
+            for (i, (state, fence)) in indices.into_iter().zip(states) {
+                out[i] = match state {
+                    0 => Acquisition { state: GuardState::Acquired, fence: Some(fence) },
+                    1 => Acquisition { state: GuardState::Completed, fence: None },
+                    _ => Acquisition { state: GuardState::Busy, fence: None },
+                };
             }
         }
-        Ok(states)
-    }
-
-    /// Of the marks held by others, those whose owner was declared dead.
-    async fn dead_owners(
-        &self,
-        conn: &mut StreamConnection,
-        items: &[(&str, &str)],
-        held: Vec<(usize, String)>,
-    ) -> Result<Vec<(usize, String)>, StreamError> {
-        if held.is_empty() {
-            return Ok(held);
-        }
-        let mut pipe = redis::pipe();
-        for (i, mark) in &held {
-            let owner = mark.strip_prefix("processing:").unwrap_or_default();
-            pipe.cmd("ZSCORE").arg(keys::dead_consumers_key(items[*i].0, &self.group)).arg(owner);
-        }
-        let declared: Vec<Option<f64>> =
-            pipe.query_async(conn).await.map_err(|e| StreamError::new("idempotency guard", e))?;
-        Ok(held.into_iter().zip(declared).filter(|(_, d)| d.is_some()).map(|(h, _)| h).collect())
-    }
-
-    /// Adds the `completed` mark of a business key to a pipeline (sent with
-    /// the batch's acks).
-    pub fn complete_into(&self, pipe: &mut redis::Pipeline, stream: &str, token: &str) {
-        pipe.cmd("SET").arg(self.key(stream, token)).arg(COMPLETED).arg("PX").arg(millis(self.completed_ttl)).ignore();
+        Ok(out)
     }
 
     /// Keeps a durable count of suppressed duplicates per group beside the
@@ -175,15 +183,19 @@ impl Guard {
         Ok(())
     }
 
-    /// Lets a failed attempt be retried at once by the next delivery.
-    pub async fn release(&self, conn: &mut StreamConnection, stream: &str, token: &str) -> Result<(), StreamError> {
-        // Only our own `processing` mark: never a `completed` one.
-        let script = redis::Script::new(
-            "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
-        );
-        let _: i64 = script
+    /// Lets a failed attempt be retried at once by the next delivery: only
+    /// the mark this acquisition wrote (never a `completed` one, never one a
+    /// later holder took over).
+    pub async fn release(
+        &self,
+        conn: &mut StreamConnection,
+        stream: &str,
+        token: &str,
+        fence: u64,
+    ) -> Result<(), StreamError> {
+        let _: i64 = RELEASE
             .key(self.key(stream, token))
-            .arg(&self.processing)
+            .arg(self.mark(fence))
             .invoke_async(conn)
             .await
             .map_err(|e| StreamError::new("idempotency guard", e))?;
@@ -191,8 +203,13 @@ impl Guard {
     }
 }
 
+/// The guard's record of one business key of `group`.
+pub fn mark_key(stream: &str, group: &str, token: &str) -> String {
+    keys::companion_key(stream, &format!("idem:{group}:{token}"))
+}
+
 pub use streamfleet_streams::keys::suppressed_key;
 
-fn millis(d: Duration) -> u64 {
+pub(crate) fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }

@@ -21,9 +21,10 @@
 
 pub mod consumer;
 pub mod guard;
+pub mod lease;
 pub mod stats;
 
-pub use consumer::{Handler, Outcome, Worker, WorkerError};
+pub use consumer::{Delivery, Handler, Outcome, Worker, WorkerError, current_delivery};
 pub use guard::{GuardState, IdempotencyStore, StoreFuture};
 pub use stats::Stats;
 pub use streamfleet_process::shutdown_signal;

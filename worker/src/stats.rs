@@ -12,6 +12,8 @@ pub struct Stats {
     pub suppressed: AtomicU64,
     pub claimed: AtomicU64,
     pub payload_missing: AtomicU64,
+    /// Entries done here but claimed by another consumer before the ack.
+    pub ownership_lost: AtomicU64,
     pub handler_latency: Latency,
     pub ack_latency: Latency,
 }
@@ -36,6 +38,11 @@ impl Stats {
             ("suppressed_duplicates", "Redeliveries acked without running the handler (guard)", &self.suppressed),
             ("claimed", "Idle entries claimed from other consumers", &self.claimed),
             ("payload_missing", "Pending entries found with their payload gone", &self.payload_missing),
+            (
+                "ownership_lost",
+                "Entries done here but claimed by another consumer before the ack",
+                &self.ownership_lost,
+            ),
         ];
         for (name, help, counter) in counters {
             out.push_str(&format!(

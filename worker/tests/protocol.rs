@@ -10,137 +10,12 @@ use redis::AsyncCommands as _;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use streamfleet_contract as env;
 use streamfleet_streams::deadletter as dl;
-use streamfleet_testbed::{RedisServer, eventually};
-use streamfleet_worker::{Entry, Handler, Outcome, Stats, Worker, WorkerConfig};
+use streamfleet_testbed::eventually;
+use streamfleet_worker::{Entry, Stats, Worker};
 
-/// Behaviour chosen per entry by its `kind` field; counts calls per entry ID.
-#[derive(Clone, Default)]
-struct Scripted {
-    calls: Arc<Mutex<HashMap<String, u32>>>,
-    /// Handlers running now, the most seen at once, and keys running now.
-    in_flight: Arc<Mutex<(usize, usize, Vec<String>)>>,
-    overlapping_keys: Arc<Mutex<u32>>,
-    release: Arc<tokio::sync::Notify>,
-}
-
-impl Scripted {
-    fn calls(&self, id: &str) -> u32 {
-        self.calls.lock().unwrap().get(id).copied().unwrap_or(0)
-    }
-    fn total(&self) -> u32 {
-        self.calls.lock().unwrap().values().sum()
-    }
-}
-
-impl Handler for Scripted {
-    fn business_key(&self, entry: &Entry) -> Option<String> {
-        if entry.field_str("key") == Some("explode") {
-            panic!("cannot read this key");
-        }
-        entry.field_str("key").map(str::to_string)
-    }
-
-    async fn handle(&self, entry: &Entry) -> Outcome {
-        let n = {
-            let mut calls = self.calls.lock().unwrap();
-            let n = calls.entry(entry.id.clone()).or_insert(0);
-            *n += 1;
-            *n
-        };
-        match entry.field_str("kind").unwrap_or("ok") {
-            "ok" => Outcome::Done,
-            "slow" => {
-                let key = entry.field_str("key").unwrap_or_default().to_string();
-                {
-                    let mut f = self.in_flight.lock().unwrap();
-                    if f.2.contains(&key) {
-                        *self.overlapping_keys.lock().unwrap() += 1;
-                    }
-                    f.0 += 1;
-                    f.1 = f.1.max(f.0);
-                    f.2.push(key.clone());
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                let mut f = self.in_flight.lock().unwrap();
-                f.0 -= 1;
-                if let Some(at) = f.2.iter().position(|k| *k == key) {
-                    f.2.remove(at);
-                }
-                Outcome::Done
-            }
-            "wait" => {
-                self.release.notified().await;
-                Outcome::Done
-            }
-            "panic" => panic!("handler bug"),
-            "flaky" if n > 2 => Outcome::Done,
-            "flaky" | "down" => Outcome::Transient("dependency down".into()),
-            "refused" => Outcome::Permanent("business rule says no".into()),
-            _ => Outcome::Malformed("unknown kind".into()),
-        }
-    }
-}
-
-fn config(server: &RedisServer, consumer: &str, min_idle_ms: u64, max_deliveries: u64) -> WorkerConfig {
-    let vars: HashMap<&str, String> = HashMap::from([
-        (env::REDIS_URL, server.url()),
-        (env::STREAMS, "orders".into()),
-        (env::GROUP, "g".into()),
-        (env::CONSUMER, consumer.into()),
-        (env::MIN_IDLE_MS, min_idle_ms.to_string()),
-        (env::MAX_DELIVERIES, max_deliveries.to_string()),
-    ]);
-    let mut c = WorkerConfig::from_lookup(|k| vars.get(k).cloned()).unwrap();
-    c.block = Duration::from_millis(200);
-    c
-}
-
-async fn setup() -> Result<(RedisServer, redis::aio::MultiplexedConnection)> {
-    let server = RedisServer::start().await?;
-    let mut conn = server.connection().await?;
-    streamfleet_streams::ensure_group(&mut conn, "orders", "g", "0").await?;
-    Ok((server, conn))
-}
-
-async fn add(conn: &mut redis::aio::MultiplexedConnection, fields: &[(&str, &str)]) -> Result<String> {
-    Ok(conn.xadd("orders", "*", fields).await?)
-}
-
-async fn pending(conn: &mut redis::aio::MultiplexedConnection) -> Result<usize> {
-    let p: redis::streams::StreamPendingReply = conn.xpending("orders", "g").await?;
-    Ok(p.count())
-}
-
-type DeadLetters = Vec<HashMap<String, String>>;
-
-async fn dead_letters(conn: &mut redis::aio::MultiplexedConnection) -> Result<DeadLetters> {
-    let range: redis::streams::StreamRangeReply = conn.xrange_all("{orders}:dead").await?;
-    Ok(range
-        .ids
-        .into_iter()
-        .map(|e| {
-            streamfleet_streams::entry::fields_from_map(e.map)
-                .into_iter()
-                .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
-                .collect()
-        })
-        .collect())
-}
-
-/// Runs a worker in the background; the returned sender stops it.
-fn spawn(
-    worker: Worker<Scripted>,
-) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<Result<(), streamfleet_worker::WorkerError>>) {
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let handle = tokio::spawn(worker.run(async move {
-        let _ = rx.await;
-    }));
-    (tx, handle)
-}
-
-const T: Duration = Duration::from_secs(20);
+mod common;
+use common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acks_successes_and_dead_letters_refusals_atomically_with_metadata() -> Result<()> {
@@ -623,6 +498,13 @@ async fn shutdown_starts_no_new_handler_and_releases_what_it_did_not_start() -> 
     for i in 0..3 {
         let mark: Option<String> = conn.get(format!("{{orders}}:idem:g:later-{i}")).await?;
         assert_eq!(mark, None, "mark of an entry never started is released");
+    }
+    // Handed back: claimable at once, and the delivery that never ran does not count.
+    let rows: Vec<(String, String, u64, u64)> =
+        redis::cmd("XPENDING").arg("orders").arg("g").arg("-").arg("+").arg(10).query_async(&mut conn).await?;
+    for (id, _, idle, deliveries) in rows {
+        assert!(idle >= 10_000, "{id} claimable at once (idle {idle} ms)");
+        assert_eq!(deliveries, 0, "{id}: the delivery it never ran is not counted");
     }
     Ok(())
 }

@@ -1,0 +1,173 @@
+//! A worker's hold on the entries it has in hand, and how it lets go. Every
+//! step is one script per stream, so it checks ownership and acts atomically:
+//!
+//! * `extend`: while a batch is in hand, its unsettled entries' idle time is
+//!   reset (`XCLAIM … JUSTID`: no extra delivery) and their guard marks'
+//!   TTLs renewed, so no other consumer may claim an entry this one still
+//!   holds, however long its handler or its queue;
+//! * `commit`: a settled entry's completion mark, then its ack, but the ack
+//!   only while this consumer still owns the entry in the PEL (another holder
+//!   that claimed it acks it itself);
+//! * `hand_back`: an entry not started (shutdown, a failed batch) is made
+//!   claimable at once with its delivery count restored, its mark dropped.
+
+use streamfleet_streams::{StreamConnection, StreamError};
+
+/// KEYS: stream, then the marks of the entries that have one (in order).
+/// ARGV: group, consumer, mark TTL ms, then per entry: ID, mark ('' for none).
+/// Returns per entry 1 when still ours. An entry whose payload is gone is not
+/// touched (an `XCLAIM` would drop it from the PEL without a record).
+static EXTEND: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(
+        r"
+        local out, m = {}, 2
+        for j = 4, #ARGV, 2 do
+            local id, mark = ARGV[j], ARGV[j + 1]
+            local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
+            local ours = p[1] ~= nil and p[1][2] == ARGV[2]
+            if ours and #redis.call('XRANGE', KEYS[1], id, id) > 0 then
+                redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'JUSTID')
+            end
+            if mark ~= '' then
+                if ours and redis.call('GET', KEYS[m]) == mark then
+                    redis.call('PEXPIRE', KEYS[m], ARGV[3])
+                end
+                m = m + 1
+            end
+            out[#out + 1] = ours and 1 or 0
+        end
+        return out",
+    )
+});
+
+/// KEYS: stream, then the marks to complete (in order). ARGV: group,
+/// consumer, completed TTL ms, then per entry: ID, 1 to complete its mark.
+/// The completion is written whether or not the entry is still ours (its
+/// effect happened); the ack only when it is. Returns the IDs not acked.
+static COMMIT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(
+        r"
+        local acked, lost, m = {}, {}, 2
+        for j = 4, #ARGV, 2 do
+            local id = ARGV[j]
+            if ARGV[j + 1] == '1' then
+                redis.call('SET', KEYS[m], 'completed', 'PX', ARGV[3])
+                m = m + 1
+            end
+            local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
+            if p[1] ~= nil and p[1][2] == ARGV[2] then
+                acked[#acked + 1] = id
+                if #acked == 500 then
+                    redis.call('XACK', KEYS[1], ARGV[1], unpack(acked))
+                    acked = {}
+                end
+            else
+                lost[#lost + 1] = id
+            end
+        end
+        if #acked > 0 then redis.call('XACK', KEYS[1], ARGV[1], unpack(acked)) end
+        return lost",
+    )
+});
+
+/// KEYS: stream, mark (may be absent). ARGV: group, consumer, ID, idle ms to
+/// set, delivery count to restore, mark ('' for none).
+static HAND_BACK: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(
+        r"
+        if ARGV[6] ~= '' and redis.call('GET', KEYS[2]) == ARGV[6] then redis.call('DEL', KEYS[2]) end
+        local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+        if p[1] == nil or p[1][2] ~= ARGV[2] or #redis.call('XRANGE', KEYS[1], ARGV[3], ARGV[3]) == 0 then
+            return 0
+        end
+        redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'IDLE', ARGV[4], 'RETRYCOUNT', ARGV[5], 'JUSTID')
+        return 1",
+    )
+});
+
+/// One entry in hand: its ID and, with the Redis guard, its mark's key and value.
+pub struct Held<'a> {
+    pub id: &'a str,
+    pub mark: Option<(String, String)>,
+}
+
+/// This consumer's hold on one stream's entries.
+pub struct Lease<'a> {
+    pub stream: &'a str,
+    pub group: &'a str,
+    pub consumer: &'a str,
+}
+
+impl Lease<'_> {
+    /// Extends the hold on `held`. Returns, per entry, whether it is still ours.
+    pub async fn extend(
+        &self,
+        conn: &mut StreamConnection,
+        mark_ttl_ms: u64,
+        held: &[Held<'_>],
+    ) -> Result<Vec<bool>, StreamError> {
+        if held.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut script = EXTEND.prepare_invoke();
+        script.key(self.stream).arg(self.group).arg(self.consumer).arg(mark_ttl_ms);
+        for h in held {
+            script.arg(h.id);
+            match &h.mark {
+                Some((key, value)) => {
+                    script.key(key).arg(value);
+                }
+                None => {
+                    script.arg("");
+                }
+            }
+        }
+        let owned: Vec<u8> =
+            script.invoke_async(conn).await.map_err(|e| StreamError::new("extending the hold on entries", e))?;
+        Ok(owned.into_iter().map(|o| o == 1).collect())
+    }
+
+    /// Commits settled entries: `(ID, completion mark key)`. Returns the IDs
+    /// not acked because another consumer owns them now.
+    pub async fn commit(
+        &self,
+        conn: &mut StreamConnection,
+        completed_ttl_ms: u64,
+        settled: &[(&str, Option<String>)],
+    ) -> Result<Vec<String>, StreamError> {
+        let mut script = COMMIT.prepare_invoke();
+        script.key(self.stream).arg(self.group).arg(self.consumer).arg(completed_ttl_ms);
+        for (id, mark) in settled {
+            script.arg(*id).arg(if mark.is_some() { "1" } else { "0" });
+            if let Some(key) = mark {
+                script.key(key);
+            }
+        }
+        script.invoke_async(conn).await.map_err(|e| StreamError::new("acking entries", e))
+    }
+
+    /// Hands an entry back: claimable at once (idle `idle_ms`), its delivery
+    /// count back to `deliveries` (this delivery did not count), its mark
+    /// gone. Returns whether it was still ours.
+    pub async fn hand_back(
+        &self,
+        conn: &mut StreamConnection,
+        held: &Held<'_>,
+        idle_ms: u64,
+        deliveries: u64,
+    ) -> Result<bool, StreamError> {
+        let mut script = HAND_BACK.prepare_invoke();
+        let (key, value) = held.mark.clone().unwrap_or_else(|| (self.stream.to_string(), String::new()));
+        script
+            .key(self.stream)
+            .key(key)
+            .arg(self.group)
+            .arg(self.consumer)
+            .arg(held.id)
+            .arg(idle_ms)
+            .arg(deliveries)
+            .arg(value);
+        let done: u8 = script.invoke_async(conn).await.map_err(|e| StreamError::new("handing an entry back", e))?;
+        Ok(done == 1)
+    }
+}

@@ -1,0 +1,153 @@
+//! The delivery protocol under the interleavings that used to break it, each
+//! replayed on a real redis-server: a crash mid-batch, entries queued behind
+//! slow handlers, another consumer claiming an entry before its commit, a
+//! drain that overruns its deadline. Failpoints (`fail` crate, feature
+//! `failpoints`) stop the worker at named points as a crash would.
+
+// A test fails by panicking.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use anyhow::Result;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+use streamfleet_testbed::eventually;
+use streamfleet_worker::{Stats, Worker};
+
+mod common;
+use common::*;
+
+type Pending = Vec<(String, String, u64, u64)>;
+
+async fn pending_rows(conn: &mut redis::aio::MultiplexedConnection) -> Result<Pending> {
+    Ok(redis::cmd("XPENDING").arg("orders").arg("g").arg("-").arg("+").arg(100).query_async(conn).await?)
+}
+
+/// Failpoint: `worker::after-effect` (the 4th handler is done, nothing of it
+/// committed, then the process is gone). Entries committed before the crash
+/// never run again; the one caught between effect and ack runs once more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_committed_before_a_crash_mid_batch_never_run_again() -> Result<()> {
+    let scenario = fail::FailScenario::setup();
+    let (server, mut conn) = setup().await?;
+    let mut ids = Vec::new();
+    for i in 0..10 {
+        ids.push(add(&mut conn, &[("kind", "slow"), ("key", &format!("k{i}"))]).await?);
+    }
+    let handler = Scripted::default();
+    let mut cfg = config(&server, "c1", 10_000, 5);
+    cfg.concurrency = 1;
+    fail::cfg("worker::after-effect", "3*off->return").unwrap();
+    let crashed = Worker::new(cfg.clone(), handler.clone()).run(std::future::pending()).await;
+    assert!(matches!(crashed, Err(streamfleet_worker::WorkerError::Failpoint(_))), "{crashed:?}");
+    fail::remove("worker::after-effect");
+    let left = pending_rows(&mut conn).await?;
+    let calls: Vec<u32> = ids.iter().map(|id| handler.calls(id)).collect();
+    assert_eq!(left.len(), 7, "three committed one by one before the crash: {left:?} {calls:?}");
+    // The same consumer restarts (same pod) and takes back what it held.
+    let (stop, run) = spawn(Worker::new(cfg, handler.clone()));
+    eventually("all acked", T, || async { Ok((pending(&mut conn.clone()).await? == 0).then_some(())) }).await?;
+    let _ = stop.send(());
+    run.await??;
+    let calls: Vec<u32> = ids.iter().map(|id| handler.calls(id)).collect();
+    assert_eq!(calls, [1, 1, 1, 2, 1, 1, 1, 1, 1, 1], "only the entry caught between effect and ack runs again");
+    scenario.teardown();
+    Ok(())
+}
+
+/// Entries queued behind slow handlers (a batch of 10, one handler at a
+/// time, 100 ms each: the last waits 1 s, past the 300 ms min-idle-time) are
+/// held by their consumer: another consumer claims none, nothing runs twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_queued_behind_slow_handlers_are_held_not_claimed() -> Result<()> {
+    // Failpoints are global: every test of this file holds the scenario lock.
+    let _scenario = fail::FailScenario::setup();
+    let (server, mut conn) = setup().await?;
+    let mut ids = Vec::new();
+    for i in 0..10 {
+        ids.push(add(&mut conn, &[("kind", "slow"), ("key", &format!("k{i}"))]).await?);
+    }
+    let (first, second) = (Scripted::default(), Scripted::default());
+    let mut cfg = config(&server, "first", 300, 5);
+    cfg.concurrency = 1;
+    let (stop_first, run_first) =
+        spawn(Worker::new(cfg, first.clone()).with_idempotency_guard(Duration::from_secs(600)));
+    eventually("the batch in hand", T, || async { Ok((first.total() >= 1).then_some(())) }).await?;
+    let other =
+        Worker::new(config(&server, "second", 300, 5), second.clone()).with_idempotency_guard(Duration::from_secs(600));
+    let other_stats: Arc<Stats> = other.stats();
+    let (stop_second, run_second) = spawn(other);
+    eventually("all acked", T, || async { Ok((pending(&mut conn.clone()).await? == 0).then_some(())) }).await?;
+    let (_, _) = (stop_first.send(()), stop_second.send(()));
+    run_first.await??;
+    run_second.await??;
+    assert_eq!(Stats::get(&other_stats.claimed), 0, "nothing claimed from a live holder");
+    for id in &ids {
+        assert_eq!(first.calls(id) + second.calls(id), 1, "{id} handled once");
+    }
+    Ok(())
+}
+
+/// Failpoint: `worker::before-commit` (a callback claims the entry for
+/// another consumer, as a claim after a long pause would). The first
+/// consumer's commit writes the completion (its effect happened) but does
+/// not ack an entry it no longer owns: the new owner settles it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_claimed_away_before_its_commit_is_not_acked_by_the_old_holder() -> Result<()> {
+    let scenario = fail::FailScenario::setup();
+    let (server, mut conn) = setup().await?;
+    let id = add(&mut conn, &[("kind", "ok"), ("key", "k1")]).await?;
+    let url = server.url();
+    let (claim_id, once) = (id.clone(), Arc::new(AtomicBool::new(false)));
+    fail::cfg_callback("worker::before-commit", move || {
+        if once.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let mut sync = redis::Client::open(url.as_str()).unwrap().get_connection().unwrap();
+        let _: redis::Value =
+            redis::cmd("XCLAIM").arg("orders").arg("g").arg("thief").arg(0).arg(&claim_id).query(&mut sync).unwrap();
+    })
+    .unwrap();
+    let handler = Scripted::default();
+    let worker =
+        Worker::new(config(&server, "c1", 10_000, 5), handler.clone()).with_idempotency_guard(Duration::from_secs(600));
+    let stats = worker.stats();
+    let (stop, run) = spawn(worker);
+    eventually("commit attempted", T, || async { Ok((Stats::get(&stats.ownership_lost) == 1).then_some(())) }).await?;
+    let _ = stop.send(());
+    run.await??;
+    fail::remove("worker::before-commit");
+    let rows = pending_rows(&mut conn).await?;
+    assert_eq!(rows.len(), 1, "still pending for its new owner");
+    assert_eq!((rows[0].0.as_str(), rows[0].1.as_str()), (id.as_str(), "thief"));
+    let mark: Option<String> = redis::cmd("GET").arg("{orders}:idem:g:k1").query_async(&mut conn).await?;
+    assert_eq!(mark.as_deref(), Some("completed"), "the effect happened: its redelivery is suppressed");
+    scenario.teardown();
+    Ok(())
+}
+
+/// A handler still running at the drain deadline is abandoned: the worker
+/// stops within the deadline and hands the entry back (claimable at once, its
+/// mark released), so the next holder need not wait out min-idle-time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_that_overruns_its_deadline_hands_the_entry_back() -> Result<()> {
+    let _scenario = fail::FailScenario::setup();
+    let (server, mut conn) = setup().await?;
+    let id = add(&mut conn, &[("kind", "wait"), ("key", "k1")]).await?;
+    let handler = Scripted::default();
+    let mut cfg = config(&server, "c1", 10_000, 5);
+    cfg.drain_timeout = Duration::from_millis(300);
+    let (stop, run) = spawn(Worker::new(cfg, handler.clone()).with_idempotency_guard(Duration::from_secs(600)));
+    eventually("handler running", T, || async { Ok((handler.calls(&id) == 1).then_some(())) }).await?;
+    let stopping = Instant::now();
+    let _ = stop.send(());
+    run.await??;
+    assert!(stopping.elapsed() < Duration::from_secs(2), "stopped at the drain deadline: {:?}", stopping.elapsed());
+    let rows = pending_rows(&mut conn).await?;
+    assert_eq!(rows.len(), 1);
+    assert!(rows[0].2 >= 10_000, "claimable at once (idle {} ms)", rows[0].2);
+    assert_eq!(rows[0].3, 1, "the delivery that ran still counts");
+    let mark: Option<String> = redis::cmd("GET").arg("{orders}:idem:g:k1").query_async(&mut conn).await?;
+    assert_eq!(mark, None, "its mark released");
+    Ok(())
+}
