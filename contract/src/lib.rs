@@ -12,7 +12,13 @@ pub const REDIS_CA_PEM: &str = "STREAMFLEET_REDIS_CA_PEM";
 pub const STREAMS: &str = "STREAMFLEET_STREAMS";
 /// Consumer group name.
 pub const GROUP: &str = "STREAMFLEET_GROUP";
-/// This consumer's name: the pod name.
+/// The pod's name and UID (downward API), from which [`CONSUMER`] is built.
+pub const POD_NAME: &str = "STREAMFLEET_POD_NAME";
+pub const POD_UID: &str = "STREAMFLEET_POD_UID";
+/// This consumer's name: `<pod name>.<pod UID>`. The UID makes it
+/// unforgeable: the operator releases a consumer's entries only when no pod
+/// with that very name and UID exists and the consumer has been silent past a
+/// bound, so a process still running (a force-deleted pod) is never released.
 pub const CONSUMER: &str = "STREAMFLEET_CONSUMER";
 /// Milliseconds an entry must be idle before it may be claimed.
 pub const MIN_IDLE_MS: &str = "STREAMFLEET_MIN_IDLE_MS";

@@ -79,6 +79,14 @@ pub fn contract_env(scg: &StreamConsumerGroup, mode: &str) -> Vec<EnvVar> {
             ..EnvVarSource::default()
         }),
     };
+    let field = |name: &str, path: &str| EnvVar {
+        name: name.into(),
+        value: None,
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector { field_path: path.into(), api_version: None }),
+            ..EnvVarSource::default()
+        }),
+    };
     let mut out = vec![
         secret(env::REDIS_URL, &spec.redis.url_secret_ref),
         value(
@@ -91,14 +99,10 @@ pub fn contract_env(scg: &StreamConsumerGroup, mode: &str) -> Vec<EnvVar> {
         ),
         value(env::STREAMS, spec.stream.clone()),
         value(env::GROUP, spec.group.clone()),
-        EnvVar {
-            name: env::CONSUMER.into(),
-            value: None,
-            value_from: Some(EnvVarSource {
-                field_ref: Some(ObjectFieldSelector { field_path: "metadata.name".into(), api_version: None }),
-                ..EnvVarSource::default()
-            }),
-        },
+        field(env::POD_NAME, "metadata.name"),
+        field(env::POD_UID, "metadata.uid"),
+        // Expanded by the kubelet from the two above (declared before it).
+        value(env::CONSUMER, format!("$({}).$({})", env::POD_NAME, env::POD_UID)),
         value(env::MIN_IDLE_MS, spec.recovery.min_idle_time_ms.to_string()),
         value(env::MAX_DELIVERIES, spec.recovery.max_deliveries.to_string()),
         value(env::DEAD_LETTER_STREAM, dead_letter_stream(scg)),
@@ -113,6 +117,10 @@ pub fn contract_env(scg: &StreamConsumerGroup, mode: &str) -> Vec<EnvVar> {
     }
     out
 }
+
+/// What a worker keeps of its grace period for acks and hand-backs after
+/// abandoning its handlers.
+const DRAIN_MARGIN_MS: i64 = 3_000;
 
 /// The user's pod template with our labels and the env contract injected into
 /// the worker container. The user's own env entries of the same names lose:
@@ -132,7 +140,15 @@ fn worker_pod_template(scg: &StreamConsumerGroup, component: &str, mode: &str) -
             .first_mut()
             .ok_or_else(|| Error::InvalidSpec("spec.worker.template.spec.containers must not be empty".into()))?,
     };
-    let contract = contract_env(scg, mode);
+    let mut contract = contract_env(scg, mode);
+    // Handlers in flight get the grace period less a margin to finish: the
+    // rest is handed back before the kubelet's SIGKILL.
+    let grace_ms = pod.termination_grace_period_seconds.unwrap_or(30).max(0).saturating_mul(1000);
+    contract.push(EnvVar {
+        name: env::DRAIN_TIMEOUT_MS.into(),
+        value: Some(grace_ms.saturating_sub(DRAIN_MARGIN_MS).max(grace_ms / 2).to_string()),
+        value_from: None,
+    });
     let env = container.env.get_or_insert_with(Vec::new);
     env.retain(|e| !contract.iter().any(|c| c.name == e.name));
     env.extend(contract);
@@ -275,8 +291,17 @@ mod tests {
         let url = env[env::REDIS_URL].value_from.as_ref().unwrap().secret_key_ref.as_ref().unwrap();
         assert_eq!((url.name.as_str(), url.key.as_str()), ("redis", "url"));
         assert!(env[env::REDIS_URL].value.is_none(), "the URL is only referenced, never copied");
-        let consumer = env[env::CONSUMER].value_from.as_ref().unwrap().field_ref.as_ref().unwrap();
-        assert_eq!(consumer.field_path, "metadata.name");
+        let field = |name: &str| env[name].value_from.as_ref().unwrap().field_ref.as_ref().unwrap().field_path.clone();
+        assert_eq!((field(env::POD_NAME), field(env::POD_UID)), ("metadata.name".into(), "metadata.uid".into()));
+        let names: Vec<&str> = pod.containers[1].env.as_ref().unwrap().iter().map(|e| e.name.as_str()).collect();
+        let at = |n: &str| names.iter().position(|m| *m == n).unwrap();
+        assert!(at(env::POD_UID) < at(env::CONSUMER), "declared before the consumer name that expands it");
+        assert_eq!(
+            env[env::CONSUMER].value.as_deref(),
+            Some("$(STREAMFLEET_POD_NAME).$(STREAMFLEET_POD_UID)"),
+            "the pod UID makes the consumer name unforgeable"
+        );
+        assert_eq!(env[env::DRAIN_TIMEOUT_MS].value.as_deref(), Some("27000"), "30 s grace less the margin");
         assert!(!env.contains_key(env::REDIS_CA_PEM));
     }
 

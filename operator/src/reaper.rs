@@ -8,8 +8,18 @@
 use std::collections::HashSet;
 use streamfleet_streams::health::ConsumerState;
 
-/// The consumers to reap. `live_pods` must be complete (a synced cache):
-/// with partial knowledge, call nothing dead.
+/// How long a consumer must have been silent in Redis before it can be
+/// dead: a live worker touches Redis at least every 2 s (its blocking read,
+/// its claim cycle, the hold on its batch), so a consumer silent three times
+/// that long has no process behind it even if its pod was force-deleted (a
+/// kubelet still runs a force-deleted pod's process through its grace period).
+pub const SILENT_FOR_MS: u64 = 6_000;
+
+/// The consumers to reap: attributable to this resource's workloads by name,
+/// no live pod with that identity (`<pod name>.<pod UID>`, or the bare pod
+/// name of consumers from before the UID), and silent past `SILENT_FOR_MS`.
+/// `live_pods` must be complete (a synced cache): with partial knowledge,
+/// call nothing dead.
 pub fn dead_consumers<'a>(
     consumers: &'a [ConsumerState],
     live_pods: &HashSet<String>,
@@ -19,7 +29,13 @@ pub fn dead_consumers<'a>(
         .iter()
         .filter(|c| owned_prefixes.iter().any(|p| c.name.starts_with(p.as_str())))
         .filter(|c| !live_pods.contains(&c.name))
+        .filter(|c| c.idle_ms >= SILENT_FOR_MS)
         .collect()
+}
+
+/// The identities a live pod's consumer may carry.
+pub fn identities(name: &str, uid: Option<&str>) -> impl Iterator<Item = String> {
+    std::iter::once(name.to_string()).chain(uid.map(|uid| format!("{name}.{uid}")))
 }
 
 #[cfg(test)]
@@ -28,6 +44,23 @@ mod tests {
 
     fn c(name: &str, pending: u64) -> ConsumerState {
         ConsumerState { name: name.into(), pending, idle_ms: 999_999 }
+    }
+
+    #[test]
+    fn a_consumer_is_dead_only_without_a_pod_of_its_very_identity_and_silent() {
+        let mut silent_recently = c("orders-worker-abc-3.uid-3", 2);
+        silent_recently.idle_ms = SILENT_FOR_MS - 1;
+        let consumers = vec![
+            c("orders-worker-abc-1.uid-1", 3),
+            // Same pod name, another pod (an earlier incarnation).
+            c("orders-worker-abc-1.uid-0", 1),
+            // A force-deleted pod whose process still reads.
+            silent_recently,
+        ];
+        let live: HashSet<String> = identities("orders-worker-abc-1", Some("uid-1")).collect();
+        let prefixes = vec!["orders-worker-".to_string()];
+        let dead: Vec<&str> = dead_consumers(&consumers, &live, &prefixes).iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(dead, vec!["orders-worker-abc-1.uid-0"]);
     }
 
     #[test]

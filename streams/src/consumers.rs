@@ -77,57 +77,27 @@ pub async fn release_pending<C: ConnectionLike + Send>(
     min_idle: Duration,
     count: usize,
 ) -> Result<Released, StreamError> {
-    let err = |e| StreamError::new("releasing a dead consumer's entries", e);
     let pending = pending_of(conn, stream, group, consumer, "-", count).await?;
     let idle_ms = u64::try_from(min_idle.as_millis()).unwrap_or(u64::MAX).saturating_add(1);
     // First void its guard marks, so whoever claims its entries does not wait them out.
     declare_dead(conn, stream, group, consumer).await?;
-    let stale: Vec<&PendingEntry> = pending.iter().filter(|(_, _, idle, _)| *idle < idle_ms).collect();
+    let stale: Vec<&str> =
+        pending.iter().filter(|(_, _, idle, _)| *idle < idle_ms).map(|(id, ..)| id.as_str()).collect();
     if stale.is_empty() {
         return Ok(Released::default());
     }
-    // XCLAIM drops IDs whose payload is gone from the PEL without a word:
-    // record those as lost first.
-    let mut pipe = redis::pipe();
-    for (id, ..) in &stale {
-        pipe.cmd("XRANGE").arg(stream).arg(id).arg(id);
-    }
-    let payloads: Vec<Vec<(String, std::collections::HashMap<String, redis::Value>)>> =
-        pipe.query_async(conn).await.map_err(err)?;
-    let mut alive = Vec::new();
-    let mut lost = 0;
-    for ((id, _, _, deliveries), payload) in stale.into_iter().zip(payloads) {
-        if !payload.is_empty() {
-            alive.push(id);
-            continue;
-        }
-        let entry = crate::Entry { stream: stream.into(), id: id.clone(), fields: Vec::new(), deliveries: *deliveries };
-        let letter = crate::deadletter::Letter {
-            group,
-            consumer,
-            reason: crate::deadletter::Reason::PayloadMissing,
-            error: "payload trimmed or deleted while pending (found releasing a dead consumer)",
-            business_key: None,
-        };
-        crate::deadletter::dead_letter(conn, dead_letter_stream, &entry, &letter).await?;
-        lost += 1;
-    }
-    if alive.is_empty() {
-        return Ok(Released { released: 0, payload_lost: lost });
-    }
-    let released: Vec<String> = redis::cmd("XCLAIM")
-        .arg(stream)
-        .arg(group)
-        .arg(consumer)
-        .arg(0)
-        .arg(&alive)
-        .arg("IDLE")
-        .arg(idle_ms)
-        .arg("JUSTID")
-        .query_async(conn)
-        .await
-        .map_err(err)?;
-    Ok(Released { released: released.len(), payload_lost: lost })
+    // XCLAIM drops IDs whose payload is gone from the PEL without a word: the
+    // same script records those as lost first.
+    let loss = crate::claim::LossRecord {
+        dead_letter_stream,
+        consumer,
+        why: "payload trimmed or deleted while pending (found releasing a dead consumer)",
+    };
+    let how = crate::claim::ClaimIds { consumer, min_idle_ms: 0, set_idle_ms: Some(idle_ms), just_id: true };
+    let (released, lost) = crate::claim::claim_ids(conn, stream, group, &loss, &how, &stale).await?;
+    let released: Vec<String> = redis::FromRedisValue::from_redis_value(released)
+        .map_err(|e| StreamError::new("releasing a dead consumer's entries", e.into()))?;
+    Ok(Released { released: released.len(), payload_lost: lost.len() })
 }
 
 /// What releasing a dead consumer's entries did.

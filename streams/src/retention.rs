@@ -139,13 +139,63 @@ pub async fn target<C: ConnectionLike + Send>(
     Ok(target)
 }
 
-/// `XTRIM <stream> MINID <id>`: removes the entries below `id`; returns how many.
+/// Recomputes the floor and trims in one script, so a group created (or an
+/// entry delivered) between the caller's look at the floor and the trim is
+/// still protected: `XTRIM MINID` to the lower of the asked point and every
+/// group's oldest pending entry and first undelivered ID (IDs compared and
+/// stepped as decimal text: Lua numbers are floats).
+/// KEYS: stream. ARGV: the point. Returns how many entries were removed.
+static TRIM_WITHIN_FLOOR: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(
+        r"
+        local function parts(id)
+            local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+            return ms or id, seq or '0'
+        end
+        local function num_less(a, b)
+            if #a ~= #b then return #a < #b end
+            return a < b
+        end
+        local function less(a, b)
+            local am, as = parts(a)
+            local bm, bs = parts(b)
+            if am ~= bm then return num_less(am, bm) end
+            return num_less(as, bs)
+        end
+        local function after(id)
+            local ms, seq = parts(id)
+            local out, carry = '', 1
+            for i = #seq, 1, -1 do
+                local d = tonumber(string.sub(seq, i, i)) + carry
+                carry = d == 10 and 1 or 0
+                out = (d % 10) .. out
+            end
+            if carry == 1 then out = '1' .. out end
+            return ms .. '-' .. out
+        end
+        local point = ARGV[1]
+        for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+            local info = {}
+            for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+            local first_undelivered = after(info['last-delivered-id'] or '0-0')
+            if less(first_undelivered, point) then point = first_undelivered end
+            if tonumber(info['pending']) > 0 then
+                local oldest = redis.call('XPENDING', KEYS[1], info['name'])[2]
+                if oldest and less(oldest, point) then point = oldest end
+            end
+        end
+        return redis.call('XTRIM', KEYS[1], 'MINID', point)",
+    )
+});
+
+/// Trims below `id`, but never past the floor as it stands at that instant
+/// (see `TRIM_WITHIN_FLOOR`); returns how many entries were removed.
 pub async fn trim_to<C: ConnectionLike + Send>(conn: &mut C, stream: &str, id: StreamId) -> Result<u64, StreamError> {
-    redis::cmd("XTRIM")
-        .arg(stream)
-        .arg("MINID")
+    fail::fail_point!("streams::retention::before-trim");
+    TRIM_WITHIN_FLOOR
+        .key(stream)
         .arg(id.to_string())
-        .query_async(conn)
+        .invoke_async(conn)
         .await
         .map_err(|e| StreamError::new("trimming the stream", e))
 }

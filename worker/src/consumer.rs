@@ -14,7 +14,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
-use streamfleet_streams::claim::{autoclaim, claim_own};
+use streamfleet_streams::claim::{LossRecord, autoclaim, claim_own};
 use streamfleet_streams::config::{RunMode, WorkerConfig};
 use streamfleet_streams::deadletter::{self, Letter, Reason};
 use streamfleet_streams::entry::fields_from_map;
@@ -356,9 +356,16 @@ impl<H: Handler> Worker<H> {
         for stream in &self.config.streams {
             let mut after = "-".to_string();
             while !stopping(stop) {
-                let own =
-                    claim_own(conn, stream, &self.config.group, &self.config.consumer, &after, self.config.batch_size)
-                        .await?;
+                let own = claim_own(
+                    conn,
+                    stream,
+                    &self.config.group,
+                    &self.config.consumer,
+                    &self.loss_record(),
+                    &after,
+                    self.config.batch_size,
+                )
+                .await?;
                 if !own.entries.is_empty() || !own.deleted.is_empty() {
                     tracing::info!(stream = %stream, entries = own.entries.len(), "taking back own pending entries");
                 }
@@ -372,7 +379,8 @@ impl<H: Handler> Worker<H> {
         Ok(())
     }
 
-    /// Claimed entries are handled; IDs whose payload is gone are recorded lost.
+    /// Claimed entries are handled; IDs whose payload is gone were recorded
+    /// lost by the claim itself.
     async fn settle_claimed(
         &self,
         conn: &mut StreamConnection,
@@ -380,10 +388,23 @@ impl<H: Handler> Worker<H> {
         deleted: Vec<String>,
         entries: Vec<Entry>,
     ) -> Result<(), WorkerError> {
-        for id in &deleted {
-            self.payload_missing(conn, stream, id).await?;
+        if !deleted.is_empty() || !entries.is_empty() {
+            fail::fail_point!("worker::after-claim", |_| Err(WorkerError::Failpoint("worker::after-claim")));
+        }
+        if !deleted.is_empty() {
+            self.stats.add(&self.stats.payload_missing, deleted.len());
+            tracing::warn!(stream, ids = ?deleted, "pending entries whose payload was trimmed or deleted: recorded as lost");
         }
         self.process(conn, entries).await
+    }
+
+    /// Where claims record pending entries found without a payload.
+    fn loss_record(&self) -> LossRecord<'_> {
+        LossRecord {
+            dead_letter_stream: &self.config.dead_letter_stream,
+            consumer: &self.config.consumer,
+            why: "payload trimmed or deleted while pending",
+        }
     }
 
     /// One pass of XAUTOCLAIM over each stream's PEL, from `0-0` until the
@@ -398,6 +419,7 @@ impl<H: Handler> Worker<H> {
                     stream,
                     &self.config.group,
                     &self.config.consumer,
+                    &self.loss_record(),
                     self.config.min_idle,
                     &cursor,
                     self.config.batch_size,
@@ -589,12 +611,14 @@ impl<H: Handler> Worker<H> {
     }
 
     /// Extends the hold on the batch's unsettled entries every third of
-    /// min-idle-time until the handlers are done.
+    /// min-idle-time (2 s at most) until the handlers are done.
     async fn hold(&self, mut conn: StreamConnection, batch: &Batch, done: &tokio::sync::Notify) {
         if self.at_most_once {
             return;
         }
-        let every = (self.config.min_idle / 3).max(Duration::from_millis(30));
+        // At least every 2 s: the hold is also what shows the operator this
+        // consumer is alive while it reads nothing (`reaper::SILENT_FOR_MS`).
+        let every = (self.config.min_idle / 3).clamp(Duration::from_millis(30), Duration::from_secs(2));
         loop {
             tokio::select! {
                 () = done.notified() => return,
@@ -910,13 +934,5 @@ impl<H: Handler> Worker<H> {
         self.stats.add(&self.stats.dead_lettered, 1);
         tracing::warn!(stream = %entry.stream, id = %entry.id, dead_letter = %id, reason = reason.as_str(), error, "dead-lettered");
         Ok(())
-    }
-
-    /// A pending entry whose payload is gone: never success. Recorded in the
-    /// dead-letter stream (XAUTOCLAIM has already dropped it from the PEL).
-    async fn payload_missing(&self, conn: &mut StreamConnection, stream: &str, id: &str) -> Result<(), WorkerError> {
-        let entry = Entry { stream: stream.to_string(), id: id.to_string(), fields: Vec::new(), deliveries: 0 };
-        self.stats.add(&self.stats.payload_missing, 1);
-        self.dead_letter(conn, &entry, Reason::PayloadMissing, "payload trimmed or deleted while pending", None).await
     }
 }

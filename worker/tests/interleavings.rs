@@ -151,3 +151,90 @@ async fn a_drain_that_overruns_its_deadline_hands_the_entry_back() -> Result<()>
     assert_eq!(mark, None, "its mark released");
     Ok(())
 }
+
+/// Failpoint: `streams::retention::before-trim` (a callback creates a group
+/// at `0` after the operator looked at the floor and before it trims). The
+/// trim recomputes the floor in the same script: the new group loses nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_created_between_the_floor_and_the_trim_loses_nothing() -> Result<()> {
+    let scenario = fail::FailScenario::setup();
+    let (server, mut conn) = setup().await?;
+    let mut last = String::new();
+    for i in 0..20 {
+        last = add(&mut conn, &[("kind", "ok"), ("key", &format!("k{i}"))]).await?;
+    }
+    // The only group has read and acked everything: the floor is past the end.
+    let read: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("g")
+        .arg("c")
+        .arg("COUNT")
+        .arg(100)
+        .arg("STREAMS")
+        .arg("orders")
+        .arg(">")
+        .query_async(&mut conn)
+        .await?;
+    let ids: Vec<String> = read.keys.into_iter().flat_map(|k| k.ids).map(|e| e.id).collect();
+    let _: u64 = redis::cmd("XACK").arg("orders").arg("g").arg(&ids).query_async(&mut conn).await?;
+    let url = server.url();
+    fail::cfg_callback("streams::retention::before-trim", move || {
+        let mut sync = redis::Client::open(url.as_str()).unwrap().get_connection().unwrap();
+        let _: () = redis::cmd("XGROUP").arg("CREATE").arg("orders").arg("late").arg("0").query(&mut sync).unwrap();
+    })
+    .unwrap();
+    let past_end = streamfleet_streams::retention::StreamId::parse(&last).unwrap().next();
+    let trimmed = streamfleet_streams::retention::trim_to(&mut conn, "orders", past_end).await?;
+    fail::remove("streams::retention::before-trim");
+    assert_eq!(trimmed, 0, "the late group has read nothing yet");
+    let len: u64 = redis::cmd("XLEN").arg("orders").query_async(&mut conn).await?;
+    assert_eq!(len, 20);
+    scenario.teardown();
+    Ok(())
+}
+
+/// Failpoint: `worker::after-claim` (the worker is gone right after its
+/// claim returned). Pending IDs whose payload was deleted were recorded as
+/// lost by the claim's own script, so the crash loses no record of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ids_a_claim_finds_without_payload_are_recorded_by_the_claim_itself() -> Result<()> {
+    let scenario = fail::FailScenario::setup();
+    let (server, mut conn) = setup().await?;
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        ids.push(add(&mut conn, &[("kind", "ok"), ("key", &format!("k{i}"))]).await?);
+    }
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("g")
+        .arg("ghost")
+        .arg("COUNT")
+        .arg(10)
+        .arg("STREAMS")
+        .arg("orders")
+        .arg(">")
+        .query_async(&mut conn)
+        .await?;
+    let _: u64 = redis::cmd("XDEL").arg("orders").arg(&ids[..2]).query_async(&mut conn).await?;
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    fail::cfg("worker::after-claim", "return").unwrap();
+    let crashed = Worker::new(config(&server, "c1", 100, 5), Scripted::default()).run(std::future::pending()).await;
+    fail::remove("worker::after-claim");
+    assert!(matches!(crashed, Err(streamfleet_worker::WorkerError::Failpoint(_))), "{crashed:?}");
+    let loss = streamfleet_streams::payload_loss::read(&mut conn, "orders", "g").await?;
+    assert_eq!(loss.total, 2);
+    let mut latest = loss.latest.clone();
+    latest.sort();
+    assert_eq!(latest, ids[..2].to_vec());
+    let letters = dead_letters(&mut conn).await?;
+    assert_eq!(letters.len(), 2);
+    assert!(letters.iter().all(|l| l["streamfleet.reason"] == "payload-missing" && l["streamfleet.consumer"] == "c1"));
+    let rows = pending_rows(&mut conn).await?;
+    assert_eq!(
+        rows.iter().map(|r| r.0.clone()).collect::<Vec<_>>(),
+        vec![ids[2].clone()],
+        "the live one stays pending"
+    );
+    scenario.teardown();
+    Ok(())
+}

@@ -34,7 +34,7 @@ pub fn snapshot(lag: u64, pending: u64, consumers: &[(&str, u64)]) -> GroupSnaps
         max_delivery_count: (pending > 0).then_some(1),
         consumers: consumers
             .iter()
-            .map(|(name, pending)| ConsumerState { name: (*name).into(), pending: *pending, idle_ms: 1 })
+            .map(|(name, pending)| ConsumerState { name: (*name).into(), pending: *pending, idle_ms: 60_000 })
             .collect(),
         before_oldest_pending: (pending > 0).then(|| "4-0".into()),
         stream_length: 1000,

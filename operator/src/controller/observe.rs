@@ -81,7 +81,7 @@ pub async fn observe(
             .state()
             .iter()
             .filter(|p| p.namespace().as_deref() == Some(ns.as_str()))
-            .map(|p| p.name_any())
+            .flat_map(|p| crate::reaper::identities(&p.name_any(), p.metadata.uid.as_deref()).collect::<Vec<_>>())
             .collect(),
         claimants: ctx.claimants(scg, &endpoint),
     };

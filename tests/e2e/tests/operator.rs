@@ -72,7 +72,14 @@ async fn helm_installed_operator_creates_group_workers_and_recovery() -> Result<
     assert_eq!(penv[env::STREAMS], "orders");
     assert_eq!(penv[env::GROUP], "billing");
     assert_eq!(penv[env::DEAD_LETTER_STREAM], "{orders}:dead");
-    assert_eq!(penv[env::CONSUMER], penv["HOSTNAME"], "consumer name is the pod name");
+    let uid = penv[env::POD_UID].as_str().unwrap_or_default();
+    assert!(!uid.is_empty(), "the pod UID reaches the worker");
+    assert_eq!(
+        penv[env::CONSUMER].as_str().unwrap_or_default(),
+        format!("{}.{uid}", penv["HOSTNAME"].as_str().unwrap_or_default()),
+        "consumer name is the pod name and UID"
+    );
+    assert!(penv[env::DRAIN_TIMEOUT_MS].as_str().is_some_and(|ms| !ms.is_empty()));
 
     // Owned recovery CronJob.
     let cronjobs: Api<CronJob> = Api::namespaced(client.clone(), &ns.name);

@@ -250,7 +250,9 @@ async fn a_killed_workers_entries_are_handled_and_acked_within_seconds_and_live_
         let held = held_orders(&mut conn, &victim).await?;
         assert!(!held.is_empty());
         let killed_at = Instant::now();
-        pods.delete(&victim, &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
+        // Consumer names are `<pod name>.<pod UID>`.
+        let pod = victim.split_once('.').map_or(victim.as_str(), |(pod, _)| pod);
+        pods.delete(pod, &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
         eventually("the killed worker's entries handled and acked", T, || async {
             Ok(all_done(&mut conn.clone(), &held).await?.then_some(()))
         })
@@ -282,8 +284,11 @@ async fn a_killed_workers_entries_are_handled_and_acked_within_seconds_and_live_
             "summary": format!("Median {:.2} s over {} runs.", median.as_secs_f64(), figures.len()),
         }),
     )?;
-    assert!(median < Duration::from_secs(5), "median {median:?} over {times:?}");
-    assert!(times.iter().all(|t| *t < Duration::from_secs(10)), "{times:?}");
+    // A force-deleted pod's consumer is released once silent for 6 s (the
+    // operator's `reaper::SILENT_FOR_MS`: a real kubelet may still run the
+    // process), then its entries move within a poll or two.
+    assert!(median < Duration::from_secs(12), "median {median:?} over {times:?}");
+    assert!(times.iter().all(|t| *t < Duration::from_secs(16)), "{times:?}");
 
     // Every order charged exactly once (the ledger refuses seconds); only
     // orders in the killed workers' hands were tried twice.
