@@ -116,15 +116,20 @@ async fn crash_drill_every_order_charged_exactly_once() -> Result<()> {
     // held and how much of it was charged but not yet acked.
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
     let (mut kills, mut held_at_kill, mut charged_unacked_at_kill) = (0, 0, 0);
+    let mut killed_consumers: Vec<String> = Vec::new();
     for _ in 0..5 {
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let workers = pods.list(&ListParams::default().labels("app.kubernetes.io/component=worker")).await?.items;
-        let running: Vec<String> =
-            workers.iter().filter(|p| p.metadata.deletion_timestamp.is_none()).map(|p| p.name_any()).collect();
+        // Consumer names are `<pod name>.<pod UID>`.
+        let running: Vec<(String, String)> = workers
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .map(|p| (p.name_any(), format!("{}.{}", p.name_any(), p.metadata.uid.clone().unwrap_or_default())))
+            .collect();
         if running.is_empty() {
             continue;
         }
-        let victim = &running[rand::rng().random_range(0..running.len())];
+        let (victim, victim_consumer) = &running[rand::rng().random_range(0..running.len())];
         // One atomic look right before the kill: what it holds, and how much
         // of that is already charged but not acked.
         let (held, charged_unacked): (usize, usize) = redis::Script::new(
@@ -146,13 +151,14 @@ async fn crash_drill_every_order_charged_exactly_once() -> Result<()> {
         .key("orders")
         .key("ledger:charges")
         .arg("billing")
-        .arg(victim)
+        .arg(victim_consumer)
         .invoke_async(&mut conn)
         .await?;
         charged_unacked_at_kill += charged_unacked;
         pods.delete(victim, &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
         kills += 1;
         held_at_kill += held;
+        killed_consumers.push(victim_consumer.clone());
     }
 
     let expected = orders - poison.len() - TRIMMED;
@@ -230,18 +236,33 @@ async fn crash_drill_every_order_charged_exactly_once() -> Result<()> {
     let slow_charges: u64 = by_consumer.iter().filter(|(c, _)| c.starts_with("slow-worker-")).map(|(_, n)| n).sum();
     let suppressed: Option<u64> = conn.get(streamfleet_worker::guard::suppressed_key("orders", "billing")).await?;
     let refused: HashMap<String, u64> = conn.hgetall("ledger:duplicates").await?;
+    // Each repeated charge attempt is explained by a death between the first
+    // charge and its ack (the first charger was SIGKILLed or crashed), or it
+    // is a second effect that got through the guard while the first holder
+    // lived: those must be none.
+    let charged_by: HashMap<String, String> = conn.hgetall("ledger:charged-by").await?;
+    let crashed: Vec<String> = conn.smembers("ledger:crashed-consumers").await?;
+    let died = |consumer: &str| killed_consumers.iter().chain(&crashed).any(|c| c == consumer);
+    let second_effects: Vec<(&String, Option<&String>)> = refused
+        .keys()
+        .map(|order| (order, charged_by.get(order)))
+        .filter(|(_, by)| !by.is_some_and(|c| died(c)))
+        .collect();
     println!(
         "drill: {orders} orders ({} poison, {TRIMMED} trimmed while pending) settled in {:?}; {kills} workers SIGKILLed \
          holding {held_at_kill} entries ({charged_unacked_at_kill} charged, not acked); crashes after the charge: {}; \
          transient failures: {}; charged by the slow worker: {slow_charges}; duplicates suppressed by the guard: {}; \
-         second charges refused by the ledger: {}",
+         duplicate deliveries absorbed by the ledger: {} (all after their first charger died); second effects through \
+         the guard: {}",
         poison.len(),
         started.elapsed(),
         faults.get("crash").copied().unwrap_or(0),
         faults.get("transient").copied().unwrap_or(0),
         suppressed.unwrap_or(0),
-        refused.values().sum::<u64>()
+        refused.values().sum::<u64>(),
+        second_effects.len()
     );
+    assert!(second_effects.is_empty(), "charged again while the first charger lived: {second_effects:?}");
     assert_eq!(kills, 5, "every SIGKILL landed on a running worker");
     assert!(held_at_kill > 0, "no SIGKILL caught a worker holding entries");
     assert!(charged_unacked_at_kill > 0, "no SIGKILL landed between a charge and its ack");

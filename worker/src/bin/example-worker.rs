@@ -4,7 +4,12 @@
 //! the order in a ledger (a Redis hash standing in for a payment provider)
 //! with the order ID as the idempotency key: `HSETNX ledger:charges <order>`.
 //! A repeated charge is refused by the ledger and counted in
-//! `ledger:duplicates`, so "every order charged exactly once" can be checked.
+//! `ledger:duplicates`, so "every order charged exactly once" can be checked;
+//! `ledger:charged-by` names who charged each order first, so a drill can
+//! tell a repeat caused by a death between charge and ack (expected) from
+//! one that got through the guard while the first holder lived (a leak).
+//! The guard's fencing token goes with each charge (`ledger:fences`): a
+//! holder older than one already seen for the order is refused.
 //! Injected faults are counted in `ledger:faults` (`transient`, `crash`) and
 //! charges per consumer in `ledger:by-consumer`, so a drill can prove that
 //! what it injected happened.
@@ -22,6 +27,35 @@ use rand::Rng as _;
 use std::time::Duration;
 use streamfleet_streams::{Endpoint, StreamConnection};
 use streamfleet_worker::{Entry, Handler, Outcome, Worker, WorkerConfig};
+
+/// The payment provider's side of a charge, in one script: refuses a holder
+/// whose fencing token is older than one already seen for the order (a
+/// stale holder), charges once per order (`HSETNX`), and keeps the books a
+/// drill reads: who charged each order first, charges per consumer, and
+/// every refused second charge. KEYS: charges, charged-by, by-consumer,
+/// duplicates, fences, faults. ARGV: order, amount, consumer, fence (0: none).
+/// Returns 1 charged, 0 already charged, -1 stale fence.
+static CHARGE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(
+        r"
+        local fence = tonumber(ARGV[4])
+        if fence > 0 then
+            local seen = tonumber(redis.call('HGET', KEYS[5], ARGV[1]) or '0')
+            if fence < seen then
+                redis.call('HINCRBY', KEYS[6], 'stale-fence', 1)
+                return -1
+            end
+            redis.call('HSET', KEYS[5], ARGV[1], fence)
+        end
+        if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+            redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+            redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
+            return 1
+        end
+        redis.call('HINCRBY', KEYS[4], ARGV[1], 1)
+        return 0",
+    )
+});
 
 struct Orders {
     ledger: StreamConnection,
@@ -69,19 +103,36 @@ impl Handler for Orders {
             self.count(&mut ledger, "ledger:faults", "transient").await;
             return Outcome::Transient("payment gateway timeout".into());
         }
-        let charged: redis::RedisResult<i64> =
-            redis::cmd("HSETNX").arg("ledger:charges").arg(order).arg(amount).query_async(&mut ledger).await;
+        // The guard's fencing token goes downstream with the charge.
+        let fence = streamfleet_worker::current_delivery().and_then(|d| d.fence).unwrap_or(0);
+        let charged: redis::RedisResult<i64> = CHARGE
+            .key("ledger:charges")
+            .key("ledger:charged-by")
+            .key("ledger:by-consumer")
+            .key("ledger:duplicates")
+            .key("ledger:fences")
+            .key("ledger:faults")
+            .arg(order)
+            .arg(amount)
+            .arg(&self.consumer)
+            .arg(fence)
+            .invoke_async(&mut ledger)
+            .await;
         match charged {
-            Ok(1) => self.count(&mut ledger, "ledger:by-consumer", &self.consumer).await,
-            // The ledger refused a second charge for this order: the effect
-            // already happened, so this delivery is done too.
-            Ok(_) => self.count(&mut ledger, "ledger:duplicates", order).await,
+            // Charged now, or refused as a second charge (the effect already
+            // happened, so this delivery is done too).
+            Ok(1 | 0) => {}
+            // A newer holder has the order: leave it to them (never completed
+            // here, or their own failure would be suppressed).
+            Ok(_) => return Outcome::Transient(format!("order {order}: a newer holder has it (stale fence {fence})")),
             Err(e) => return Outcome::Transient(format!("ledger: {e}")),
         }
         if rand::rng().random_range(0.0..100.0) < self.crash_percent {
             // The worst moment to die: charged, not yet acked.
             tracing::error!(order, "simulated crash after the charge, before the ack");
             self.count(&mut ledger, "ledger:faults", "crash").await;
+            let _: redis::RedisResult<i64> =
+                redis::cmd("SADD").arg("ledger:crashed-consumers").arg(&self.consumer).query_async(&mut ledger).await;
             std::process::abort();
         }
         Outcome::Done
