@@ -42,6 +42,11 @@ pub fn suppressed_key(stream: &str, group: &str) -> String {
     companion_key(stream, &format!("suppressed:{group}"))
 }
 
+/// The idempotency guard's record of one business key (or entry ID) of `group`.
+pub fn guard_key(stream: &str, group: &str, token: &str) -> String {
+    companion_key(stream, &format!("idem:{group}:{token}"))
+}
+
 /// The text Redis Cluster hashes to place `key`: its hash tag, or the whole key.
 pub fn slot_text(key: &str) -> &str {
     hash_tag(key).unwrap_or(key)

@@ -1,8 +1,11 @@
 //! Replay: re-add dead letters to their source stream with their original
-//! fields (business key included) and remove them from the dead-letter
-//! stream, each in one MULTI/EXEC.
+//! fields (business key included), addressed to the letter's group only
+//! (`streamfleet.replay-for`; workers of other groups ack it unrun), and
+//! remove them from the dead-letter stream, each in one script that first
+//! checks the group's idempotency guard: a key completed since (by another
+//! delivery) is not replayed, a stale `processing` mark is cleared.
 
-use crate::deadletter::{F_BUSINESS_KEY, F_REASON, F_SOURCE_STREAM, PREFIX};
+use crate::deadletter::{F_BUSINESS_KEY, F_GROUP, F_REASON, F_SOURCE_ID, F_SOURCE_STREAM, PREFIX};
 use crate::entry::fields_from_map;
 use crate::error::StreamError;
 use redis::aio::ConnectionLike;
@@ -36,6 +39,28 @@ pub enum Replayed {
 }
 
 const PAGE: usize = 500;
+
+/// The group a replayed entry is for; other groups' workers ack it unrun.
+pub const F_REPLAY_FOR: &str = "streamfleet.replay-for";
+/// The dead letter a replayed entry came from.
+pub const F_REPLAY_OF: &str = "streamfleet.replay-of";
+
+/// KEYS: source stream, dead-letter stream, guard mark. ARGV: dead letter
+/// ID, '1' to check the guard, then the new entry's fields and values.
+/// Returns {1, new ID}, or {0, why}.
+static REPLAY: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(
+        r"
+        if ARGV[2] == '1' then
+            local mark = redis.call('GET', KEYS[3])
+            if mark == 'completed' then return {0, 'completed'} end
+            if mark then redis.call('DEL', KEYS[3]) end
+        end
+        local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+        redis.call('XDEL', KEYS[2], ARGV[1])
+        return {1, id}",
+    )
+});
 
 pub async fn replay<C: ConnectionLike + Send>(
     conn: &mut C,
@@ -81,15 +106,40 @@ pub async fn replay<C: ConnectionLike + Send>(
             });
             continue;
         }
-        let mut xadd = redis::cmd("XADD");
-        xadd.arg(&source).arg("*");
+        let group = text(F_GROUP);
+        // The guard token the worker used: the business key, or the entry ID.
+        let token = business_key.clone().or_else(|| text(F_SOURCE_ID));
+        let mark = match (&group, &token) {
+            (Some(group), Some(token)) => Some(crate::keys::guard_key(&source, group, token)),
+            _ => None,
+        };
+        let mut script = REPLAY.prepare_invoke();
+        script
+            .key(&source)
+            .key(dead_letter_stream)
+            .key(mark.clone().unwrap_or_else(|| source.clone()))
+            .arg(&id)
+            .arg(if mark.is_some() { "1" } else { "0" });
         for (k, v) in original {
-            xadd.arg(k).arg(v.as_slice());
+            script.arg(k).arg(v.as_slice());
         }
-        let mut pipe = redis::pipe();
-        pipe.atomic().add_command(xadd).cmd("XDEL").arg(dead_letter_stream).arg(&id).ignore();
-        let (new_id,): (String,) =
-            pipe.query_async(conn).await.map_err(|e| StreamError::new("replaying a dead letter", e))?;
+        if let Some(group) = &group {
+            script.arg(F_REPLAY_FOR).arg(group).arg(F_REPLAY_OF).arg(&id);
+        }
+        let (done, detail): (u8, String) =
+            script.invoke_async(conn).await.map_err(|e| StreamError::new("replaying a dead letter", e))?;
+        if done == 0 {
+            out.push(Replayed::Skipped {
+                dead_letter_id: id,
+                why: format!(
+                    "its business key is {detail} in group {:?}: another delivery did it after it was dead-lettered, \
+                     so replaying would apply it twice",
+                    group.unwrap_or_default()
+                ),
+            });
+            continue;
+        }
+        let new_id = detail;
         out.push(Replayed::Requeued { dead_letter_id: id, source_stream: source, new_id, business_key });
     }
     Ok(out)

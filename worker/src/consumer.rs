@@ -490,6 +490,10 @@ impl<H: Handler> Worker<H> {
     /// them. What was not started (shutdown, a failed batch) or still runs at
     /// the drain deadline is handed back, claimable at once.
     async fn process(&self, conn: &mut StreamConnection, entries: Vec<Entry>) -> Result<(), WorkerError> {
+        let (foreign, entries): (Vec<Entry>, Vec<Entry>) = entries.into_iter().partition(|e| {
+            e.field_str(streamfleet_streams::replay::F_REPLAY_FOR).is_some_and(|group| group != self.config.group)
+        });
+        self.skip_foreign_replays(conn, &foreign).await?;
         if entries.is_empty() {
             return Ok(());
         }
@@ -564,6 +568,22 @@ impl<H: Handler> Worker<H> {
         }
         flushed?;
         handed_back
+    }
+
+    /// Acks, unrun, replays addressed to another group of the same stream.
+    async fn skip_foreign_replays(&self, conn: &mut StreamConnection, foreign: &[Entry]) -> Result<(), WorkerError> {
+        if foreign.is_empty() || self.at_most_once {
+            return Ok(());
+        }
+        let mut by_stream: BTreeMap<&str, Vec<(&str, Option<String>)>> = BTreeMap::new();
+        for entry in foreign {
+            by_stream.entry(entry.stream.as_str()).or_default().push((entry.id.as_str(), None));
+        }
+        for (stream, ids) in by_stream {
+            self.lease(stream).commit(conn, 0, &ids).await?;
+        }
+        self.stats.add(&self.stats.foreign_replays, foreign.len());
+        Ok(())
     }
 
     /// Runs one business key's entries in stream order.

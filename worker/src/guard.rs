@@ -205,7 +205,7 @@ impl Guard {
 
 /// The guard's record of one business key of `group`.
 pub fn mark_key(stream: &str, group: &str, token: &str) -> String {
-    keys::companion_key(stream, &format!("idem:{group}:{token}"))
+    keys::guard_key(stream, group, token)
 }
 
 pub use streamfleet_streams::keys::suppressed_key;

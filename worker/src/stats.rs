@@ -14,6 +14,8 @@ pub struct Stats {
     pub payload_missing: AtomicU64,
     /// Entries done here but claimed by another consumer before the ack.
     pub ownership_lost: AtomicU64,
+    /// Replays addressed to another group, acked without running the handler.
+    pub foreign_replays: AtomicU64,
     pub handler_latency: Latency,
     pub ack_latency: Latency,
 }

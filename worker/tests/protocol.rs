@@ -508,3 +508,59 @@ async fn shutdown_starts_no_new_handler_and_releases_what_it_did_not_start() -> 
     }
     Ok(())
 }
+
+/// Replay is for the dead letter's group only, and never re-applies work
+/// that another delivery completed after the letter was written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_runs_in_its_own_group_only_and_never_after_a_completion() -> Result<()> {
+    use streamfleet_streams::replay::{Replayed, Selection, replay};
+    let (server, mut conn) = setup().await?;
+    add(&mut conn, &[("kind", "refused"), ("key", "k1")]).await?;
+    add(&mut conn, &[("kind", "refused"), ("key", "k2")]).await?;
+    let handler = Scripted::default();
+    let (stop, run) = spawn(
+        Worker::new(config(&server, "c1", 10_000, 5), handler.clone()).with_idempotency_guard(Duration::from_secs(600)),
+    );
+    eventually("both dead-lettered", T, || async {
+        Ok((dead_letters(&mut conn.clone()).await?.len() == 2).then_some(()))
+    })
+    .await?;
+    let _ = stop.send(());
+    run.await??;
+    // Another delivery of k2 completed it after its letter was written.
+    let _: () = conn.set("{orders}:idem:g:k2", "completed").await?;
+    // A second group on the stream, from now on.
+    streamfleet_streams::ensure_group(&mut conn, "orders", "other", "$").await?;
+    let replayed = replay(&mut conn, "{orders}:dead", &Selection::All, false).await?;
+    let new_id = match &replayed[..] {
+        [Replayed::Requeued { new_id, business_key, .. }, Replayed::Skipped { why, .. }] => {
+            assert_eq!(business_key.as_deref(), Some("k1"));
+            assert!(why.contains("completed"), "{why}");
+            new_id.clone()
+        }
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(dead_letters(&mut conn).await?.len(), 1, "the skipped letter stays");
+    // The other group acks the replay without running its handler.
+    let other = Scripted::default();
+    let mut other_config = config(&server, "o1", 10_000, 5);
+    other_config.group = "other".into();
+    let other_worker = Worker::new(other_config, other.clone());
+    let other_stats = other_worker.stats();
+    let (stop, run) = spawn(other_worker);
+    eventually("replay skipped by the other group", T, || async {
+        Ok((Stats::get(&other_stats.foreign_replays) == 1).then_some(()))
+    })
+    .await?;
+    let _ = stop.send(());
+    run.await??;
+    assert_eq!(other.calls(&new_id), 0);
+    let p: redis::streams::StreamPendingReply = conn.xpending("orders", "other").await?;
+    assert_eq!(p.count(), 0, "acked in the other group");
+    // Its own group runs it.
+    let (stop, run) = spawn(Worker::new(config(&server, "c2", 10_000, 5), handler.clone()));
+    eventually("replay run in its group", T, || async { Ok((handler.calls(&new_id) == 1).then_some(())) }).await?;
+    let _ = stop.send(());
+    run.await??;
+    Ok(())
+}

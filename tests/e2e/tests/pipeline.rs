@@ -347,8 +347,10 @@ async fn sigterm_under_load_finishes_what_it_started_releases_the_rest_and_loses
     })
     .await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
-    pods.delete(&victim, &DeleteParams::default()).await?;
-    eventually("victim gone", T, || async { Ok(pods.get_opt(&victim).await?.is_none().then_some(())) }).await?;
+    // Consumer names are `<pod name>.<pod UID>`.
+    let pod = victim.split_once('.').map_or(victim.as_str(), |(pod, _)| pod).to_string();
+    pods.delete(&pod, &DeleteParams::default()).await?;
+    eventually("victim gone", T, || async { Ok(pods.get_opt(&pod).await?.is_none().then_some(())) }).await?;
     // It finished and acked the handlers it had started and started no new
     // one: what was left of its batch (at most one batch) is released by the
     // reaper to the other worker. Nothing lost, nothing run twice.
@@ -372,7 +374,7 @@ async fn sigterm_under_load_finishes_what_it_started_releases_the_rest_and_loses
         .filter_map(|n| n.strip_prefix("released ")?.split_whitespace().next()?.parse::<usize>().ok())
         .sum();
     assert!(left_behind <= 20, "the drained worker left more than its unstarted batch behind: {released:?}");
-    let log = std::fs::read_to_string(bed.pod_dir(&ns.name, &victim).join("worker.log")).unwrap_or_default();
+    let log = std::fs::read_to_string(bed.pod_dir(&ns.name, &pod).join("worker.log")).unwrap_or_default();
     assert!(log.contains("drained; stopping"), "worker log:\n{log}");
     let duplicates: usize = conn.hlen("ledger:duplicates").await?;
     assert_eq!(duplicates, 0, "a graceful stop causes no redelivery");

@@ -53,7 +53,9 @@ async fn example_workers_on_a_redis_cluster_charge_every_order_once() -> Result<
         Ok(consumers.consumers.iter().find(|c| c.pending > 0).map(|c| c.name.clone()))
     })
     .await?;
-    pods.delete(&victim, &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
+    // Consumer names are `<pod name>.<pod UID>`.
+    let pod = victim.split_once('.').map_or(victim.as_str(), |(pod, _)| pod).to_string();
+    pods.delete(&pod, &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
 
     let expected = orders - poison;
     eventually("every order settled on the cluster", T, || async {
@@ -81,6 +83,6 @@ async fn example_workers_on_a_redis_cluster_charge_every_order_once() -> Result<
     assert_eq!(status.stream_length, Some(length));
     assert!(matches!(status.health, Some(Health::Healthy | Health::PoisonForming)), "{:?}", status.health);
     let live = pods.list(&ListParams::default().labels("app.kubernetes.io/component=worker")).await?.items;
-    assert!(live.iter().all(|p| p.name_any() != victim || p.metadata.deletion_timestamp.is_some()));
+    assert!(live.iter().all(|p| p.name_any() != pod || p.metadata.deletion_timestamp.is_some()));
     Ok(())
 }
