@@ -149,7 +149,7 @@ async fn crash_drill_every_order_charged_exactly_once() -> Result<()> {
             return {#held, charged}",
         )
         .key("orders")
-        .key("ledger:charges")
+        .key("{ledger}:charges")
         .arg("billing")
         .arg(victim_consumer)
         .invoke_async(&mut conn)
@@ -164,14 +164,14 @@ async fn crash_drill_every_order_charged_exactly_once() -> Result<()> {
     let expected = orders - poison.len() - TRIMMED;
     let settled = eventually("every order settled", Duration::from_secs(600), || async {
         let mut c = conn.clone();
-        let charged: usize = c.hlen("ledger:charges").await?;
+        let charged: usize = c.hlen("{ledger}:charges").await?;
         let dead: usize = c.xlen("{orders}:dead").await?;
         let dead = dead.saturating_sub(TRIMMED);
         let pending: redis::streams::StreamPendingReply = c.xpending("orders", "billing").await?;
         Ok((charged == expected && dead == poison.len() && pending.count() == 0).then_some(()))
     })
     .await;
-    let charged: usize = conn.hlen("ledger:charges").await?;
+    let charged: usize = conn.hlen("{ledger}:charges").await?;
     let dead: usize = conn.xlen("{orders}:dead").await?;
     let dead = dead.saturating_sub(TRIMMED);
     let pending: redis::streams::StreamPendingReply = conn.xpending("orders", "billing").await?;
@@ -179,7 +179,7 @@ async fn crash_drill_every_order_charged_exactly_once() -> Result<()> {
         .map_err(|e| e.context(format!("charged {charged}/{expected}, dead {dead}, pending {}", pending.count())))?;
 
     // Exactly once in the ledger: every order, the right amount, no extras.
-    let ledger: HashMap<String, u64> = conn.hgetall("ledger:charges").await?;
+    let ledger: HashMap<String, u64> = conn.hgetall("{ledger}:charges").await?;
     for i in (TRIMMED..orders).filter(|i| i % 100 != 42) {
         assert_eq!(ledger.get(&i.to_string()), Some(&(100 + u64::try_from(i)?)), "order {i}");
     }
@@ -231,17 +231,17 @@ async fn crash_drill_every_order_charged_exactly_once() -> Result<()> {
 
     // Every injected fault happened, and redeliveries were absorbed: by the
     // guard (suppressed) or refused by the ledger as a second charge.
-    let faults: HashMap<String, u64> = conn.hgetall("ledger:faults").await?;
-    let by_consumer: HashMap<String, u64> = conn.hgetall("ledger:by-consumer").await?;
+    let faults: HashMap<String, u64> = conn.hgetall("{ledger}:faults").await?;
+    let by_consumer: HashMap<String, u64> = conn.hgetall("{ledger}:by-consumer").await?;
     let slow_charges: u64 = by_consumer.iter().filter(|(c, _)| c.starts_with("slow-worker-")).map(|(_, n)| n).sum();
     let suppressed: Option<u64> = conn.get(streamfleet_worker::guard::suppressed_key("orders", "billing")).await?;
-    let refused: HashMap<String, u64> = conn.hgetall("ledger:duplicates").await?;
+    let refused: HashMap<String, u64> = conn.hgetall("{ledger}:duplicates").await?;
     // Each repeated charge attempt is explained by a death between the first
     // charge and its ack (the first charger was SIGKILLed or crashed), or it
     // is a second effect that got through the guard while the first holder
     // lived: those must be none.
-    let charged_by: HashMap<String, String> = conn.hgetall("ledger:charged-by").await?;
-    let crashed: Vec<String> = conn.smembers("ledger:crashed-consumers").await?;
+    let charged_by: HashMap<String, String> = conn.hgetall("{ledger}:charged-by").await?;
+    let crashed: Vec<String> = conn.smembers("{ledger}:crashed-consumers").await?;
     let died = |consumer: &str| killed_consumers.iter().chain(&crashed).any(|c| c == consumer);
     let second_effects: Vec<(&String, Option<&String>)> = refused
         .keys()

@@ -58,7 +58,7 @@ async fn a_backlog_scales_workers_up_then_down_then_to_zero_and_wakes_them() -> 
         {
             seen.push(r);
         }
-        let charged: usize = conn.hlen("ledger:charges").await?;
+        let charged: usize = conn.hlen("{ledger}:charges").await?;
         if seen.last() == Some(&0) && charged == 300 {
             break;
         }
@@ -68,7 +68,7 @@ async fn a_backlog_scales_workers_up_then_down_then_to_zero_and_wakes_them() -> 
     assert_eq!(seen.first(), Some(&3), "ceil(300 / 100) at once: {seen:?}");
     assert_eq!(seen.iter().max(), Some(&3), "{seen:?}");
     assert_eq!(seen.last(), Some(&0), "{seen:?}");
-    let duplicates: usize = conn.hlen("ledger:duplicates").await?;
+    let duplicates: usize = conn.hlen("{ledger}:duplicates").await?;
     assert_eq!(duplicates, 0);
 
     // At rest, the status says what Redis says.
@@ -123,7 +123,7 @@ async fn a_backlog_scales_workers_up_then_down_then_to_zero_and_wakes_them() -> 
     // New work wakes the pipeline from zero.
     produce(&mut conn, 300, 310).await?;
     eventually("woken and drained", T, || async {
-        let charged: usize = conn.clone().hlen("ledger:charges").await?;
+        let charged: usize = conn.clone().hlen("{ledger}:charges").await?;
         Ok((charged == 310).then_some(()))
     })
     .await?;
@@ -195,7 +195,7 @@ async fn all_done(conn: &mut redis::aio::MultiplexedConnection, held: &[(String,
     for (id, order) in held {
         let pending: Vec<(String, String, u64, u64)> =
             redis::cmd("XPENDING").arg("orders").arg("billing").arg(id).arg(id).arg(1).query_async(conn).await?;
-        let charged: bool = conn.hexists("ledger:charges", order).await?;
+        let charged: bool = conn.hexists("{ledger}:charges", order).await?;
         if !pending.is_empty() || !charged {
             return Ok(false);
         }
@@ -266,7 +266,7 @@ async fn a_killed_workers_entries_are_handled_and_acked_within_seconds_and_live_
         victims.push(victim);
         victims_orders.extend(held.into_iter().map(|(_, order)| order));
         eventually("round drained", T, || async {
-            let charged: usize = conn.clone().hlen("ledger:charges").await?;
+            let charged: usize = conn.clone().hlen("{ledger}:charges").await?;
             Ok((charged == 150 * (round + 1)).then_some(()))
         })
         .await?;
@@ -292,9 +292,9 @@ async fn a_killed_workers_entries_are_handled_and_acked_within_seconds_and_live_
 
     // Every order charged exactly once (the ledger refuses seconds); only
     // orders in the killed workers' hands were tried twice.
-    let charged: usize = conn.hlen("ledger:charges").await?;
+    let charged: usize = conn.hlen("{ledger}:charges").await?;
     assert_eq!(charged, 150 * rounds);
-    let duplicates: std::collections::HashMap<String, i64> = conn.hgetall("ledger:duplicates").await?;
+    let duplicates: std::collections::HashMap<String, i64> = conn.hgetall("{ledger}:duplicates").await?;
     for order in duplicates.keys() {
         assert!(victims_orders.contains(order), "order {order} re-run though no killed worker held it");
     }
@@ -355,7 +355,7 @@ async fn sigterm_under_load_finishes_what_it_started_releases_the_rest_and_loses
     // one: what was left of its batch (at most one batch) is released by the
     // reaper to the other worker. Nothing lost, nothing run twice.
     eventually("all charged", T, || async {
-        let charged: usize = conn.clone().hlen("ledger:charges").await?;
+        let charged: usize = conn.clone().hlen("{ledger}:charges").await?;
         Ok((charged == 2000).then_some(()))
     })
     .await?;
@@ -376,7 +376,7 @@ async fn sigterm_under_load_finishes_what_it_started_releases_the_rest_and_loses
     assert!(left_behind <= 20, "the drained worker left more than its unstarted batch behind: {released:?}");
     let log = std::fs::read_to_string(bed.pod_dir(&ns.name, &pod).join("worker.log")).unwrap_or_default();
     assert!(log.contains("drained; stopping"), "worker log:\n{log}");
-    let duplicates: usize = conn.hlen("ledger:duplicates").await?;
+    let duplicates: usize = conn.hlen("{ledger}:duplicates").await?;
     assert_eq!(duplicates, 0, "a graceful stop causes no redelivery");
     Ok(())
 }

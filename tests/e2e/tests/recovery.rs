@@ -115,7 +115,7 @@ async fn worker_mode_recovery_reruns_handlers_on_abandoned_entries() -> Result<(
     tokio::time::sleep(Duration::from_millis(1200)).await;
 
     run_recovery_now(bed, &ns.name, "p").await?;
-    let charged: usize = conn.hlen("ledger:charges").await?;
+    let charged: usize = conn.hlen("{ledger}:charges").await?;
     assert_eq!(charged, 5, "the recovery Job ran the handler on every abandoned order");
     let pending: redis::streams::StreamPendingReply = conn.xpending("orders", "billing").await?;
     assert_eq!(pending.count(), 0);

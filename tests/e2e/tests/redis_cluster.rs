@@ -60,13 +60,13 @@ async fn example_workers_on_a_redis_cluster_charge_every_order_once() -> Result<
     let expected = orders - poison;
     eventually("every order settled on the cluster", T, || async {
         let mut c = conn.clone();
-        let charged: usize = c.hlen("ledger:charges").await?;
+        let charged: usize = c.hlen("{ledger}:charges").await?;
         let dead: usize = c.xlen("{orders}:dead").await?;
         let pending: redis::streams::StreamPendingReply = c.xpending("orders", "billing").await?;
         Ok((charged == expected && dead == poison && pending.count() == 0).then_some(()))
     })
     .await?;
-    let ledger: std::collections::HashMap<String, u64> = conn.hgetall("ledger:charges").await?;
+    let ledger: std::collections::HashMap<String, u64> = conn.hgetall("{ledger}:charges").await?;
     for i in (0..orders).filter(|i| i % 100 != 42) {
         assert_eq!(ledger.get(&i.to_string()), Some(&(100 + u64::try_from(i)?)), "order {i}");
     }

@@ -2,16 +2,16 @@
 //!
 //! Each entry is an order (`order_id`, `amount_cents`). Handling it charges
 //! the order in a ledger (a Redis hash standing in for a payment provider)
-//! with the order ID as the idempotency key: `HSETNX ledger:charges <order>`.
+//! with the order ID as the idempotency key: `HSETNX {ledger}:charges <order>`.
 //! A repeated charge is refused by the ledger and counted in
-//! `ledger:duplicates`, so "every order charged exactly once" can be checked;
-//! `ledger:charged-by` names who charged each order first, so a drill can
+//! `{ledger}:duplicates`, so "every order charged exactly once" can be checked;
+//! `{ledger}:charged-by` names who charged each order first, so a drill can
 //! tell a repeat caused by a death between charge and ack (expected) from
 //! one that got through the guard while the first holder lived (a leak).
-//! The guard's fencing token goes with each charge (`ledger:fences`): a
+//! The guard's fencing token goes with each charge (`{ledger}:fences`): a
 //! holder older than one already seen for the order is refused.
-//! Injected faults are counted in `ledger:faults` (`transient`, `crash`) and
-//! charges per consumer in `ledger:by-consumer`, so a drill can prove that
+//! Injected faults are counted in `{ledger}:faults` (`transient`, `crash`) and
+//! charges per consumer in `{ledger}:by-consumer`, so a drill can prove that
 //! what it injected happened.
 //!
 //! Knobs for drills (all optional):
@@ -100,18 +100,18 @@ impl Handler for Orders {
         }
         let mut ledger = self.ledger.clone();
         if rand::rng().random_range(0.0..100.0) < self.transient_percent {
-            self.count(&mut ledger, "ledger:faults", "transient").await;
+            self.count(&mut ledger, "{ledger}:faults", "transient").await;
             return Outcome::Transient("payment gateway timeout".into());
         }
         // The guard's fencing token goes downstream with the charge.
         let fence = streamfleet_worker::current_delivery().and_then(|d| d.fence).unwrap_or(0);
         let charged: redis::RedisResult<i64> = CHARGE
-            .key("ledger:charges")
-            .key("ledger:charged-by")
-            .key("ledger:by-consumer")
-            .key("ledger:duplicates")
-            .key("ledger:fences")
-            .key("ledger:faults")
+            .key("{ledger}:charges")
+            .key("{ledger}:charged-by")
+            .key("{ledger}:by-consumer")
+            .key("{ledger}:duplicates")
+            .key("{ledger}:fences")
+            .key("{ledger}:faults")
             .arg(order)
             .arg(amount)
             .arg(&self.consumer)
@@ -130,9 +130,9 @@ impl Handler for Orders {
         if rand::rng().random_range(0.0..100.0) < self.crash_percent {
             // The worst moment to die: charged, not yet acked.
             tracing::error!(order, "simulated crash after the charge, before the ack");
-            self.count(&mut ledger, "ledger:faults", "crash").await;
+            self.count(&mut ledger, "{ledger}:faults", "crash").await;
             let _: redis::RedisResult<i64> =
-                redis::cmd("SADD").arg("ledger:crashed-consumers").arg(&self.consumer).query_async(&mut ledger).await;
+                redis::cmd("SADD").arg("{ledger}:crashed-consumers").arg(&self.consumer).query_async(&mut ledger).await;
             std::process::abort();
         }
         Outcome::Done

@@ -1,0 +1,58 @@
+//! The worker on a real 3-master Redis Cluster: reads, guard, acks, dead
+//! letters and claims all run their scripts in the stream's slot.
+
+// A test fails by panicking.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use anyhow::Result;
+use std::collections::HashMap;
+use std::time::Duration;
+use streamfleet_contract as env;
+use streamfleet_testbed::{RedisCluster, eventually};
+use streamfleet_worker::{Worker, WorkerConfig};
+
+mod common;
+use common::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_on_a_cluster_handles_acks_and_dead_letters() -> Result<()> {
+    let cluster = RedisCluster::start(3).await?;
+    let mut conn = cluster.connection().await?;
+    streamfleet_streams::ensure_group(&mut conn, "orders", "g", "0").await?;
+    let mut ids = Vec::new();
+    for i in 0..20 {
+        let kind = if i == 7 { "refused" } else { "ok" };
+        let id: String = redis::cmd("XADD")
+            .arg("orders")
+            .arg("*")
+            .arg("kind")
+            .arg(kind)
+            .arg("key")
+            .arg(format!("k{i}"))
+            .query_async(&mut conn)
+            .await?;
+        ids.push(id);
+    }
+    let vars: HashMap<&str, String> = HashMap::from([
+        (env::REDIS_URL, cluster.urls()[0].clone()),
+        (env::REDIS_MODE, "Cluster".into()),
+        (env::STREAMS, "orders".into()),
+        (env::GROUP, "g".into()),
+        (env::CONSUMER, "c1".into()),
+        (env::MIN_IDLE_MS, "1000".into()),
+    ]);
+    let mut config = WorkerConfig::from_lookup(|k| vars.get(k).cloned()).unwrap();
+    config.block = Duration::from_millis(200);
+    let handler = Scripted::default();
+    let (stop, run) = spawn(Worker::new(config, handler.clone()).with_idempotency_guard(Duration::from_secs(600)));
+    eventually("all settled", T, || async {
+        let p: redis::streams::StreamPendingReply =
+            redis::cmd("XPENDING").arg("orders").arg("g").query_async(&mut conn.clone()).await?;
+        let dead: usize = redis::cmd("XLEN").arg("{orders}:dead").query_async(&mut conn.clone()).await?;
+        Ok((handler.total() == 20 && p.count() == 0 && dead == 1).then_some(()))
+    })
+    .await?;
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(10), run).await???;
+    Ok(())
+}
