@@ -564,3 +564,27 @@ async fn a_replay_runs_in_its_own_group_only_and_never_after_a_completion() -> R
     run.await??;
     Ok(())
 }
+
+/// A mark is released only by the acquisition that wrote it: a holder whose
+/// mark expired and was taken by another cannot delete the new holder's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guard_mark_is_released_only_by_its_own_acquisition() -> Result<()> {
+    use streamfleet_worker::guard::{Guard, GuardState};
+    let (server, mut conn) = setup().await?;
+    let first = Guard::new(&config(&server, "c1", 200, 5), Duration::from_secs(60));
+    let second = Guard::new(&config(&server, "c2", 10_000, 5), Duration::from_secs(60));
+    let mut sconn = streamfleet_streams::StreamConnection::connect(&config(&server, "c1", 200, 5).endpoint).await?;
+    let taken = first.begin_all(&mut sconn, &[("orders", "k1")]).await?;
+    assert_eq!(taken[0].state, GuardState::Acquired);
+    let busy = second.begin_all(&mut sconn, &[("orders", "k1")]).await?;
+    assert_eq!(busy[0].state, GuardState::Busy, "held by a live owner");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let retaken = second.begin_all(&mut sconn, &[("orders", "k1")]).await?;
+    assert_eq!(retaken[0].state, GuardState::Acquired, "the first mark expired");
+    assert!(retaken[0].fence > taken[0].fence, "a later acquisition has a larger fence");
+    // The first holder, late, releases what it thinks is its mark.
+    first.release(&mut sconn, "orders", "k1", taken[0].fence.unwrap()).await?;
+    let mark: Option<String> = conn.get("{orders}:idem:g:k1").await?;
+    assert_eq!(mark, Some(second.mark(retaken[0].fence.unwrap())), "the new holder's mark stands");
+    Ok(())
+}

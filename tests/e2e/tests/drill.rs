@@ -30,7 +30,7 @@ const MIN_IDLE_MS: u64 = 3000;
 /// Pending entries whose payloads the outside trim deletes.
 const TRIMMED: usize = 25;
 
-fn pipeline() -> String {
+fn pipeline(guard: bool) -> String {
     let spec = format!(
         "  startId: \"0\"\n  scaling: {{minReplicas: 3, maxReplicas: 3, pollIntervalSeconds: 2}}\n  recovery: {{minIdleTimeMs: {MIN_IDLE_MS}, maxDeliveries: 4, batchSize: 50}}"
     );
@@ -39,14 +39,18 @@ fn pipeline() -> String {
         "orders",
         "billing",
         "streamfleet/example-worker",
-        &[("EXAMPLE_TRANSIENT_PERCENT", "3"), ("EXAMPLE_CRASH_PERCENT", "0.1")],
+        &[
+            ("EXAMPLE_TRANSIENT_PERCENT", "3"),
+            ("EXAMPLE_CRASH_PERCENT", "0.1"),
+            ("EXAMPLE_GUARD", if guard { "on" } else { "off" }),
+        ],
         &spec,
     )
 }
 
 /// A worker outside the operator's Deployment, in the same group: slow, but
 /// alive, holding at most two entries for well under min-idle-time.
-fn slow_worker(redis_url: &str) -> Result<Deployment> {
+fn slow_worker(redis_url: &str, guard: bool) -> Result<Deployment> {
     let env: Vec<serde_json::Value> = [
         ("STREAMFLEET_REDIS_URL", redis_url.to_string()),
         ("STREAMFLEET_STREAMS", "orders".into()),
@@ -56,6 +60,7 @@ fn slow_worker(redis_url: &str) -> Result<Deployment> {
         ("STREAMFLEET_DEAD_LETTER_STREAM", "{orders}:dead".into()),
         ("STREAMFLEET_BATCH_SIZE", "2".into()),
         ("EXAMPLE_HANDLER_MS", "400".into()),
+        ("EXAMPLE_GUARD", if guard { "on" } else { "off" }.into()),
     ]
     .into_iter()
     .map(|(k, v)| serde_json::json!({"name": k, "value": v}))
@@ -78,8 +83,19 @@ fn slow_worker(redis_url: &str) -> Result<Deployment> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_drill_every_order_charged_exactly_once() -> Result<()> {
+    drill("e2e-drill", true).await
+}
+
+/// The same drill without the idempotency guard: the ledger's own
+/// idempotency (one charge per order) alone keeps every order charged once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_drill_without_the_guard_the_handlers_idempotency_holds_alone() -> Result<()> {
+    drill("e2e-drill-noguard", false).await
+}
+
+async fn drill(namespace: &str, guard: bool) -> Result<()> {
     let orders: usize = std::env::var("DRILL_ORDERS").ok().and_then(|v| v.parse().ok()).unwrap_or(10_000);
-    let f = Fixture::start("e2e-drill", &[]).await?;
+    let f = Fixture::start(namespace, &[]).await?;
     let (client, ns, mut conn) = (f.client.clone(), &f.ns, f.conn.clone());
     streamfleet_streams::ensure_group(&mut conn, "orders", "billing", "0").await?;
 
@@ -106,9 +122,9 @@ async fn crash_drill_every_order_charged_exactly_once() -> Result<()> {
     assert_eq!(trimmed, TRIMMED as u64, "the trim deleted exactly the vanished consumer's pending entries");
     let lost_orders: Vec<String> = (0..TRIMMED).map(|i| i.to_string()).collect();
 
-    f.apply(&pipeline()).await?;
+    f.apply(&pipeline(guard)).await?;
     Api::<Deployment>::namespaced(client.clone(), &ns.name)
-        .create(&PostParams::default(), &slow_worker(&f.redis.url())?)
+        .create(&PostParams::default(), &slow_worker(&f.redis.url(), guard)?)
         .await?;
     wait_condition(&client, &ns.name, "orders", "Ready", "True", None, Duration::from_secs(120)).await?;
 
@@ -249,11 +265,12 @@ async fn crash_drill_every_order_charged_exactly_once() -> Result<()> {
         .filter(|(_, by)| !by.is_some_and(|c| died(c)))
         .collect();
     println!(
-        "drill: {orders} orders ({} poison, {TRIMMED} trimmed while pending) settled in {:?}; {kills} workers SIGKILLed \
+        "drill (guard {}): {orders} orders ({} poison, {TRIMMED} trimmed while pending) settled in {:?}; {kills} workers SIGKILLed \
          holding {held_at_kill} entries ({charged_unacked_at_kill} charged, not acked); crashes after the charge: {}; \
          transient failures: {}; charged by the slow worker: {slow_charges}; duplicates suppressed by the guard: {}; \
-         duplicate deliveries absorbed by the ledger: {} (all after their first charger died); second effects through \
-         the guard: {}",
+         duplicate deliveries absorbed by the ledger: {} (all after their first charger died); repeats while the first \
+         charger lived (second effects): {}",
+        if guard { "on" } else { "off" },
         poison.len(),
         started.elapsed(),
         faults.get("crash").copied().unwrap_or(0),

@@ -18,7 +18,8 @@
 //! * `EXAMPLE_LEDGER_URL`: the ledger's Redis (default: the pipeline's);
 //! * `EXAMPLE_TRANSIENT_PERCENT`: chance of a simulated gateway timeout;
 //! * `EXAMPLE_CRASH_PERCENT`: chance of aborting after the charge, before the ack;
-//! * `EXAMPLE_HANDLER_MS`: time each charge takes.
+//! * `EXAMPLE_HANDLER_MS`: time each charge takes;
+//! * `EXAMPLE_GUARD=off`: no idempotency guard (the ledger's own idempotency alone).
 //!
 //! Entries with `poison=1` are refused (permanent failure → dead letter);
 //! entries without a numeric `amount_cents` are malformed.
@@ -172,7 +173,11 @@ async fn main() -> std::process::ExitCode {
         ),
     };
     let ttl = config.min_idle * u32::try_from(config.max_deliveries + 1).unwrap_or(u32::MAX) * 2;
-    let worker = Worker::new(config, handler).with_idempotency_guard(ttl.max(Duration::from_secs(3600)));
+    let mut worker = Worker::new(config, handler);
+    // Off only to show the ledger's own idempotency holding alone (drills).
+    if std::env::var("EXAMPLE_GUARD").as_deref() != Ok("off") {
+        worker = worker.with_idempotency_guard(ttl.max(Duration::from_secs(3600)));
+    }
     let stats = worker.stats();
     // Ready while the consumer loop runs; /healthz and /metrics beside it.
     let readiness = streamfleet_process::Readiness::new(true);
