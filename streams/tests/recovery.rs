@@ -132,7 +132,15 @@ async fn replay_requeues_original_fields_and_removes_the_dead_letter() -> Result
     assert!(matches!(&one[1], Replayed::Skipped { why, .. } if why == "not found"));
     let requeued: redis::streams::StreamRangeReply = conn.xrange("orders", new_id, new_id).await?;
     let fields = streamfleet_streams::entry::fields_from_map(requeued.ids[0].map.clone());
-    assert_eq!(fields, vec![("order_id".to_string(), b"o0".to_vec())], "original fields only");
+    assert_eq!(
+        fields,
+        vec![
+            ("order_id".to_string(), b"o0".to_vec()),
+            (streamfleet_streams::replay::F_REPLAY_FOR.to_string(), b"g".to_vec()),
+            (streamfleet_streams::replay::F_REPLAY_OF.to_string(), dead[0].clone().into_bytes()),
+        ],
+        "original fields, addressed to the letter's group"
+    );
 
     let rest =
         replay(&mut conn, "{orders}:dead", &Selection::Range { from: "-".into(), to: "+".into() }, false).await?;
