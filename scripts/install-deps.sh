@@ -2,6 +2,7 @@
 # Installs what the test bed, the checks and the demo need (idempotent).
 #   redis-server, redis-tools: real Redis 7.0 servers and redis-cli (cluster creation)
 #   cargo-machete: the unused-dependency check
+#   redis-py (in a venv): the Python producer example's test
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
@@ -24,4 +25,13 @@ machete_version=0.9.2
 if ! cargo machete --version 2>/dev/null | grep -q "$machete_version"; then
   echo "[install-deps] cargo install cargo-machete $machete_version" >&2
   cargo install cargo-machete --version "$machete_version" --locked --quiet
+fi
+# redis-py in a venv of its own: the Python producer example is tested
+# against the shard test vectors and a real redis-server.
+venv="${HOME}/.cache/streamfleet/venv"
+redis_py_version=8.1.0
+if ! "$venv/bin/python3" -c "import redis, sys; sys.exit(redis.__version__ != '$redis_py_version')" 2>/dev/null; then
+  echo "[install-deps] redis-py $redis_py_version into $venv" >&2
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install --quiet "redis==$redis_py_version"
 fi

@@ -15,6 +15,7 @@ pub mod payload_loss;
 pub mod recovery;
 pub mod replay;
 pub mod retention;
+pub mod shard;
 pub mod sweep;
 pub mod version;
 
