@@ -16,11 +16,12 @@ pub async fn run_sweep() -> Result<()> {
     let config = WorkerConfig::from_env().context("the recovery Job's environment")?;
     let mut conn = StreamConnection::connect(&config.endpoint).await?;
     for stream in &config.streams {
+        let dead_letter_stream = config.dead_letter_stream_of(stream);
         let settings = SweepSettings {
             stream,
             group: &config.group,
             consumer: &config.consumer,
-            dead_letter_stream: &config.dead_letter_stream,
+            dead_letter_stream: &dead_letter_stream,
             min_idle: config.min_idle,
             max_deliveries: config.max_deliveries,
             batch: config.batch_size,

@@ -16,7 +16,12 @@ pub struct WorkerConfig {
     pub min_idle: Duration,
     /// Deliveries after which an entry is dead-lettered.
     pub max_deliveries: u64,
+    /// Where dead letters go (`DEAD_LETTER_STREAM`, or the first stream's
+    /// default); see [`WorkerConfig::dead_letter_stream_of`].
     pub dead_letter_stream: String,
+    /// Whether `DEAD_LETTER_STREAM` was set: else each stream (shard) has
+    /// its own dead-letter stream in its own slot.
+    pub dead_letter_stream_set: bool,
     pub batch_size: usize,
     /// Handlers in flight at once.
     pub concurrency: usize,
@@ -44,6 +49,17 @@ pub enum ConfigError {
 }
 
 impl WorkerConfig {
+    /// Where `stream`'s dead letters go: the configured dead-letter stream,
+    /// or, when none is set, the stream's own `{<stream>}:dead`, which shares
+    /// its Redis Cluster slot (so every shard dead-letters atomically).
+    pub fn dead_letter_stream_of(&self, stream: &str) -> String {
+        if self.dead_letter_stream_set {
+            self.dead_letter_stream.clone()
+        } else {
+            crate::keys::dead_letter_stream(stream)
+        }
+    }
+
     pub fn from_env() -> Result<Self, ConfigError> {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
@@ -89,6 +105,7 @@ impl WorkerConfig {
                 });
             }
         };
+        let dead_letter_stream_set = get(env::DEAD_LETTER_STREAM).is_some();
         let dead_letter_stream =
             get(env::DEAD_LETTER_STREAM).unwrap_or_else(|| crate::keys::dead_letter_stream(&first));
         if streams.contains(&dead_letter_stream) {
@@ -109,6 +126,7 @@ impl WorkerConfig {
             min_idle,
             max_deliveries,
             dead_letter_stream,
+            dead_letter_stream_set,
             batch_size: usize::try_from(number(env::BATCH_SIZE, 100)?.clamp(1, 10_000)).unwrap_or(100),
             concurrency: usize::try_from(number(env::CONCURRENCY, 10)?.clamp(1, 1_000)).unwrap_or(10),
             block: Duration::from_millis(2_000),

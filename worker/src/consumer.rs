@@ -36,6 +36,16 @@ enum Settled {
 const RETRY_FIRST: Duration = Duration::from_millis(200);
 const RETRY_MAX: Duration = Duration::from_secs(5);
 
+/// How long each read blocks when a worker reads several slots of a cluster.
+const MULTI_SLOT_BLOCK: Duration = Duration::from_millis(500);
+
+/// A blocking read connection and the streams it reads together.
+struct Reader {
+    streams: Vec<String>,
+    conn: StreamConnection,
+    block: Duration,
+}
+
 /// What the consume loop has learned so far.
 struct ConsumeState {
     /// Whether reads claim idle entries themselves (Redis 8.4); `None` until known.
@@ -265,11 +275,11 @@ impl<H: Handler> Worker<H> {
     /// while the operator recreates it) is retried with backoff, never fatal:
     /// a worker that exits would only crash-loop until Redis is back.
     async fn consume(&self, conn: &mut StreamConnection, stop: &AtomicBool) -> Result<(), WorkerError> {
-        let mut reader = StreamConnection::connect_blocking(&self.config.endpoint, self.config.block).await?;
+        let mut readers = self.readers().await?;
         let mut state = ConsumeState { claim_in_read: None, taken_back: self.at_most_once, next_claim: Instant::now() };
         let mut delay = RETRY_FIRST;
         while !stopping(stop) {
-            match self.consume_step(conn, &mut reader, stop, &mut state).await {
+            match self.consume_step(conn, &mut readers, stop, &mut state).await {
                 Ok(()) => delay = RETRY_FIRST,
                 Err(e @ WorkerError::Failpoint(_)) => return Err(e),
                 Err(e) => {
@@ -290,7 +300,7 @@ impl<H: Handler> Worker<H> {
     async fn consume_step(
         &self,
         conn: &mut StreamConnection,
-        reader: &mut StreamConnection,
+        readers: &mut [Reader],
         stop: &AtomicBool,
         state: &mut ConsumeState,
     ) -> Result<(), WorkerError> {
@@ -321,7 +331,7 @@ impl<H: Handler> Worker<H> {
         }
         // Never cancel a read in flight: entries it delivered would sit in our
         // PEL unseen until claimed. The short BLOCK bounds the drain instead.
-        let entries = self.read(reader, claim_in_read).await?;
+        let entries = self.read(readers, claim_in_read).await?;
         self.process(conn, entries).await
     }
 
@@ -354,6 +364,7 @@ impl<H: Handler> Worker<H> {
     /// Handles this consumer's own pending entries, oldest first.
     async fn take_back_own(&self, conn: &mut StreamConnection, stop: &AtomicBool) -> Result<(), WorkerError> {
         for stream in &self.config.streams {
+            let dead_letter_stream = self.config.dead_letter_stream_of(stream);
             let mut after = "-".to_string();
             while !stopping(stop) {
                 let own = claim_own(
@@ -361,7 +372,7 @@ impl<H: Handler> Worker<H> {
                     stream,
                     &self.config.group,
                     &self.config.consumer,
-                    &self.loss_record(),
+                    &self.loss_record(&dead_letter_stream),
                     &after,
                     self.config.batch_size,
                 )
@@ -398,10 +409,11 @@ impl<H: Handler> Worker<H> {
         self.process(conn, entries).await
     }
 
-    /// Where claims record pending entries found without a payload.
-    fn loss_record(&self) -> LossRecord<'_> {
+    /// Where claims on `dead_letter_stream`'s stream record pending entries
+    /// found without a payload.
+    fn loss_record<'a>(&'a self, dead_letter_stream: &'a str) -> LossRecord<'a> {
         LossRecord {
-            dead_letter_stream: &self.config.dead_letter_stream,
+            dead_letter_stream,
             consumer: &self.config.consumer,
             why: "payload trimmed or deleted while pending",
         }
@@ -412,6 +424,7 @@ impl<H: Handler> Worker<H> {
     async fn claim_cycle(&self, conn: &mut StreamConnection, stop: &AtomicBool) -> Result<usize, WorkerError> {
         let mut total = 0;
         for stream in &self.config.streams {
+            let dead_letter_stream = self.config.dead_letter_stream_of(stream);
             let mut cursor = "0-0".to_string();
             loop {
                 let claimed = autoclaim(
@@ -419,7 +432,7 @@ impl<H: Handler> Worker<H> {
                     stream,
                     &self.config.group,
                     &self.config.consumer,
-                    &self.loss_record(),
+                    &self.loss_record(&dead_letter_stream),
                     self.config.min_idle,
                     &cursor,
                     self.config.batch_size,
@@ -437,8 +450,54 @@ impl<H: Handler> Worker<H> {
         Ok(total)
     }
 
-    async fn read(&self, reader: &mut StreamConnection, claim_idle: bool) -> Result<Vec<Entry>, StreamError> {
-        let block_ms = usize::try_from(self.config.block.as_millis()).unwrap_or(2000);
+    /// The blocking readers: one for every stream on a standalone server; on
+    /// a cluster one per hash slot (a multi-key `XREADGROUP` across slots is
+    /// refused with CROSSSLOT), each blocking a shorter time so an entry on
+    /// one slot never waits long for another slot's read to time out.
+    async fn readers(&self) -> Result<Vec<Reader>, WorkerError> {
+        let groups: Vec<Vec<String>> = match self.config.endpoint.mode {
+            streamfleet_streams::Mode::Standalone => vec![self.config.streams.clone()],
+            streamfleet_streams::Mode::Cluster => {
+                let mut by_slot: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+                for stream in &self.config.streams {
+                    by_slot.entry(streamfleet_streams::keys::slot_text(stream)).or_default().push(stream.clone());
+                }
+                by_slot.into_values().collect()
+            }
+        };
+        let block = if groups.len() > 1 { self.config.block.min(MULTI_SLOT_BLOCK) } else { self.config.block };
+        let mut readers = Vec::with_capacity(groups.len());
+        for streams in groups {
+            let conn = StreamConnection::connect_blocking(&self.config.endpoint, block).await?;
+            readers.push(Reader { streams, conn, block });
+        }
+        Ok(readers)
+    }
+
+    /// One read on every reader at once. Entries any of them delivered are
+    /// returned even when another failed (they are in our PEL now); the
+    /// error only when none delivered anything.
+    async fn read(&self, readers: &mut [Reader], claim_idle: bool) -> Result<Vec<Entry>, StreamError> {
+        let results = futures::future::join_all(readers.iter_mut().map(|r| self.read_from(r, claim_idle))).await;
+        let mut entries = Vec::new();
+        let mut failure = None;
+        for result in results {
+            match result {
+                Ok(mut read) => entries.append(&mut read),
+                Err(e) => {
+                    tracing::warn!(error = %e, "a read failed");
+                    failure.get_or_insert(e);
+                }
+            }
+        }
+        match failure {
+            Some(e) if entries.is_empty() => Err(e),
+            _ => Ok(entries),
+        }
+    }
+
+    async fn read_from(&self, reader: &mut Reader, claim_idle: bool) -> Result<Vec<Entry>, StreamError> {
+        let block_ms = usize::try_from(reader.block.as_millis()).unwrap_or(2000);
         let mut opts = StreamReadOptions::default()
             .group(&self.config.group, &self.config.consumer)
             .count(self.config.batch_size)
@@ -446,7 +505,7 @@ impl<H: Handler> Worker<H> {
         if self.at_most_once {
             opts = opts.noack();
         }
-        let ids: Vec<&str> = self.config.streams.iter().map(|_| ">").collect();
+        let ids: Vec<&str> = reader.streams.iter().map(|_| ">").collect();
         let mut cmd = redis::cmd("XREADGROUP");
         cmd.arg(&opts);
         if claim_idle {
@@ -454,9 +513,9 @@ impl<H: Handler> Worker<H> {
         }
         let reply: Option<StreamReadReply> = cmd
             .arg("STREAMS")
-            .arg(&self.config.streams)
+            .arg(&reader.streams)
             .arg(&ids)
-            .query_async(reader)
+            .query_async(&mut reader.conn)
             .await
             .map_err(|e| StreamError::new("reading new entries", e))?;
         Ok(reply
@@ -950,7 +1009,8 @@ impl<H: Handler> Worker<H> {
         business_key: Option<&str>,
     ) -> Result<(), WorkerError> {
         let letter = Letter { group: &self.config.group, consumer: &self.config.consumer, reason, error, business_key };
-        let id = deadletter::dead_letter(conn, &self.config.dead_letter_stream, entry, &letter).await?;
+        let dead_letter_stream = self.config.dead_letter_stream_of(&entry.stream);
+        let id = deadletter::dead_letter(conn, &dead_letter_stream, entry, &letter).await?;
         self.stats.add(&self.stats.dead_lettered, 1);
         tracing::warn!(stream = %entry.stream, id = %entry.id, dead_letter = %id, reason = reason.as_str(), error, "dead-lettered");
         Ok(())

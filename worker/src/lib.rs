@@ -29,6 +29,6 @@ pub use guard::{GuardState, IdempotencyStore, StoreFuture};
 pub use stats::Stats;
 pub use streamfleet_process::shutdown_signal;
 pub use streamfleet_streams::Entry;
+pub use streamfleet_streams::config::{ConfigError, RunMode, WorkerConfig};
 /// Sending by business key to its shard, and the shard function.
 pub use streamfleet_streams::shard;
-pub use streamfleet_streams::config::{ConfigError, RunMode, WorkerConfig};

@@ -56,3 +56,57 @@ async fn a_worker_on_a_cluster_handles_acks_and_dead_letters() -> Result<()> {
     tokio::time::timeout(Duration::from_secs(10), run).await???;
     Ok(())
 }
+
+/// Three shards of one pipeline on the cluster: the worker reads each slot
+/// with a read of its own (a multi-key read across slots is refused), and
+/// handles, acks and dead-letters on every shard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_reads_every_shard_across_the_cluster() -> Result<()> {
+    use streamfleet_streams::shard::{send, shard_keys};
+    let cluster = RedisCluster::start(3).await?;
+    let mut conn = cluster.connection().await?;
+    let shards = shard_keys("orders", 3);
+    let mut masters = std::collections::BTreeSet::new();
+    for shard in &shards {
+        streamfleet_streams::ensure_group(&mut conn, shard, "g", "0").await?;
+        let slot: u16 = redis::cmd("CLUSTER").arg("KEYSLOT").arg(shard).query_async(&mut conn).await?;
+        masters.insert(slot / 5462);
+    }
+    assert!(masters.len() >= 2, "shards spread over the masters: {masters:?}");
+    for i in 0..60 {
+        let key = format!("k{i}");
+        let kind: &[u8] = if i == 7 { b"refused" } else { b"ok" };
+        send(&mut conn, "orders", 3, &key, &[("kind", kind), ("key", key.as_bytes())]).await?;
+    }
+    let vars: HashMap<&str, String> = HashMap::from([
+        (env::REDIS_URL, cluster.urls()[0].clone()),
+        (env::REDIS_MODE, "Cluster".into()),
+        (env::STREAMS, shards.join(",")),
+        (env::GROUP, "g".into()),
+        (env::CONSUMER, "c1".into()),
+        (env::MIN_IDLE_MS, "1000".into()),
+    ]);
+    let config = WorkerConfig::from_lookup(|k| vars.get(k).cloned()).unwrap();
+    let dead_letters = shards.iter().map(|s| streamfleet_streams::keys::dead_letter_stream(s)).collect::<Vec<_>>();
+    let handler = Scripted::default();
+    let (stop, run) = spawn(Worker::new(config, handler.clone()).with_idempotency_guard(Duration::from_secs(600)));
+    eventually("every shard settled", T, || async {
+        let mut c = conn.clone();
+        let mut pending = 0;
+        for shard in &shards {
+            let p: redis::streams::StreamPendingReply =
+                redis::cmd("XPENDING").arg(shard).arg("g").query_async(&mut c).await?;
+            pending += p.count();
+        }
+        let mut dead = 0;
+        for dlq in &dead_letters {
+            let n: usize = redis::cmd("XLEN").arg(dlq).query_async(&mut c).await?;
+            dead += n;
+        }
+        Ok((handler.total() == 60 && pending == 0 && dead == 1).then_some(()))
+    })
+    .await?;
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(10), run).await???;
+    Ok(())
+}
