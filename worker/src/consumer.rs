@@ -1010,9 +1010,18 @@ impl<H: Handler> Worker<H> {
     ) -> Result<(), WorkerError> {
         let letter = Letter { group: &self.config.group, consumer: &self.config.consumer, reason, error, business_key };
         let dead_letter_stream = self.config.dead_letter_stream_of(&entry.stream);
-        let id = deadletter::dead_letter(conn, &dead_letter_stream, entry, &letter).await?;
-        self.stats.add(&self.stats.dead_lettered, 1);
-        tracing::warn!(stream = %entry.stream, id = %entry.id, dead_letter = %id, reason = reason.as_str(), error, "dead-lettered");
+        match deadletter::dead_letter(conn, &dead_letter_stream, entry, &letter).await {
+            Ok(id) => {
+                self.stats.add(&self.stats.dead_lettered, 1);
+                tracing::warn!(stream = %entry.stream, id = %entry.id, dead_letter = %id, reason = reason.as_str(), error, "dead-lettered");
+            }
+            // Nothing was acked (the script acks only after its XADD): the
+            // entry stays pending and fails alone; the rest of the batch goes on.
+            Err(e) => {
+                self.stats.add(&self.stats.dead_letter_failed, 1);
+                tracing::error!(stream = %entry.stream, id = %entry.id, dead_letter_stream, error = %e, "dead-lettering failed; the entry stays pending");
+            }
+        }
         Ok(())
     }
 }

@@ -16,6 +16,8 @@ pub struct Stats {
     pub ownership_lost: AtomicU64,
     /// Replays addressed to another group, acked without running the handler.
     pub foreign_replays: AtomicU64,
+    /// Dead letters that could not be written (the entry stays pending).
+    pub dead_letter_failed: AtomicU64,
     pub handler_latency: Latency,
     pub ack_latency: Latency,
 }

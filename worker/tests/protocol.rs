@@ -469,6 +469,36 @@ async fn a_dead_letter_that_cannot_be_written_leaves_its_entry_pending() -> Resu
     Ok(())
 }
 
+/// In a worker, an entry whose dead letter cannot be written fails alone:
+/// it stays pending, the worker runs on and the rest of its batch is acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_dead_letter_fails_its_entry_only() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    let _: () = conn.set("{orders}:dead", "not a stream").await?;
+    let refused = add(&mut conn, &[("kind", "refused"), ("key", "k1")]).await?;
+    let fine: Vec<String> = [
+        add(&mut conn, &[("kind", "ok"), ("key", "k2")]).await?,
+        add(&mut conn, &[("kind", "ok"), ("key", "k3")]).await?,
+    ]
+    .into();
+    let handler = Scripted::default();
+    let worker = Worker::new(config(&server, "c1", 10_000, 5), handler.clone());
+    let stats = worker.stats();
+    let (stop, run) = spawn(worker);
+    eventually("the rest acked", T, || async {
+        Ok((pending(&mut conn.clone()).await? == 1 && fine.iter().all(|id| handler.calls(id) == 1)).then_some(()))
+    })
+    .await?;
+    assert_eq!(Stats::get(&stats.dead_letter_failed), 1);
+    assert!(!run.is_finished(), "the worker runs on");
+    let _ = stop.send(());
+    run.await??;
+    let left: Vec<(String, String, u64, u64)> =
+        redis::cmd("XPENDING").arg("orders").arg("g").arg("-").arg("+").arg(10).query_async(&mut conn).await?;
+    assert_eq!(left[0].0, refused);
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_starts_no_new_handler_and_releases_what_it_did_not_start() -> Result<()> {
     let (server, mut conn) = setup().await?;
