@@ -31,6 +31,9 @@ use serde::{Deserialize, Serialize};
 )]
 #[x_kube(validation = Rule::new("self.scaling.minReplicas <= self.scaling.maxReplicas").message("spec.scaling.minReplicas must not exceed spec.scaling.maxReplicas"))]
 #[x_kube(validation = Rule::new("!has(self.recovery) || !has(self.recovery.deadLetterStream) || self.recovery.deadLetterStream != self.stream").message("spec.recovery.deadLetterStream must differ from spec.stream: dead letters would be consumed again"))]
+#[x_kube(validation = Rule::new("!has(oldSelf.shards) || (has(self.shards) && self.shards >= oldSelf.shards)").message("spec.shards may grow, never shrink: entries in the dropped shards would be stranded"))]
+#[x_kube(validation = Rule::new("!has(self.shards) || self.shards <= 1 || !has(self.recovery) || !has(self.recovery.deadLetterStream)").message("spec.recovery.deadLetterStream must be unset when spec.shards > 1: each shard dead-letters into its own slot"))]
+#[x_kube(validation = Rule::new("!has(self.shards) || self.shards <= 1 || !self.stream.contains('{')").message("spec.stream must carry no hash tag when spec.shards > 1: every shard would share one slot"))]
 #[serde(rename_all = "camelCase")]
 pub struct StreamConsumerGroupSpec {
     /// How to reach Redis. The URL comes from a Secret; it never appears in
@@ -48,6 +51,16 @@ pub struct StreamConsumerGroupSpec {
     #[x_kube(validation = Rule::new("self == oldSelf").message("spec.group is immutable"))]
     #[schemars(length(min = 1, max = 128))]
     pub group: String,
+
+    /// How many stream keys the pipeline spreads over (default 1: the stream
+    /// itself). Shard 0 is `stream`, shard i is `<stream>:<i>`, so on Redis
+    /// Cluster the shards land in different slots; a producer sends each
+    /// entry to its business key's shard (`docs/sharding.md`). May grow,
+    /// never shrink. With more than one shard the stream name carries no hash
+    /// tag and each shard dead-letters into its own `{<shard>}:dead`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 64))]
+    pub shards: Option<i32>,
 
     /// Where a newly created group starts: `$` (only entries added after
     /// creation), `0` (the whole stream) or an explicit entry ID such as
@@ -428,6 +441,29 @@ pub struct StreamConsumerGroupStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 64))]
     pub resume_id: Option<String>,
+
+    /// Per shard, when the pipeline has more than one (`spec.shards`); the
+    /// top-level figures are their totals.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
+    pub shards: Vec<ShardStatus>,
+}
+
+/// One shard's figures.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ShardStatus {
+    /// The shard's stream key.
+    pub stream: String,
+    /// Entries not yet delivered; absent when unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lag: Option<i64>,
+    pub pending: i64,
+    /// Idle time of the shard's oldest pending entry, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_pending_idle_seconds: Option<i64>,
+    /// Length of the shard's dead-letter stream.
+    pub dead_letter_length: i64,
 }
 
 /// The annotation through which a user acknowledges lost payloads: its value

@@ -67,6 +67,12 @@ pub fn dead_letter_stream(scg: &StreamConsumerGroup) -> String {
         .unwrap_or_else(|| streamfleet_streams::keys::dead_letter_stream(&scg.spec.stream))
 }
 
+/// Every shard's stream key (`spec.shards`, default 1: the stream itself).
+pub fn shard_streams(scg: &StreamConsumerGroup) -> Vec<String> {
+    let shards = u32::try_from(scg.spec.shards.unwrap_or(1)).unwrap_or(1).clamp(1, 64);
+    streamfleet_streams::shard::shard_keys(&scg.spec.stream, shards)
+}
+
 /// The env contract (see `streamfleet_contract`) for a worker or recovery container.
 pub fn contract_env(scg: &StreamConsumerGroup, mode: &str) -> Vec<EnvVar> {
     let spec = &scg.spec;
@@ -97,7 +103,7 @@ pub fn contract_env(scg: &StreamConsumerGroup, mode: &str) -> Vec<EnvVar> {
             }
             .into(),
         ),
-        value(env::STREAMS, spec.stream.clone()),
+        value(env::STREAMS, shard_streams(scg).join(",")),
         value(env::GROUP, spec.group.clone()),
         field(env::POD_NAME, "metadata.name"),
         field(env::POD_UID, "metadata.uid"),
@@ -105,10 +111,13 @@ pub fn contract_env(scg: &StreamConsumerGroup, mode: &str) -> Vec<EnvVar> {
         value(env::CONSUMER, format!("$({}).$({})", env::POD_NAME, env::POD_UID)),
         value(env::MIN_IDLE_MS, spec.recovery.min_idle_time_ms.to_string()),
         value(env::MAX_DELIVERIES, spec.recovery.max_deliveries.to_string()),
-        value(env::DEAD_LETTER_STREAM, dead_letter_stream(scg)),
         value(env::BATCH_SIZE, spec.recovery.batch_size.to_string()),
         value(env::MODE, mode.into()),
     ];
+    // Sharded: unset, so each shard dead-letters into its own slot.
+    if shard_streams(scg).len() == 1 {
+        out.push(value(env::DEAD_LETTER_STREAM, dead_letter_stream(scg)));
+    }
     if let Some(ca) = spec.redis.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
         out.push(secret(env::REDIS_CA_PEM, ca));
     }
@@ -303,6 +312,16 @@ mod tests {
         );
         assert_eq!(env[env::DRAIN_TIMEOUT_MS].value.as_deref(), Some("27000"), "30 s grace less the margin");
         assert!(!env.contains_key(env::REDIS_CA_PEM));
+    }
+
+    #[test]
+    fn a_sharded_pipeline_tells_workers_every_shard_and_no_shared_dead_letter_stream() {
+        let resource = scg(json!({"shards": 3}));
+        let d = worker_deployment(&resource, 1).unwrap();
+        let pod = d.spec.unwrap().template.spec.unwrap();
+        let env = env_of(&pod.containers[0]);
+        assert_eq!(env[env::STREAMS].value.as_deref(), Some("orders,orders:1,orders:2"));
+        assert!(!env.contains_key(env::DEAD_LETTER_STREAM), "each shard dead-letters into its own slot");
     }
 
     #[test]

@@ -70,6 +70,50 @@ pub struct GroupSnapshot {
     pub commands: usize,
 }
 
+impl Lag {
+    /// The lag of several streams together: known only if every part is.
+    pub fn sum(parts: impl IntoIterator<Item = Lag>) -> Lag {
+        parts.into_iter().fold(Lag::Known(0), |total, part| match (total, part) {
+            (Lag::Unknown, _) | (_, Lag::Unknown) => Lag::Unknown,
+            (Lag::Known(a), Lag::Known(b)) => Lag::Known(a.saturating_add(b)),
+            (a, b) => Lag::AtLeast(a.floor().unwrap_or(0).saturating_add(b.floor().unwrap_or(0))),
+        })
+    }
+}
+
+impl GroupSnapshot {
+    /// One view of a group over the shards of a pipeline (shard 0 first):
+    /// counts summed, the worst oldest-idle time and delivery count, the
+    /// consumers merged by name, and shard 0's positions (where a vanished
+    /// group resumes). `None` for no parts.
+    pub fn merge(parts: &[GroupSnapshot]) -> Option<GroupSnapshot> {
+        let first = parts.first()?;
+        let mut consumers: Vec<ConsumerState> = Vec::new();
+        for c in parts.iter().flat_map(|p| &p.consumers) {
+            match consumers.iter_mut().find(|m| m.name == c.name) {
+                Some(m) => {
+                    m.pending = m.pending.saturating_add(c.pending);
+                    m.idle_ms = m.idle_ms.min(c.idle_ms);
+                }
+                None => consumers.push(c.clone()),
+            }
+        }
+        Some(GroupSnapshot {
+            lag: Lag::sum(parts.iter().map(|p| p.lag)),
+            pending: parts.iter().map(|p| p.pending).sum(),
+            entries_read: parts.iter().map(|p| p.entries_read).sum(),
+            last_delivered_id: first.last_delivered_id.clone(),
+            oldest_pending_idle_ms: parts.iter().filter_map(|p| p.oldest_pending_idle_ms).max(),
+            max_delivery_count: parts.iter().filter_map(|p| p.max_delivery_count).max(),
+            consumers,
+            before_oldest_pending: first.before_oldest_pending.clone(),
+            stream_length: parts.iter().map(|p| p.stream_length).sum(),
+            dead_letter_length: parts.iter().map(|p| p.dead_letter_length).sum(),
+            commands: parts.iter().map(|p| p.commands).sum(),
+        })
+    }
+}
+
 /// Inspects `group` on `stream`. `Ok(None)`: the group (or stream) does not exist.
 pub async fn inspect<C: ConnectionLike + Send>(
     conn: &mut C,
@@ -158,4 +202,57 @@ async fn count_after<C: ConnectionLike + Send>(
 
 fn to_u64(n: usize) -> u64 {
     u64::try_from(n).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn part(lag: Lag, pending: u64, idle: Option<u64>, consumers: &[(&str, u64, u64)]) -> GroupSnapshot {
+        GroupSnapshot {
+            lag,
+            pending,
+            entries_read: Some(pending),
+            last_delivered_id: format!("{pending}-0"),
+            oldest_pending_idle_ms: idle,
+            max_delivery_count: idle.map(|i| i / 100),
+            consumers: consumers
+                .iter()
+                .map(|(name, pending, idle_ms)| ConsumerState {
+                    name: (*name).into(),
+                    pending: *pending,
+                    idle_ms: *idle_ms,
+                })
+                .collect(),
+            before_oldest_pending: Some(format!("{pending}-1")),
+            stream_length: 10,
+            dead_letter_length: 1,
+            commands: 5,
+        }
+    }
+
+    #[test]
+    fn shards_merge_into_totals_with_the_worst_figures_and_shard_zeros_positions() {
+        let merged = GroupSnapshot::merge(&[
+            part(Lag::Known(3), 2, Some(500), &[("a", 2, 40)]),
+            part(Lag::Known(4), 5, Some(900), &[("a", 1, 10), ("b", 4, 70)]),
+            part(Lag::Known(0), 0, None, &[]),
+        ])
+        .unwrap();
+        assert_eq!((merged.lag, merged.pending, merged.entries_read), (Lag::Known(7), 7, Some(7)));
+        assert_eq!((merged.oldest_pending_idle_ms, merged.max_delivery_count), (Some(900), Some(9)));
+        assert_eq!((merged.stream_length, merged.dead_letter_length), (30, 3));
+        assert_eq!((merged.last_delivered_id.as_str(), merged.before_oldest_pending.as_deref()), ("2-0", Some("2-1")));
+        let a = merged.consumers.iter().find(|c| c.name == "a").unwrap();
+        assert_eq!((a.pending, a.idle_ms), (3, 10));
+        assert_eq!(merged.consumers.len(), 2);
+        assert!(GroupSnapshot::merge(&[]).is_none());
+    }
+
+    #[test]
+    fn lag_is_known_only_when_every_shard_knows_it() {
+        assert_eq!(Lag::sum([Lag::Known(1), Lag::Known(2)]), Lag::Known(3));
+        assert_eq!(Lag::sum([Lag::Known(1), Lag::AtLeast(1000)]), Lag::AtLeast(1001));
+        assert_eq!(Lag::sum([Lag::Known(1), Lag::Unknown, Lag::AtLeast(5)]), Lag::Unknown);
+    }
 }

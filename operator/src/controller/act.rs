@@ -38,29 +38,44 @@ pub async fn create_group(
     start: &str,
     vanished: bool,
 ) -> Result<(), Error> {
-    let created = streamfleet_streams::ensure_group(conn, &spec.stream, &spec.group, start).await?;
-    if created != GroupCreation::Created {
+    let vanished = vanished.then(|| {
+        format!(
+            " (stream deleted, or Redis restarted without persistence): created again at {start}, where it was, so \
+             nothing unacknowledged is skipped; entries pending before are delivered again, entries trimmed with the \
+             stream are gone"
+        )
+    });
+    ensure_group_announced(ctx, scg, conn, &spec.group, &spec.stream, start, vanished).await
+}
+
+/// Creates `group` on `stream` at `start` if it is missing, with an Event:
+/// a Warning saying what happened (`vanished`) when it existed before, else
+/// a Normal one.
+async fn ensure_group_announced(
+    ctx: &Context,
+    scg: &StreamConsumerGroup,
+    conn: &mut StreamConnection,
+    group: &str,
+    stream: &str,
+    start: &str,
+    vanished: Option<String>,
+) -> Result<(), Error> {
+    if streamfleet_streams::ensure_group(conn, stream, group, start).await? != GroupCreation::Created {
         return Ok(());
     }
-    let event = if vanished {
-        PlannedEvent {
+    let event = match vanished {
+        Some(what) => PlannedEvent {
             type_: EventType::Warning,
             reason: "GroupRecreated",
             action: "EnsureGroup",
-            note: format!(
-                "group {:?} on stream {:?} had vanished (stream deleted, or Redis restarted without persistence): \
-                 created again at {start}, where it was, so nothing unacknowledged is skipped; entries pending \
-                 before are delivered again, entries trimmed with the stream are gone",
-                spec.group, spec.stream
-            ),
-        }
-    } else {
-        PlannedEvent {
+            note: format!("group {group:?} on stream {stream:?} had vanished{what}"),
+        },
+        None => PlannedEvent {
             type_: EventType::Normal,
             reason: "GroupCreated",
             action: "EnsureGroup",
-            note: format!("created group {:?} on stream {:?} at {start}", spec.group, spec.stream),
-        }
+            note: format!("created group {group:?} on stream {stream:?} at {start}"),
+        },
     };
     publish(ctx, scg, &event).await;
     Ok(())
@@ -97,21 +112,26 @@ pub async fn converge(
     spec: &ValidSpec,
     plan: &Convergence,
 ) -> Outcome {
-    for reap in &plan.reap {
-        reap_consumer(ctx, scg, conn, spec, reap).await;
+    for (stream, vanished) in &plan.create_shards {
+        create_shard_group(ctx, scg, conn, spec, stream, *vanished).await;
     }
-    let trimmed = match plan.trim_to {
-        Some(id) => streamfleet_streams::retention::trim_to(conn, &spec.stream, id)
+    for stream in &spec.streams {
+        for reap in &plan.reap {
+            reap_consumer(ctx, scg, conn, spec, stream, reap).await;
+        }
+    }
+    let mut trimmed = 0;
+    for (stream, id) in &plan.trims {
+        trimmed += streamfleet_streams::retention::trim_to(conn, stream, *id)
             .await
             .inspect(|n| {
                 if *n > 0 {
-                    tracing::info!(trimmed = n, to = %id, "trimmed the stream")
+                    tracing::info!(stream, trimmed = n, to = %id, "trimmed the stream")
                 }
             })
-            .inspect_err(|e| tracing::warn!(error = %e, "retention"))
-            .unwrap_or(0),
-        None => 0,
-    };
+            .inspect_err(|e| tracing::warn!(stream, error = %e, "retention"))
+            .unwrap_or(0);
+    }
     let mut refused = Vec::new();
     let name = objects::worker_deployment_name(scg);
     let live = ctx.deployments.get(&ObjectRef::new(&name).within(&namespace(scg)));
@@ -137,22 +157,44 @@ fn namespace(scg: &StreamConsumerGroup) -> String {
     scg.namespace().unwrap_or_default()
 }
 
-/// Releases a dead consumer's entries, or deletes it once it owns nothing.
+/// Creates the group on a shard beyond the first, at `0`: a new shard (the
+/// count grew) may already hold entries a producer sent, and a shard whose
+/// group vanished is read again from its start rather than skipped.
+async fn create_shard_group(
+    ctx: &Context,
+    scg: &StreamConsumerGroup,
+    conn: &mut StreamConnection,
+    spec: &ValidSpec,
+    stream: &str,
+    vanished: bool,
+) {
+    let vanished = vanished.then(|| {
+        ": created again at 0, so nothing unacknowledged is skipped; entries still in the shard are delivered again"
+            .to_string()
+    });
+    if let Err(e) = ensure_group_announced(ctx, scg, conn, &spec.group, stream, "0", vanished).await {
+        tracing::warn!(stream, error = %e, "creating the group on a shard");
+    }
+}
+
+/// Releases a dead consumer's entries on one shard, or deletes it there once
+/// it owns nothing.
 async fn reap_consumer(
     ctx: &Context,
     scg: &StreamConsumerGroup,
     conn: &mut StreamConnection,
     spec: &ValidSpec,
+    stream: &str,
     reap: &Reap,
 ) {
     use streamfleet_streams::consumers;
     let result = match reap {
         Reap::Release(name) => consumers::release_pending(
             conn,
-            &spec.stream,
+            stream,
             &spec.group,
             name,
-            &spec.dead_letter_stream,
+            &spec.dead_letter_stream_of(stream),
             spec.min_idle,
             spec.batch,
         )
@@ -166,11 +208,14 @@ async fn reap_consumer(
             (r.released + r.payload_lost > 0).then(|| {
                 (
                     "DeadConsumerReleased",
-                    format!("released {} pending entries of {name} (pod gone) for claiming{lost}", r.released),
+                    format!(
+                        "released {} pending entries of {name} (pod gone) on {stream:?} for claiming{lost}",
+                        r.released
+                    ),
                 )
             })
         }),
-        Reap::Delete(name) => consumers::delete_if_empty(conn, &spec.stream, &spec.group, name).await.map(|deleted| {
+        Reap::Delete(name) => consumers::delete_if_empty(conn, stream, &spec.group, name).await.map(|deleted| {
             deleted.then(|| ("DeadConsumerDeleted", format!("deleted consumer {name} (pod gone, owned nothing)")))
         }),
     };

@@ -16,8 +16,10 @@ use k8s_openapi::api::batch::v1::CronJob;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::ResourceExt as _;
 use std::time::Duration;
-use streamfleet_crd::{Health, PAYLOAD_LOST_ACKNOWLEDGED, PayloadLostStatus, RecoveryStatus, StreamConsumerGroup};
-use streamfleet_streams::health::GroupSnapshot;
+use streamfleet_crd::{
+    Health, PAYLOAD_LOST_ACKNOWLEDGED, PayloadLostStatus, RecoveryStatus, ShardStatus, StreamConsumerGroup,
+};
+use streamfleet_streams::health::{GroupSnapshot, Lag};
 use streamfleet_streams::payload_loss::PayloadLoss;
 use streamfleet_streams::recovery::RecoveryReport;
 use streamfleet_streams::retention::{self, Retention, StreamId};
@@ -76,9 +78,15 @@ pub struct Convergence {
     pub health_message: String,
     pub last_recovery: Option<RecoveryStatus>,
     pub payload_lost: PayloadLostStatus,
-    /// The retention verdict (its `trimmed` is filled in by `act`).
+    /// The retention verdict over every shard (its `trimmed` is filled in by `act`).
     pub retention: Option<Retention>,
-    pub trim_to: Option<StreamId>,
+    /// Where each shard is trimmed to.
+    pub trims: Vec<(String, StreamId)>,
+    /// Shards (beyond shard 0) without the group: created at `0`, so nothing
+    /// a producer sent there before is skipped. `true`: it had the group before.
+    pub create_shards: Vec<(String, bool)>,
+    /// Per-shard figures for the status (empty for one shard).
+    pub shard_figures: Vec<ShardStatus>,
     pub reap: Vec<Reap>,
     pub deployment: Deployment,
     pub cronjob: CronJob,
@@ -145,7 +153,7 @@ pub fn decide(
         replicas: scaling.replicas,
         payload_lost_unacknowledged: u64::try_from(payload_lost.unacknowledged).unwrap_or(0),
     });
-    let (retention, trim_to) = retention_plan(observed);
+    let (retention, trims) = retention_plan(observed);
     let mut events: Vec<PlannedEvent> = scaling_event(current_replicas, &scaling).into_iter().collect();
     events.extend(recovery_event(at.scg, last_recovery.as_ref()));
     events.extend(payload_loss_event(at.scg, &payload_lost, memory.payload_lost_announced));
@@ -163,7 +171,9 @@ pub fn decide(
         last_recovery,
         payload_lost,
         retention,
-        trim_to,
+        trims,
+        create_shards: missing_shards(at.scg, observed),
+        shard_figures: shard_figures(observed),
         events,
     })))
 }
@@ -177,11 +187,58 @@ fn create_group(spec: &ValidSpec, scg: &StreamConsumerGroup) -> Plan {
     }
 }
 
-/// Trim to the policy's target, never past the safe floor.
-fn retention_plan(observed: &Observation) -> (Option<Retention>, Option<StreamId>) {
-    let Some(bounds) = observed.retention else { return (None, None) };
-    let (point, blocked) = retention::trim_point(bounds.target, bounds.floor);
-    (Some(Retention { floor: bounds.floor, target: bounds.target, blocked, trimmed: 0 }), point)
+/// Trim each shard to the policy's target, never past its safe floor. The
+/// verdict shown is the first held shard's, else shard 0's.
+fn retention_plan(observed: &Observation) -> (Option<Retention>, Vec<(String, StreamId)>) {
+    let mut shown: Option<Retention> = None;
+    let mut trims = Vec::new();
+    for (stream, bounds) in &observed.retention {
+        let (point, blocked) = retention::trim_point(bounds.target, bounds.floor);
+        let verdict = Retention { floor: bounds.floor, target: bounds.target, blocked, trimmed: 0 };
+        if shown.as_ref().is_none_or(|s| blocked && !s.blocked) {
+            shown = Some(verdict);
+        }
+        trims.extend(point.map(|p| (stream.clone(), p)));
+    }
+    (shown, trims)
+}
+
+/// Shards beyond the first whose group is missing; one the status listed
+/// before had it and vanished.
+fn missing_shards(scg: &StreamConsumerGroup, observed: &Observation) -> Vec<(String, bool)> {
+    let known: Vec<&str> = scg.status.iter().flat_map(|s| &s.shards).map(|s| s.stream.as_str()).collect();
+    observed
+        .shards
+        .iter()
+        .skip(1)
+        .filter(|(_, snapshot)| snapshot.is_none())
+        .map(|(stream, _)| (stream.clone(), known.contains(&stream.as_str())))
+        .collect()
+}
+
+/// Each shard's figures, when there is more than one.
+fn shard_figures(observed: &Observation) -> Vec<ShardStatus> {
+    if observed.shards.len() < 2 {
+        return Vec::new();
+    }
+    let int = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+    observed
+        .shards
+        .iter()
+        .filter_map(|(stream, snapshot)| {
+            let s = snapshot.as_ref()?;
+            Some(ShardStatus {
+                stream: stream.clone(),
+                lag: match s.lag {
+                    Lag::Known(n) => Some(int(n)),
+                    _ => None,
+                },
+                pending: int(s.pending),
+                oldest_pending_idle_seconds: s.oldest_pending_idle_ms.map(|ms| int(ms / 1000)),
+                dead_letter_length: int(s.dead_letter_length),
+            })
+        })
+        .collect()
 }
 
 /// A Normal Event with the numbers whenever the replicas change.
@@ -400,12 +457,38 @@ mod tests {
     fn retention_is_held_at_the_floor() {
         let mut seen = observed(Some(snapshot(0, 0, &[])), Some(1));
         let id = |ms| StreamId { ms, seq: 0 };
-        seen.retention = Some(RetentionBounds { target: Some(id(90)), floor: Some(id(40)) });
+        let bounds = |target, floor| RetentionBounds { target: Some(id(target)), floor: Some(id(floor)) };
+        seen.retention = vec![("orders".into(), bounds(90, 40))];
         let plan = converge(run(&scg(), &seen));
-        assert_eq!(plan.trim_to, Some(id(40)));
+        assert_eq!(plan.trims, vec![("orders".to_string(), id(40))]);
         assert!(plan.retention.is_some_and(|r| r.blocked));
-        seen.retention = Some(RetentionBounds { target: Some(id(10)), floor: Some(id(40)) });
-        assert_eq!(converge(run(&scg(), &seen)).trim_to, Some(id(10)));
+        seen.retention = vec![("orders".into(), bounds(10, 40))];
+        assert_eq!(converge(run(&scg(), &seen)).trims, vec![("orders".to_string(), id(10))]);
+        // Per shard: each trimmed within its own floor; the held one is shown.
+        seen.retention = vec![("orders".into(), bounds(10, 40)), ("orders:1".into(), bounds(90, 50))];
+        let plan = converge(run(&scg(), &seen));
+        assert_eq!(plan.trims, vec![("orders".to_string(), id(10)), ("orders:1".to_string(), id(50))]);
+        assert!(plan.retention.is_some_and(|r| r.blocked && r.floor == Some(id(50))));
+    }
+
+    #[test]
+    fn shards_without_the_group_are_created_and_each_shard_has_its_figures() {
+        let mut seen = observed(Some(snapshot(3, 2, &[])), Some(1));
+        seen.shards.push(("orders:1".into(), Some(snapshot(4, 1, &[]))));
+        seen.shards.push(("orders:2".into(), None));
+        let mut resource = scg();
+        resource.status = Some(streamfleet_crd::StreamConsumerGroupStatus {
+            shards: vec![ShardStatus { stream: "orders:2".into(), ..ShardStatus::default() }],
+            ..Default::default()
+        });
+        let plan = converge(run(&resource, &seen));
+        assert_eq!(plan.create_shards, vec![("orders:2".to_string(), true)], "listed before: it vanished");
+        let streams: Vec<&str> = plan.shard_figures.iter().map(|s| s.stream.as_str()).collect();
+        assert_eq!(streams, vec!["orders", "orders:1"]);
+        assert_eq!((plan.shard_figures[0].lag, plan.shard_figures[1].pending), (Some(3), 1));
+        resource.status = None;
+        assert_eq!(converge(run(&resource, &seen)).create_shards, vec![("orders:2".to_string(), false)]);
+        assert!(converge(run(&scg(), &observed(Some(snapshot(0, 0, &[])), Some(1)))).shard_figures.is_empty());
     }
 
     #[test]

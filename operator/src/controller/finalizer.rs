@@ -51,7 +51,10 @@ pub async fn cleanup(scg: &StreamConsumerGroup, ctx: &Context) -> Result<Action,
             if let Some(other) = ctx.claimants(scg, &endpoint).first() {
                 return Ok(Err(other.key.clone()));
             }
-            let existed = streamfleet_streams::destroy_group(&mut conn, &scg.spec.stream, &scg.spec.group).await?;
+            let mut existed = false;
+            for stream in crate::objects::shard_streams(scg) {
+                existed |= streamfleet_streams::destroy_group(&mut conn, &stream, &scg.spec.group).await?;
+            }
             Ok::<_, Error>(Ok(existed))
         }
         .await;

@@ -45,10 +45,11 @@ pub fn snapshot(lag: u64, pending: u64, consumers: &[(&str, u64)]) -> GroupSnaps
 
 pub fn observed(group: Option<GroupSnapshot>, replicas: Option<i32>) -> Observation {
     Observation {
+        shards: vec![("orders".to_string(), group.clone())],
         group,
         last_recovery: None,
         payload_loss: PayloadLoss::default(),
-        retention: None,
+        retention: Vec::new(),
         deployment: replicas.map(|r| {
             Arc::new(Deployment {
                 spec: Some(DeploymentSpec { replicas: Some(r), ..DeploymentSpec::default() }),

@@ -24,13 +24,18 @@ use streamfleet_streams::{Endpoint, Mode, StreamConnection};
 
 /// Everything one reconcile knows about the world.
 pub struct Observation {
-    /// The group as Redis reports it; `None`: it does not exist (yet).
+    /// The group as Redis reports it, over every shard that has it (see
+    /// `GroupSnapshot::merge`); `None`: shard 0 has no group (yet).
     pub group: Option<GroupSnapshot>,
+    /// Each shard's own snapshot, shard 0 first (`None`: no group there).
+    pub shards: Vec<(String, Option<GroupSnapshot>)>,
     pub last_recovery: Option<RecoveryReport>,
     /// The group's payload-loss record (read with the group).
     pub payload_loss: PayloadLoss,
-    /// `None` when the spec sets no retention, or its bounds could not be read.
-    pub retention: Option<RetentionBounds>,
+    /// Per shard with a group, where the retention policy wants to trim and
+    /// how low it safely may; empty when the spec sets no retention, and a
+    /// shard whose bounds could not be read is left out (never a blind trim).
+    pub retention: Vec<(String, RetentionBounds)>,
     pub deployment: Option<Arc<Deployment>>,
     pub cronjob: Option<Arc<CronJob>>,
     /// Names of this namespace's pods that exist (from a synced cache).
@@ -56,21 +61,38 @@ pub async fn observe(
     let endpoint = resolve_endpoint(&ctx.client, scg).await?;
     ctx.remember_endpoint(scg, &endpoint);
     let mut conn = ctx.connections.get(&endpoint).await?;
-    let group =
-        streamfleet_streams::health::inspect(&mut conn, &spec.stream, &spec.group, &spec.dead_letter_stream).await?;
-    let (last_recovery, retention, payload_loss) = if group.is_some() {
-        (
-            read_recovery_report(&mut conn, scg, spec).await,
-            read_retention_bounds(&mut conn, scg, spec).await,
-            // Part of the group's state: if it cannot be read, nothing is known.
-            payload_loss::read(&mut conn, &spec.stream, &spec.group).await?,
-        )
-    } else {
-        (None, None, PayloadLoss::default())
+    let mut shards = Vec::with_capacity(spec.streams.len());
+    for stream in &spec.streams {
+        let dead_letter_stream = spec.dead_letter_stream_of(stream);
+        let snapshot =
+            streamfleet_streams::health::inspect(&mut conn, stream, &spec.group, &dead_letter_stream).await?;
+        shards.push((stream.clone(), snapshot));
+    }
+    let group = match shards.first() {
+        Some((_, Some(_))) => GroupSnapshot::merge(&shards.iter().filter_map(|(_, s)| s.clone()).collect::<Vec<_>>()),
+        _ => None,
     };
+    let mut last_recovery = None;
+    let mut retention = Vec::new();
+    let mut payload_loss = PayloadLoss::default();
+    for (stream, snapshot) in &shards {
+        if group.is_none() || snapshot.is_none() {
+            continue;
+        }
+        last_recovery = latest(last_recovery, read_recovery_report(&mut conn, scg, stream, &spec.group).await);
+        if let Some(bounds) = read_retention_bounds(&mut conn, scg, spec, stream).await {
+            retention.push((stream.clone(), bounds));
+        }
+        // Part of the group's state: if it cannot be read, nothing is known.
+        let lost = payload_loss::read(&mut conn, stream, &spec.group).await?;
+        payload_loss.total = payload_loss.total.saturating_add(lost.total);
+        payload_loss.latest.extend(lost.latest);
+    }
+    payload_loss.latest.truncate(payload_loss::LATEST);
     let ns = scg.namespace().unwrap_or_default();
     let observation = Observation {
         group,
+        shards,
         last_recovery,
         payload_loss,
         retention,
@@ -93,13 +115,23 @@ pub async fn observe(
 async fn read_recovery_report(
     conn: &mut StreamConnection,
     scg: &StreamConsumerGroup,
-    spec: &ValidSpec,
+    stream: &str,
+    group: &str,
 ) -> Option<RecoveryReport> {
-    streamfleet_streams::recovery::read_report(conn, &spec.stream, &spec.group)
+    streamfleet_streams::recovery::read_report(conn, stream, group)
         .await
         .inspect_err(|e| tracing::warn!(resource = %super::key(scg), error = %e, "reading the recovery report"))
         .ok()
         .flatten()
+}
+
+/// Of two shards' recovery reports, the later (a sweep writes one per shard).
+fn latest(a: Option<RecoveryReport>, b: Option<RecoveryReport>) -> Option<RecoveryReport> {
+    match (a, b) {
+        (Some(a), Some(b)) if b.finished_at_ms > a.finished_at_ms => Some(b),
+        (Some(a), _) => Some(a),
+        (None, b) => b,
+    }
 }
 
 /// Bounds that cannot be read mean no trim this poll (never a blind one).
@@ -107,12 +139,13 @@ async fn read_retention_bounds(
     conn: &mut StreamConnection,
     scg: &StreamConsumerGroup,
     spec: &ValidSpec,
+    stream: &str,
 ) -> Option<RetentionBounds> {
     let limits = spec.retention?;
     let now_ms = streamfleet_streams::recovery::now_ms();
     let bounds = async {
-        let target = retention::target(conn, &spec.stream, limits.max_length, limits.max_age_ms, now_ms).await?;
-        let floor = retention::safe_floor(conn, &spec.stream).await?;
+        let target = retention::target(conn, stream, limits.max_length, limits.max_age_ms, now_ms).await?;
+        let floor = retention::safe_floor(conn, stream).await?;
         Ok::<_, streamfleet_streams::StreamError>(RetentionBounds { target, floor })
     };
     bounds.await.inspect_err(|e| tracing::warn!(resource = %super::key(scg), error = %e, "retention bounds")).ok()

@@ -72,6 +72,7 @@ pub fn converged(
         Some(plan.snapshot.before_oldest_pending.clone().unwrap_or_else(|| plan.snapshot.last_delivered_id.clone()));
     status.replicas = Some(ReplicaStatus { desired, current: available, summary: format!("{available}/{desired}") });
     set_figures(&mut status, Some(&plan.snapshot));
+    status.shards = plan.shard_figures.clone();
     status
 }
 
@@ -96,6 +97,7 @@ fn retention_condition(r: &Retention) -> (&'static str, String) {
 fn set_figures(status: &mut StreamConsumerGroupStatus, snapshot: Option<&GroupSnapshot>) {
     let int = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
     let Some(s) = snapshot else {
+        status.shards.clear();
         status.lag = None;
         status.pending = None;
         status.oldest_pending_idle_seconds = None;

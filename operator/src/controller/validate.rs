@@ -11,9 +11,13 @@ use streamfleet_streams::keys;
 /// A spec the controller can act on.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ValidSpec {
+    /// Shard 0: the stream itself.
     pub stream: String,
+    /// Every shard's stream key, shard 0 first (`spec.shards`, default 1).
+    pub streams: Vec<String>,
     pub group: String,
     pub start_id: String,
+    /// Shard 0's dead-letter stream (see [`ValidSpec::dead_letter_stream_of`]).
     pub dead_letter_stream: String,
     pub min_idle: Duration,
     pub max_deliveries: u64,
@@ -31,6 +35,14 @@ pub struct ValidSpec {
 pub struct RetentionLimits {
     pub max_length: Option<u64>,
     pub max_age_ms: Option<u64>,
+}
+
+impl ValidSpec {
+    /// Where `stream`'s dead letters go: shard 0's configured (or default)
+    /// dead-letter stream, and each further shard's own, in its slot.
+    pub fn dead_letter_stream_of(&self, stream: &str) -> String {
+        if stream == self.stream { self.dead_letter_stream.clone() } else { keys::dead_letter_stream(stream) }
+    }
 }
 
 fn positive(field: &str, value: i64) -> Result<u64, Error> {
@@ -56,6 +68,22 @@ pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
             spec.stream
         )));
     }
+    let shards = u32::try_from(spec.shards.unwrap_or(1))
+        .ok()
+        .filter(|n| (1..=64).contains(n))
+        .ok_or_else(|| Error::InvalidSpec(format!("spec.shards must be 1 to 64, is {:?}", spec.shards)))?;
+    if shards > 1 && spec.recovery.dead_letter_stream.is_some() {
+        return Err(Error::InvalidSpec(
+            "spec.recovery.deadLetterStream must be unset when spec.shards > 1: each shard dead-letters into its own slot"
+                .into(),
+        ));
+    }
+    if shards > 1 && keys::hash_tag(&spec.stream).is_some() {
+        return Err(Error::InvalidSpec(format!(
+            "spec.stream {:?} must carry no hash tag when spec.shards > 1: every shard would share one slot",
+            spec.stream
+        )));
+    }
     let retention = match &spec.retention {
         Some(r) => Some(RetentionLimits {
             max_length: r.max_length.map(|n| positive("spec.retention.maxLength", n)).transpose()?,
@@ -68,6 +96,7 @@ pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
     };
     Ok(ValidSpec {
         stream: spec.stream.clone(),
+        streams: streamfleet_streams::shard::shard_keys(&spec.stream, shards),
         group: spec.group.clone(),
         start_id: spec.start_id.clone(),
         min_idle: Duration::from_millis(positive("spec.recovery.minIdleTimeMs", spec.recovery.min_idle_time_ms)?),
@@ -90,6 +119,21 @@ pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn shards_are_keys_of_their_own_and_refuse_a_shared_dead_letter_stream_or_hash_tag() {
+        let v = validate(&scg(json!({"shards": 3}))).unwrap();
+        assert_eq!(v.streams, vec!["orders", "orders:1", "orders:2"]);
+        assert_eq!(v.dead_letter_stream_of("orders"), "{orders}:dead");
+        assert_eq!(v.dead_letter_stream_of("orders:2"), "{orders:2}:dead");
+        assert_eq!(validate(&scg(json!({}))).unwrap().streams, vec!["orders"]);
+        let shared = validate(&scg(json!({"shards": 2, "recovery": {"deadLetterStream": "dlq"}}))).unwrap_err();
+        assert!(shared.to_string().contains("spec.recovery.deadLetterStream must be unset"), "{shared}");
+        let mut tagged = scg(json!({"shards": 2}));
+        tagged.spec.stream = "{shop}orders".into();
+        assert!(validate(&tagged).unwrap_err().to_string().contains("no hash tag"));
+        assert!(validate(&scg(json!({"shards": 0}))).unwrap_err().to_string().contains("spec.shards"));
+    }
 
     fn scg(extra: serde_json::Value) -> StreamConsumerGroup {
         let mut spec = json!({"redis": {"urlSecretRef": {"name": "r", "key": "url"}}, "stream": "orders", "group": "g",

@@ -1,0 +1,122 @@
+//! A sharded pipeline (`spec.shards`) on a real 3-master Redis Cluster:
+//! orders sent by business key to their shard, example workers reading every
+//! shard (one read per slot), the operator creating the group on each shard,
+//! reporting totals and a per-shard breakdown, growing to a fourth shard
+//! without losing what was sent there, and refusing to shrink.
+
+// A test fails by panicking.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use anyhow::Result;
+use kube::Api;
+use std::time::Duration;
+use streamfleet_crd::StreamConsumerGroup;
+use streamfleet_e2e::*;
+use streamfleet_streams::shard::{send, shard_keys};
+use streamfleet_testbed::{RedisCluster, eventually};
+
+const T: Duration = Duration::from_secs(180);
+
+fn pipeline(shards: u32) -> String {
+    let spec = format!(
+        "  startId: \"0\"\n  shards: {shards}\n  scaling: {{minReplicas: 2, maxReplicas: 2, pollIntervalSeconds: 2}}\n  recovery: {{minIdleTimeMs: 60000, batchSize: 10}}"
+    );
+    manifest("p", "orders", "billing", "streamfleet/example-worker", &[("EXAMPLE_HANDLER_MS", "2")], &spec).replace(
+        "    urlSecretRef: {name: redis, key: url}",
+        "    urlSecretRef: {name: redis, key: url}\n    mode: Cluster",
+    )
+}
+
+/// Sends orders `range` by their order ID to their shard among `shards`;
+/// every hundredth (…42) is poison. Returns how many were poison.
+async fn produce(
+    conn: &mut redis::cluster_async::ClusterConnection,
+    range: std::ops::Range<usize>,
+    shards: u32,
+) -> Result<usize> {
+    let mut poison = 0;
+    for i in range {
+        let (order, amount) = (i.to_string(), (100 + i).to_string());
+        let mut fields: Vec<(&str, &[u8])> = vec![("order_id", order.as_bytes()), ("amount_cents", amount.as_bytes())];
+        if i % 100 == 42 {
+            fields.push(("poison", b"1"));
+            poison += 1;
+        }
+        send(conn, "orders", shards, &order, &fields).await?;
+    }
+    Ok(poison)
+}
+
+/// Charged orders, dead letters over every shard, pending over every shard.
+async fn settled(conn: &mut redis::cluster_async::ClusterConnection, shards: u32) -> Result<(usize, usize, usize)> {
+    let charged: usize = redis::cmd("HLEN").arg("{ledger}:charges").query_async(conn).await?;
+    let (mut dead, mut pending) = (0, 0);
+    for shard in shard_keys("orders", shards) {
+        let n: usize =
+            redis::cmd("XLEN").arg(streamfleet_streams::keys::dead_letter_stream(&shard)).query_async(conn).await?;
+        dead += n;
+        let p: redis::streams::StreamPendingReply =
+            redis::cmd("XPENDING").arg(&shard).arg("billing").query_async(conn).await?;
+        pending += p.count();
+    }
+    Ok((charged, dead, pending))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sharded_pipeline_on_a_cluster_runs_every_shard_grows_and_never_shrinks() -> Result<()> {
+    let f = Fixture::start("e2e-shards", &[]).await?;
+    let (client, ns) = (f.client.clone(), f.ns.name.clone());
+    let cluster = RedisCluster::start(3).await?;
+    let mut conn = cluster.connection().await?;
+    create_redis_secret(&client, &ns, "redis", &cluster.urls()[0]).await?;
+
+    // Orders sent before the pipeline exists: shards beyond the first get
+    // their group at 0, so none of these is skipped.
+    let poison = produce(&mut conn, 0..300, 3).await?;
+    f.apply(&pipeline(3)).await?;
+    let mut c = conn.clone();
+    eventually("every order on every shard settled", T, || async {
+        Ok((settled(&mut c.clone(), 3).await? == (300 - poison, poison, 0)).then_some(()))
+    })
+    .await?;
+    let scgs: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), &ns);
+    let status = eventually("totals and a breakdown in the status", T, || async {
+        let s = scgs.get("p").await?.status.unwrap_or_default();
+        let at_rest = s.lag == Some(0) && s.pending == Some(0) && s.dead_letter_length == Some(poison as i64);
+        Ok((at_rest && s.shards.len() == 3).then_some(s))
+    })
+    .await?;
+    let streams: Vec<&str> = status.shards.iter().map(|s| s.stream.as_str()).collect();
+    assert_eq!(streams, ["orders", "orders:1", "orders:2"]);
+    assert_eq!(status.stream_length, Some(300));
+    assert_eq!(status.shards.iter().map(|s| s.dead_letter_length).sum::<i64>(), poison as i64);
+    assert!(status.shards.iter().all(|s| s.lag == Some(0) && s.pending == 0));
+
+    // Grow: a fourth shard. Orders sent to it before the operator has seen
+    // the change wait in it and are handled once its group exists.
+    let more = produce(&mut conn, 300..400, 4).await?;
+    f.apply(&pipeline(4)).await?;
+    eventually("the grown pipeline settled", T, || async {
+        Ok((settled(&mut c.clone(), 4).await? == (400 - poison - more, poison + more, 0)).then_some(()))
+    })
+    .await?;
+    eventually("four shards in the status", T, || async {
+        let s = scgs.get("p").await?.status.unwrap_or_default();
+        Ok((s.shards.len() == 4 && s.lag == Some(0)).then_some(()))
+    })
+    .await?;
+    assert!(event_count(&client, &ns, "p", "GroupCreated").await? >= 3, "a group created on each new shard");
+    let ledger: std::collections::HashMap<String, u64> =
+        redis::cmd("HGETALL").arg("{ledger}:charges").query_async(&mut c).await?;
+    for i in (0..400).filter(|i| i % 100 != 42) {
+        assert_eq!(ledger.get(&i.to_string()), Some(&(100 + i as u64)), "order {i} charged once, right amount");
+    }
+    let duplicates: usize = redis::cmd("HLEN").arg("{ledger}:duplicates").query_async(&mut c).await?;
+    assert_eq!(duplicates, 0);
+
+    // Shrinking is refused at admission, naming the field.
+    let refused = run_tool(f.bed, "kubectl", &["apply", "-n", &ns, "-f", "-"], Some(&pipeline(2))).await?;
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && said.contains("spec.shards may grow, never shrink"), "{said}");
+    Ok(())
+}
