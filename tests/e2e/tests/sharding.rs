@@ -120,3 +120,107 @@ async fn a_sharded_pipeline_on_a_cluster_runs_every_shard_grows_and_never_shrink
     assert!(!refused.status.success() && said.contains("spec.shards may grow, never shrink"), "{said}");
     Ok(())
 }
+
+/// The acceptance drill of sharding: 6 shards on 3 masters with a replica
+/// each; orders (20,000 by default, `SHARD_DRILL_ORDERS`) produced by order ID
+/// through the helper while the pipeline runs, 1% poison; mid-run a
+/// coordinated failover of the master holding the most shards and a worker
+/// SIGKILL. Every order is charged exactly once, every poison order is a dead
+/// letter on its own shard's dead-letter stream, every shard ends with PEL
+/// and lag 0, and the status totals equal the sums read from Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn six_shards_survive_a_master_failover_and_a_worker_kill_with_every_order_charged_once() -> Result<()> {
+    use k8s_openapi::api::core::v1::Pod;
+    use kube::ResourceExt as _;
+    use kube::api::{DeleteParams, ListParams};
+    let orders: usize = std::env::var("SHARD_DRILL_ORDERS").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000);
+    let f = Fixture::start("e2e-shard-drill", &[]).await?;
+    let (client, ns) = (f.client.clone(), f.ns.name.clone());
+    let cluster = RedisCluster::start_replicated(3).await?;
+    let mut conn = cluster.connection().await?;
+    create_redis_secret(&client, &ns, "redis", &cluster.urls()[0]).await?;
+    let shards = shard_keys("orders", 6);
+    // The master holding the most shards is the one to fail over.
+    let mut holders = std::collections::BTreeMap::new();
+    for shard in &shards {
+        *holders.entry(cluster.master_of(shard).await?).or_insert(0) += 1;
+    }
+    let (&busiest, &held) = holders.iter().max_by_key(|(_, n)| **n).unwrap();
+    f.apply(&pipeline(6)).await?;
+    wait_condition(&client, &ns, "p", "Ready", "True", None, T).await?;
+
+    let started = std::time::Instant::now();
+    let third = orders / 3;
+    let mut poison = produce(&mut conn, 0..third, 6).await?;
+    let failed_over_to = cluster.fail_over(busiest).await?;
+    // The fault happened: the shards it held are now served by its replica.
+    for shard in &shards {
+        assert_ne!(cluster.master_of(shard).await?, busiest, "{shard} still on the failed-over master");
+    }
+    eventually("the old master a replica", T, || async {
+        Ok(cluster.roles().await?.iter().any(|(port, kind, _)| *port == busiest && kind == "slave").then_some(()))
+    })
+    .await?;
+    poison += produce(&mut conn, third..2 * third, 6).await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let workers = pods.list(&ListParams::default().labels("app.kubernetes.io/component=worker")).await?.items;
+    let victim = workers.first().map(|p| p.name_any()).expect("a worker");
+    pods.delete(&victim, &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
+    poison += produce(&mut conn, 2 * third..orders, 6).await?;
+
+    let mut c = conn.clone();
+    let drained = eventually("every order on every shard settled", Duration::from_secs(600), || async {
+        Ok((settled(&mut c.clone(), 6).await? == (orders - poison, poison, 0)).then_some(()))
+    })
+    .await;
+    let figures = settled(&mut c, 6).await?;
+    drained.map_err(|e| e.context(format!("(charged, dead, pending) = {figures:?}")))?;
+    let took = started.elapsed();
+    let ledger: std::collections::HashMap<String, u64> =
+        redis::cmd("HGETALL").arg("{ledger}:charges").query_async(&mut c).await?;
+    for i in (0..orders).filter(|i| i % 100 != 42) {
+        assert_eq!(ledger.get(&i.to_string()), Some(&(100 + i as u64)), "order {i}");
+    }
+    assert_eq!(ledger.len(), orders - poison);
+    // Each poison order on its own shard's dead-letter stream.
+    for shard in &shards {
+        let letters: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+            .arg(streamfleet_streams::keys::dead_letter_stream(shard))
+            .arg("-")
+            .arg("+")
+            .query_async(&mut c)
+            .await?;
+        for letter in letters.ids {
+            let order = match letter.map.get("order_id") {
+                Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+                other => panic!("{other:?}"),
+            };
+            assert_eq!(
+                &streamfleet_streams::shard::shard_key("orders", streamfleet_streams::shard::shard_of(&order, 6)),
+                shard
+            );
+            assert!(order.ends_with("42"), "{order} is not poison");
+        }
+    }
+    // Totals equal the sums read from Redis, every shard at rest.
+    let scgs: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), &ns);
+    let mut length = 0;
+    for shard in &shards {
+        let n: i64 = redis::cmd("XLEN").arg(shard).query_async(&mut c).await?;
+        length += n;
+    }
+    let status = eventually("status totals at rest", T, || async {
+        let s = scgs.get("p").await?.status.unwrap_or_default();
+        let at_rest = s.lag == Some(0) && s.pending == Some(0) && s.shards.len() == 6;
+        Ok((at_rest && s.dead_letter_length == Some(poison as i64) && s.stream_length == Some(length)).then_some(s))
+    })
+    .await?;
+    assert!(status.shards.iter().all(|s| s.lag == Some(0) && s.pending == 0));
+    let duplicates: usize = redis::cmd("HLEN").arg("{ledger}:duplicates").query_async(&mut c).await?;
+    println!(
+        "shard drill: {orders} orders over 6 shards ({poison} poison) settled in {took:?}; failover of the master on \
+         port {busiest} (holding {held} shards) to {failed_over_to}; worker {victim} SIGKILLed; repeats absorbed by \
+         the ledger: {duplicates}"
+    );
+    Ok(())
+}

@@ -126,7 +126,8 @@ fn owned(args: &[&str]) -> Vec<String> {
     args.iter().map(|s| s.to_string()).collect()
 }
 
-/// A Redis Cluster of `masters` master nodes (no replicas) on loopback.
+/// A Redis Cluster on loopback: `masters` master nodes, and with
+/// [`RedisCluster::start_replicated`] one replica each.
 pub struct RedisCluster {
     pub nodes: Vec<RedisServer>,
     _dir: TempDir,
@@ -134,12 +135,21 @@ pub struct RedisCluster {
 
 impl RedisCluster {
     pub async fn start(masters: usize) -> Result<Self> {
+        Self::start_with(masters, 0).await
+    }
+
+    /// `masters` masters with one replica each (3 + 3 for a failover drill).
+    pub async fn start_replicated(masters: usize) -> Result<Self> {
+        Self::start_with(masters, 1).await
+    }
+
+    async fn start_with(masters: usize, replicas: usize) -> Result<Self> {
         if masters < 3 {
             bail!("Redis Cluster needs at least 3 masters");
         }
         let dir = tempfile::Builder::new().prefix("streamfleet-cluster-").tempdir()?;
-        let mut nodes = Vec::with_capacity(masters);
-        for i in 0..masters {
+        let mut nodes = Vec::with_capacity(masters * (1 + replicas));
+        for i in 0..masters * (1 + replicas) {
             let conf = dir.path().join(format!("nodes-{i}.conf"));
             let conf = conf.display().to_string();
             nodes.push(
@@ -156,7 +166,7 @@ impl RedisCluster {
         for n in &nodes {
             cmd.arg(format!("127.0.0.1:{}", n.port));
         }
-        cmd.args(["--cluster-replicas", "0", "--cluster-yes"]);
+        cmd.arg("--cluster-replicas").arg(replicas.to_string()).arg("--cluster-yes");
         let out = cmd.output().await.context("running redis-cli --cluster create")?;
         if !out.status.success() {
             bail!(
@@ -167,7 +177,91 @@ impl RedisCluster {
         }
         let cluster = Self { nodes, _dir: dir };
         cluster.wait_ok().await?;
+        if replicas > 0 {
+            cluster.wait_replicas_synced(masters * replicas).await?;
+        }
         Ok(cluster)
+    }
+
+    /// Each node's role: `(port, "master" or "slave", for a replica its master's port)`.
+    pub async fn roles(&self) -> Result<Vec<(u16, String, Option<u16>)>> {
+        let mut out = Vec::new();
+        for n in &self.nodes {
+            let mut conn = n.connection().await?;
+            let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut conn).await?;
+            let text = |v: &redis::Value| match v {
+                redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+                redis::Value::SimpleString(s) => s.clone(),
+                redis::Value::Int(i) => i.to_string(),
+                _ => String::new(),
+            };
+            let kind = role.first().map(text).unwrap_or_default();
+            let master_port = (kind == "slave").then(|| role.get(2).map(text)).flatten().and_then(|p| p.parse().ok());
+            out.push((n.port, kind, master_port));
+        }
+        Ok(out)
+    }
+
+    /// Waits until `count` replicas report their link to the master up.
+    async fn wait_replicas_synced(&self, count: usize) -> Result<()> {
+        for _ in 0..300 {
+            let mut synced = 0;
+            for n in &self.nodes {
+                let mut conn = n.connection().await?;
+                let info: String = redis::cmd("INFO").arg("replication").query_async(&mut conn).await?;
+                synced += usize::from(info.contains("role:slave") && info.contains("master_link_status:up"));
+            }
+            if synced >= count {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        bail!("the replicas did not sync in 30s")
+    }
+
+    /// The port of the master serving `key` now.
+    pub async fn master_of(&self, key: &str) -> Result<u16> {
+        let mut conn = self.nodes[0].connection().await?;
+        let slot: u16 = redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query_async(&mut conn).await?;
+        let slots: Vec<Vec<redis::Value>> = redis::cmd("CLUSTER").arg("SLOTS").query_async(&mut conn).await?;
+        for range in slots {
+            let (Some(redis::Value::Int(from)), Some(redis::Value::Int(to)), Some(redis::Value::Array(master))) =
+                (range.first(), range.get(1), range.get(2))
+            else {
+                continue;
+            };
+            if (*from..=*to).contains(&i64::from(slot))
+                && let Some(redis::Value::Int(port)) = master.get(1)
+            {
+                return Ok(u16::try_from(*port)?);
+            }
+        }
+        bail!("no master serves slot {slot}")
+    }
+
+    /// A coordinated failover (`CLUSTER FAILOVER` on its replica) of the
+    /// master on `master_port`; returns once the replica is master and the
+    /// cluster agrees.
+    pub async fn fail_over(&self, master_port: u16) -> Result<u16> {
+        let replica = self
+            .roles()
+            .await?
+            .into_iter()
+            .find(|(_, kind, master)| kind == "slave" && *master == Some(master_port))
+            .map(|(port, ..)| port)
+            .context("no replica of that master")?;
+        let node = self.nodes.iter().find(|n| n.port == replica).context("replica node")?;
+        let mut conn = node.connection().await?;
+        let () = redis::cmd("CLUSTER").arg("FAILOVER").query_async(&mut conn).await?;
+        for _ in 0..300 {
+            let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut conn).await?;
+            if matches!(role.first(), Some(redis::Value::BulkString(b)) if b == b"master") {
+                self.wait_ok().await?;
+                return Ok(replica);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        bail!("the replica on {replica} did not become master in 30s")
     }
 
     /// Seed URLs, one per node.
