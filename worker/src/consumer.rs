@@ -37,7 +37,7 @@ const RETRY_FIRST: Duration = Duration::from_millis(200);
 const RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// How long each read blocks when a worker reads several slots of a cluster.
-const MULTI_SLOT_BLOCK: Duration = Duration::from_millis(500);
+const MULTI_SLOT_BLOCK: Duration = Duration::from_millis(200);
 
 /// A blocking read connection and the streams it reads together.
 struct Reader {
@@ -474,11 +474,24 @@ impl<H: Handler> Worker<H> {
         Ok(readers)
     }
 
-    /// One read on every reader at once. Entries any of them delivered are
-    /// returned even when another failed (they are in our PEL now); the
-    /// error only when none delivered anything.
+    /// New entries. One reader: one blocking read. Several (a cluster's
+    /// slots): first an immediate read on each, and only when all came back
+    /// empty a blocking read on each, so a slot with entries never waits on
+    /// an idle slot's block. Entries any reader delivered are returned even
+    /// when another failed (they are in our PEL now); the error only when
+    /// none delivered anything.
     async fn read(&self, readers: &mut [Reader], claim_idle: bool) -> Result<Vec<Entry>, StreamError> {
-        let results = futures::future::join_all(readers.iter_mut().map(|r| self.read_from(r, claim_idle))).await;
+        if readers.len() > 1 {
+            let entries = self.read_all(readers, claim_idle, false).await?;
+            if !entries.is_empty() {
+                return Ok(entries);
+            }
+        }
+        self.read_all(readers, claim_idle, true).await
+    }
+
+    async fn read_all(&self, readers: &mut [Reader], claim_idle: bool, block: bool) -> Result<Vec<Entry>, StreamError> {
+        let results = futures::future::join_all(readers.iter_mut().map(|r| self.read_from(r, claim_idle, block))).await;
         let mut entries = Vec::new();
         let mut failure = None;
         for result in results {
@@ -496,12 +509,12 @@ impl<H: Handler> Worker<H> {
         }
     }
 
-    async fn read_from(&self, reader: &mut Reader, claim_idle: bool) -> Result<Vec<Entry>, StreamError> {
-        let block_ms = usize::try_from(reader.block.as_millis()).unwrap_or(2000);
-        let mut opts = StreamReadOptions::default()
-            .group(&self.config.group, &self.config.consumer)
-            .count(self.config.batch_size)
-            .block(block_ms);
+    async fn read_from(&self, reader: &mut Reader, claim_idle: bool, block: bool) -> Result<Vec<Entry>, StreamError> {
+        let mut opts =
+            StreamReadOptions::default().group(&self.config.group, &self.config.consumer).count(self.config.batch_size);
+        if block {
+            opts = opts.block(usize::try_from(reader.block.as_millis()).unwrap_or(2000));
+        }
         if self.at_most_once {
             opts = opts.noack();
         }
