@@ -19,8 +19,13 @@ use streamfleet_testbed::{RedisCluster, eventually};
 const T: Duration = Duration::from_secs(180);
 
 fn pipeline(shards: u32) -> String {
+    pipeline_with(shards, "")
+}
+
+/// The pipeline with `extra` spec lines.
+fn pipeline_with(shards: u32, extra: &str) -> String {
     let spec = format!(
-        "  startId: \"0\"\n  shards: {shards}\n  scaling: {{minReplicas: 2, maxReplicas: 2, pollIntervalSeconds: 2}}\n  recovery: {{minIdleTimeMs: 60000, batchSize: 10}}"
+        "  startId: \"0\"\n  shards: {shards}\n  scaling: {{minReplicas: 2, maxReplicas: 2, pollIntervalSeconds: 2}}\n  recovery: {{minIdleTimeMs: 60000, batchSize: 10}}{extra}"
     );
     manifest("p", "orders", "billing", "streamfleet/example-worker", &[("EXAMPLE_HANDLER_MS", "2")], &spec).replace(
         "    urlSecretRef: {name: redis, key: url}",
@@ -123,6 +128,62 @@ async fn a_sharded_pipeline_on_a_cluster_runs_every_shard_grows_under_load_and_n
         assert_eq!(ledger.get(&i.to_string()), Some(&(100 + i as u64)), "order {i} charged once, right amount");
     }
     assert_eq!(ledger.len(), 2300 - poison - more);
+
+    // The tools on the cluster, per shard: a sweep over every shard, and a
+    // replay of one shard's dead letters back to that shard.
+    let url = cluster.urls()[0].clone();
+    let sweep = tokio::process::Command::new(streamfleet_testbed::tools::cargo_bin("streamfleet")?)
+        .arg("sweep")
+        .env("STREAMFLEET_REDIS_URL", &url)
+        .env("STREAMFLEET_REDIS_MODE", "Cluster")
+        .env("STREAMFLEET_STREAMS", shard_keys("orders", 6).join(","))
+        .env("STREAMFLEET_GROUP", "billing")
+        .env("STREAMFLEET_CONSUMER", "sweep-test")
+        .env("STREAMFLEET_LOG_FORMAT", "text")
+        .output()
+        .await?;
+    let said = String::from_utf8_lossy(&sweep.stdout);
+    assert!(sweep.status.success(), "{}", String::from_utf8_lossy(&sweep.stderr));
+    for shard in shard_keys("orders", 6) {
+        assert!(said.contains(&format!("\"stream\":\"{shard}\"")), "sweep skipped {shard}: {said}");
+    }
+    let mut with_letters = None;
+    for shard in shard_keys("orders", 6) {
+        let dlq = streamfleet_streams::keys::dead_letter_stream(&shard);
+        let n: usize = redis::cmd("XLEN").arg(&dlq).query_async(&mut c).await?;
+        if n > 0 {
+            with_letters = Some((shard, dlq, n));
+            break;
+        }
+    }
+    let (shard, dlq, letters) = with_letters.expect("a shard with dead letters");
+    let replay = tokio::process::Command::new(streamfleet_testbed::tools::cargo_bin("streamfleet")?)
+        .args(["dead-letters", "--cluster", "--dead-letter-stream", &dlq, "replay", "--all"])
+        .env("STREAMFLEET_REDIS_URL", &url)
+        .env("STREAMFLEET_LOG_FORMAT", "text")
+        .output()
+        .await?;
+    let said = String::from_utf8_lossy(&replay.stdout);
+    assert!(replay.status.success() && said.contains(&format!("-> {shard} ")), "{said}");
+    // Poison still: the workers of its group dead-letter it again, on its shard.
+    eventually("the replayed poison dead-lettered again on its shard", T, || async {
+        let range: redis::streams::StreamRangeReply =
+            redis::cmd("XRANGE").arg(&dlq).arg("-").arg("+").query_async(&mut c.clone()).await?;
+        let replayed = range.ids.iter().filter(|e| e.map.contains_key("streamfleet.replay-of")).count();
+        Ok((range.ids.len() == letters && replayed == letters).then_some(()))
+    })
+    .await?;
+    // Retention on every shard, each within its own floor.
+    f.apply(&pipeline_with(6, "\n  retention: {maxLength: 10}")).await?;
+    eventually("every shard trimmed to 10", T, || async {
+        let mut longest = 0;
+        for shard in shard_keys("orders", 6) {
+            let n: usize = redis::cmd("XLEN").arg(&shard).query_async(&mut c.clone()).await?;
+            longest = longest.max(n);
+        }
+        Ok((longest <= 10).then_some(()))
+    })
+    .await?;
 
     // Shrinking is refused at admission, naming the field.
     let refused = run_tool(f.bed, "kubectl", &["apply", "-n", &ns, "-f", "-"], Some(&pipeline(2))).await?;
