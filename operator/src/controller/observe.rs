@@ -60,33 +60,28 @@ pub async fn observe(
 ) -> Result<(StreamConnection, Observation), Error> {
     let endpoint = resolve_endpoint(&ctx.client, scg).await?;
     ctx.remember_endpoint(scg, &endpoint);
-    let mut conn = ctx.connections.get(&endpoint).await?;
-    let mut shards = Vec::with_capacity(spec.streams.len());
-    for stream in &spec.streams {
-        let dead_letter_stream = spec.dead_letter_stream_of(stream);
-        let snapshot =
-            streamfleet_streams::health::inspect(&mut conn, stream, &spec.group, &dead_letter_stream).await?;
-        shards.push((stream.clone(), snapshot));
-    }
-    let group = match shards.first() {
-        Some((_, Some(_))) => GroupSnapshot::merge(&shards.iter().filter_map(|(_, s)| s.clone()).collect::<Vec<_>>()),
+    let conn = ctx.connections.get(&endpoint).await?;
+    // Every shard at once: the requests share the multiplexed connection,
+    // so each node gets them pipelined, and a poll costs about one shard's
+    // round trips however many shards there are.
+    let looks = spec.streams.iter().map(|stream| observe_shard(conn.clone(), scg, spec, stream));
+    let looks = futures::future::try_join_all(looks).await?;
+    let group = match looks.first() {
+        Some(first) if first.snapshot.is_some() => {
+            GroupSnapshot::merge(&looks.iter().filter_map(|l| l.snapshot.clone()).collect::<Vec<_>>())
+        }
         _ => None,
     };
-    let mut last_recovery = None;
-    let mut retention = Vec::new();
-    let mut payload_loss = PayloadLoss::default();
-    for (stream, snapshot) in &shards {
-        if group.is_none() || snapshot.is_none() {
-            continue;
+    let (mut last_recovery, mut retention, mut payload_loss) = (None, Vec::new(), PayloadLoss::default());
+    let mut shards = Vec::with_capacity(looks.len());
+    for look in looks {
+        if group.is_some() {
+            last_recovery = latest(last_recovery, look.last_recovery);
+            retention.extend(look.retention.map(|bounds| (look.stream.clone(), bounds)));
+            payload_loss.total = payload_loss.total.saturating_add(look.payload_loss.total);
+            payload_loss.latest.extend(look.payload_loss.latest);
         }
-        last_recovery = latest(last_recovery, read_recovery_report(&mut conn, scg, stream, &spec.group).await);
-        if let Some(bounds) = read_retention_bounds(&mut conn, scg, spec, stream).await {
-            retention.push((stream.clone(), bounds));
-        }
-        // Part of the group's state: if it cannot be read, nothing is known.
-        let lost = payload_loss::read(&mut conn, stream, &spec.group).await?;
-        payload_loss.total = payload_loss.total.saturating_add(lost.total);
-        payload_loss.latest.extend(lost.latest);
+        shards.push((look.stream, look.snapshot));
     }
     payload_loss.latest.truncate(payload_loss::LATEST);
     let ns = scg.namespace().unwrap_or_default();
@@ -108,6 +103,41 @@ pub async fn observe(
         claimants: ctx.claimants(scg, &endpoint),
     };
     Ok((conn, observation))
+}
+
+/// What one poll reads of one shard.
+struct ShardLook {
+    stream: String,
+    snapshot: Option<GroupSnapshot>,
+    last_recovery: Option<RecoveryReport>,
+    retention: Option<RetentionBounds>,
+    payload_loss: PayloadLoss,
+}
+
+/// One shard's inspection and, where it has the group, its recovery report,
+/// retention bounds and payload-loss record.
+async fn observe_shard(
+    mut conn: StreamConnection,
+    scg: &StreamConsumerGroup,
+    spec: &ValidSpec,
+    stream: &str,
+) -> Result<ShardLook, Error> {
+    let dead_letter_stream = spec.dead_letter_stream_of(stream);
+    let snapshot = streamfleet_streams::health::inspect(&mut conn, stream, &spec.group, &dead_letter_stream).await?;
+    let mut look = ShardLook {
+        stream: stream.to_string(),
+        snapshot,
+        last_recovery: None,
+        retention: None,
+        payload_loss: PayloadLoss::default(),
+    };
+    if look.snapshot.is_some() {
+        look.last_recovery = read_recovery_report(&mut conn, scg, stream, &spec.group).await;
+        look.retention = read_retention_bounds(&mut conn, scg, spec, stream).await;
+        // Part of the group's state: if it cannot be read, nothing is known.
+        look.payload_loss = payload_loss::read(&mut conn, stream, &spec.group).await?;
+    }
+    Ok(look)
 }
 
 /// A report that cannot be read is logged and treated as absent: it only
