@@ -31,7 +31,7 @@ use serde::{Deserialize, Serialize};
 )]
 #[x_kube(validation = Rule::new("self.scaling.minReplicas <= self.scaling.maxReplicas").message("spec.scaling.minReplicas must not exceed spec.scaling.maxReplicas"))]
 #[x_kube(validation = Rule::new("!has(self.recovery) || !has(self.recovery.deadLetterStream) || self.recovery.deadLetterStream != self.stream").message("spec.recovery.deadLetterStream must differ from spec.stream: dead letters would be consumed again"))]
-#[x_kube(validation = Rule::new("!has(oldSelf.shards) || (has(self.shards) && self.shards >= oldSelf.shards)").message("spec.shards may grow, never shrink: entries in the dropped shards would be stranded"))]
+#[x_kube(validation = Rule::new("(has(self.shards) ? self.shards : 1) >= (has(oldSelf.shards) ? oldSelf.shards : 1)").message("spec.shards may grow, never shrink: entries in the dropped shards would be stranded"))]
 #[x_kube(validation = Rule::new("!has(self.shards) || self.shards <= 1 || !has(self.recovery) || !has(self.recovery.deadLetterStream)").message("spec.recovery.deadLetterStream must be unset when spec.shards > 1: each shard dead-letters into its own slot"))]
 #[x_kube(validation = Rule::new("!has(self.shards) || self.shards <= 1 || !self.stream.contains('{')").message("spec.stream must carry no hash tag when spec.shards > 1: every shard would share one slot"))]
 #[serde(rename_all = "camelCase")]

@@ -15,6 +15,9 @@ use streamfleet_streams::{Endpoint, Mode, StreamConnection};
 pub async fn run_sweep() -> Result<()> {
     let config = WorkerConfig::from_env().context("the recovery Job's environment")?;
     let mut conn = StreamConnection::connect(&config.endpoint).await?;
+    // One run over every shard: each shard's figures are printed, and the
+    // run's total is the report every shard carries (the operator shows one).
+    let mut total = streamfleet_streams::recovery::RecoveryReport::default();
     for stream in &config.streams {
         let dead_letter_stream = config.dead_letter_stream_of(stream);
         let settings = SweepSettings {
@@ -27,7 +30,6 @@ pub async fn run_sweep() -> Result<()> {
             batch: config.batch_size,
         };
         let report = sweep(&mut conn, &settings).await?;
-        write_report(&mut conn, stream, &config.group, &report).await?;
         println!(
             "{}",
             serde_json::json!({
@@ -35,6 +37,14 @@ pub async fn run_sweep() -> Result<()> {
                 "deadLettered": report.dead_lettered, "payloadLost": report.payload_lost,
             })
         );
+        total.scanned += report.scanned;
+        total.claimed += report.claimed;
+        total.dead_lettered += report.dead_lettered;
+        total.payload_lost += report.payload_lost;
+        total.finished_at_ms = total.finished_at_ms.max(report.finished_at_ms);
+    }
+    for stream in &config.streams {
+        write_report(&mut conn, stream, &config.group, &total).await?;
     }
     Ok(())
 }

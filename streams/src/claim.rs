@@ -66,8 +66,10 @@ static AUTOCLAIM: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(
     ))
 });
 
-/// XCLAIM of given IDs, those without a payload recorded as lost first (an
-/// XCLAIM would drop them silently). ARGV[4] claimer, ARGV[5] min idle,
+/// XCLAIM of given IDs the claimer still owns (its own take-back, or the
+/// release of a dead consumer's entries to itself), those without a payload
+/// recorded as lost first (an XCLAIM would drop them silently). ARGV[4]
+/// claimer and expected owner, ARGV[5] min idle,
 /// ARGV[6] IDLE to set ('' to leave), ARGV[7] '1' for JUSTID, then the IDs.
 /// Returns the XCLAIM reply and the IDs found lost.
 static CLAIM_IDS: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
@@ -76,11 +78,16 @@ static CLAIM_IDS: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(
         local existing, gone = {{}}, {{}}
         for i = 8, #ARGV do
             local id = ARGV[i]
-            if #redis.call('XRANGE', KEYS[1], id, id) > 0 then
-                existing[#existing + 1] = id
-            elseif redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)[1] ~= nil then
-                lost(id)
-                gone[#gone + 1] = id
+            local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)[1]
+            -- Only entries the claimer still owns: one another consumer took
+            -- since the caller looked is theirs now.
+            if p ~= nil and p[2] == ARGV[4] then
+                if #redis.call('XRANGE', KEYS[1], id, id) > 0 then
+                    existing[#existing + 1] = id
+                else
+                    lost(id)
+                    gone[#gone + 1] = id
+                end
             end
         end
         local claimed = {{}}

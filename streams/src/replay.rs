@@ -3,7 +3,7 @@
 //! (`streamfleet.replay-for`; workers of other groups ack it unrun), and
 //! remove them from the dead-letter stream, each in one script that first
 //! checks the group's idempotency guard: a key completed since (by another
-//! delivery) is not replayed, a stale `processing` mark is cleared.
+//! delivery) is not replayed, a dead consumer's `processing` mark is cleared.
 
 use crate::deadletter::{F_BUSINESS_KEY, F_GROUP, F_REASON, F_SOURCE_ID, F_SOURCE_STREAM, PREFIX};
 use crate::entry::fields_from_map;
@@ -45,8 +45,10 @@ pub const F_REPLAY_FOR: &str = "streamfleet.replay-for";
 /// The dead letter a replayed entry came from.
 pub const F_REPLAY_OF: &str = "streamfleet.replay-of";
 
-/// KEYS: source stream, dead-letter stream, guard mark. ARGV: dead letter
-/// ID, '1' to check the guard, then the new entry's fields and values.
+/// KEYS: source stream, dead-letter stream, guard mark, dead-consumer
+/// registry. ARGV: dead letter ID, '1' to check the guard, then the new
+/// entry's fields and values. A `processing` mark is cleared only when its
+/// owner was declared dead: a live holder's mark stands (the replay waits).
 /// Returns {1, new ID}, or {0, why}.
 static REPLAY: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
@@ -54,7 +56,8 @@ static REPLAY: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
         if ARGV[2] == '1' then
             local mark = redis.call('GET', KEYS[3])
             if mark == 'completed' then return {0, 'completed'} end
-            if mark then redis.call('DEL', KEYS[3]) end
+            local owner = mark and string.match(mark, '^processing:([^:]+)')
+            if owner and redis.call('ZSCORE', KEYS[4], owner) then redis.call('DEL', KEYS[3]) end
         end
         local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
         redis.call('XDEL', KEYS[2], ARGV[1])
@@ -118,6 +121,7 @@ pub async fn replay<C: ConnectionLike + Send>(
             .key(&source)
             .key(dead_letter_stream)
             .key(mark.clone().unwrap_or_else(|| source.clone()))
+            .key(crate::keys::dead_consumers_key(&source, group.as_deref().unwrap_or_default()))
             .arg(&id)
             .arg(if mark.is_some() { "1" } else { "0" });
         for (k, v) in original {

@@ -152,3 +152,32 @@ async fn replay_requeues_original_fields_and_removes_the_dead_letter() -> Result
     assert_eq!(after, before + 2);
     Ok(())
 }
+
+/// Replay clears a `processing` mark only when its owner was declared dead:
+/// a live holder's mark stands, so the replay cannot run beside it.
+#[tokio::test]
+async fn replay_clears_only_a_dead_owners_mark() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    ensure_group(&mut conn, "orders", "g", "0").await?;
+    let mut letters_by_key = Vec::new();
+    for key in ["alive", "gone"] {
+        let id = conn.xadd::<_, _, _, _, String>("orders", "*", &[("order_id", key)]).await?;
+        let opts = redis::streams::StreamReadOptions::default().group("g", "w").count(1);
+        let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
+        let entry = Entry { stream: "orders".into(), id, fields: vec![("order_id".into(), key.into())], deliveries: 1 };
+        let letter =
+            dl::Letter { group: "g", consumer: "w", reason: dl::Reason::Permanent, error: "no", business_key: Some(key) };
+        letters_by_key.push(dl::dead_letter(&mut conn, "{orders}:dead", &entry, &letter).await?);
+    }
+    let _: () = conn.set("{orders}:idem:g:alive", "processing:live-1:7").await?;
+    let _: () = conn.set("{orders}:idem:g:gone", "processing:dead-1:8").await?;
+    let _: i64 = conn.zadd(streamfleet_streams::keys::dead_consumers_key("orders", "g"), "dead-1", 1).await?;
+    let replayed = replay(&mut conn, "{orders}:dead", &Selection::All, false).await?;
+    assert!(replayed.iter().all(|r| matches!(r, Replayed::Requeued { .. })), "{replayed:?}");
+    let alive: Option<String> = conn.get("{orders}:idem:g:alive").await?;
+    let gone: Option<String> = conn.get("{orders}:idem:g:gone").await?;
+    assert_eq!(alive.as_deref(), Some("processing:live-1:7"), "a live holder's mark stands");
+    assert_eq!(gone, None, "a dead owner's mark is cleared");
+    Ok(())
+}

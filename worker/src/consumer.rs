@@ -324,10 +324,11 @@ impl<H: Handler> Worker<H> {
             state.taken_back = true;
         }
         if !self.at_most_once && Instant::now() >= state.next_claim {
-            self.claim_cycle(conn, stop).await?;
             // Often enough that entries released from a dead consumer move
             // within a second or two; XAUTOCLAIM over a fresh PEL is cheap.
+            // Set first: a failing cycle must not keep the loop from reading.
             state.next_claim = Instant::now() + (self.config.min_idle / 2).min(Duration::from_secs(1));
+            self.claim_cycle(conn, stop).await?;
         }
         // Never cancel a read in flight: entries it delivered would sit in our
         // PEL unseen until claimed. The short BLOCK bounds the drain instead.
@@ -427,7 +428,7 @@ impl<H: Handler> Worker<H> {
             let dead_letter_stream = self.config.dead_letter_stream_of(stream);
             let mut cursor = "0-0".to_string();
             loop {
-                let claimed = autoclaim(
+                let claimed = match autoclaim(
                     conn,
                     stream,
                     &self.config.group,
@@ -437,7 +438,18 @@ impl<H: Handler> Worker<H> {
                     &cursor,
                     self.config.batch_size,
                 )
-                .await?;
+                .await
+                {
+                    Ok(claimed) => claimed,
+                    // While consuming, one shard failing (its group being
+                    // recreated, its master failing over) must not stop the
+                    // others' claims; a recovery run must not report success.
+                    Err(e) if self.config.mode == RunMode::Consume => {
+                        tracing::warn!(stream, error = %e, "claiming idle entries");
+                        break;
+                    }
+                    Err(e) => return Err(e.into()),
+                };
                 total += claimed.entries.len();
                 self.stats.add(&self.stats.claimed, claimed.entries.len());
                 self.settle_claimed(conn, stream, claimed.deleted, claimed.entries).await?;
@@ -491,20 +503,23 @@ impl<H: Handler> Worker<H> {
     }
 
     async fn read_all(&self, readers: &mut [Reader], claim_idle: bool, block: bool) -> Result<Vec<Entry>, StreamError> {
+        let readers_count = readers.len();
         let results = futures::future::join_all(readers.iter_mut().map(|r| self.read_from(r, claim_idle, block))).await;
-        let mut entries = Vec::new();
-        let mut failure = None;
+        let (mut entries, mut failure, mut failed) = (Vec::new(), None, 0);
         for result in results {
             match result {
                 Ok(mut read) => entries.append(&mut read),
                 Err(e) => {
                     tracing::warn!(error = %e, "a read failed");
+                    failed += 1;
                     failure.get_or_insert(e);
                 }
             }
         }
         match failure {
-            Some(e) if entries.is_empty() => Err(e),
+            // Every reader failed: the caller backs off. One slot down must
+            // not hold up the others.
+            Some(e) if entries.is_empty() && failed == readers_count => Err(e),
             _ => Ok(entries),
         }
     }
@@ -742,21 +757,28 @@ impl<H: Handler> Worker<H> {
             return Ok(());
         }
         let idle = crate::guard::millis(self.config.min_idle).saturating_add(1);
+        let mut failure = None;
         for (stream, open) in batch.open_by_stream() {
             let lease = self.lease(stream);
             for i in open {
                 let entry = &batch.entries[i];
                 let started = batch.phase[i].load(Ordering::SeqCst) == RUNNING;
                 let deliveries = if started { entry.deliveries } else { entry.deliveries.saturating_sub(1) };
-                lease.hand_back(conn, &self.held(batch, i), idle, deliveries).await?;
+                // Each on its own: one failing leaves the rest handed back
+                // (a failed one is claimable once idle past min-idle-time).
+                if let Err(e) = lease.hand_back(conn, &self.held(batch, i), idle, deliveries).await {
+                    tracing::warn!(stream, id = %entry.id, error = %e, "handing an entry back");
+                    failure.get_or_insert(WorkerError::from(e));
+                }
                 if let (Some(Idempotency::Store(store)), GuardState::Acquired) =
                     (&self.guard, batch.acquisitions[i].state)
+                    && let Err(e) = store.release(&entry.stream, &batch.tokens[i]).await
                 {
-                    store.release(&entry.stream, &batch.tokens[i]).await.map_err(store_error)?;
+                    failure.get_or_insert(store_error(e));
                 }
             }
         }
-        Ok(())
+        failure.map_or(Ok(()), Err)
     }
 
     fn lease<'a>(&'a self, stream: &'a str) -> Lease<'a> {
