@@ -166,8 +166,13 @@ async fn replay_clears_only_a_dead_owners_mark() -> Result<()> {
         let opts = redis::streams::StreamReadOptions::default().group("g", "w").count(1);
         let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
         let entry = Entry { stream: "orders".into(), id, fields: vec![("order_id".into(), key.into())], deliveries: 1 };
-        let letter =
-            dl::Letter { group: "g", consumer: "w", reason: dl::Reason::Permanent, error: "no", business_key: Some(key) };
+        let letter = dl::Letter {
+            group: "g",
+            consumer: "w",
+            reason: dl::Reason::Permanent,
+            error: "no",
+            business_key: Some(key),
+        };
         letters_by_key.push(dl::dead_letter(&mut conn, "{orders}:dead", &entry, &letter).await?);
     }
     let _: () = conn.set("{orders}:idem:g:alive", "processing:live-1:7").await?;
