@@ -28,6 +28,15 @@ pub enum Lag {
 }
 
 impl Lag {
+    /// The lag of several streams together: known only if every part is.
+    pub fn sum(parts: impl IntoIterator<Item = Lag>) -> Lag {
+        parts.into_iter().fold(Lag::Known(0), |total, part| match (total, part) {
+            (Lag::Unknown, _) | (_, Lag::Unknown) => Lag::Unknown,
+            (Lag::Known(a), Lag::Known(b)) => Lag::Known(a.saturating_add(b)),
+            (a, b) => Lag::AtLeast(a.floor().unwrap_or(0).saturating_add(b.floor().unwrap_or(0))),
+        })
+    }
+
     /// A floor usable for scaling up; `None` when nothing is known.
     pub fn floor(self) -> Option<u64> {
         match self {
@@ -68,17 +77,6 @@ pub struct GroupSnapshot {
     pub dead_letter_length: u64,
     /// Redis commands this inspection sent (for the benchmark).
     pub commands: usize,
-}
-
-impl Lag {
-    /// The lag of several streams together: known only if every part is.
-    pub fn sum(parts: impl IntoIterator<Item = Lag>) -> Lag {
-        parts.into_iter().fold(Lag::Known(0), |total, part| match (total, part) {
-            (Lag::Unknown, _) | (_, Lag::Unknown) => Lag::Unknown,
-            (Lag::Known(a), Lag::Known(b)) => Lag::Known(a.saturating_add(b)),
-            (a, b) => Lag::AtLeast(a.floor().unwrap_or(0).saturating_add(b.floor().unwrap_or(0))),
-        })
-    }
 }
 
 impl GroupSnapshot {

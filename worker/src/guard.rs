@@ -122,16 +122,12 @@ impl Guard {
 
     /// Same slot as the stream, so a cluster keeps the guard beside its entries.
     pub fn key(&self, stream: &str, token: &str) -> String {
-        mark_key(stream, &self.group, token)
+        keys::guard_key(stream, &self.group, token)
     }
 
     /// The value of the mark an acquisition with `fence` wrote.
     pub fn mark(&self, fence: u64) -> String {
         format!("processing:{}:{fence}", self.consumer)
-    }
-
-    pub fn processing_ttl(&self) -> Duration {
-        self.processing_ttl
     }
 
     pub fn completed_ttl(&self) -> Duration {
@@ -201,11 +197,6 @@ impl Guard {
             .map_err(|e| StreamError::new("idempotency guard", e))?;
         Ok(())
     }
-}
-
-/// The guard's record of one business key of `group`.
-pub fn mark_key(stream: &str, group: &str, token: &str) -> String {
-    keys::guard_key(stream, group, token)
 }
 
 pub use streamfleet_streams::keys::suppressed_key;

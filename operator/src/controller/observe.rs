@@ -76,7 +76,7 @@ pub async fn observe(
     let mut shards = Vec::with_capacity(looks.len());
     for look in looks {
         if group.is_some() {
-            last_recovery = latest(last_recovery, look.last_recovery);
+            last_recovery = last_recovery.or(look.last_recovery);
             retention.extend(look.retention.map(|bounds| (look.stream.clone(), bounds)));
             payload_loss.total = payload_loss.total.saturating_add(look.payload_loss.total);
             payload_loss.latest.extend(look.payload_loss.latest);
@@ -132,7 +132,10 @@ async fn observe_shard(
         payload_loss: PayloadLoss::default(),
     };
     if look.snapshot.is_some() {
-        look.last_recovery = read_recovery_report(&mut conn, scg, stream, &spec.group).await;
+        // A recovery run writes its total to every shard: shard 0's is the run's.
+        if stream == spec.stream {
+            look.last_recovery = read_recovery_report(&mut conn, scg, stream, &spec.group).await;
+        }
         look.retention = read_retention_bounds(&mut conn, scg, spec, stream).await;
         // Part of the group's state: if it cannot be read, nothing is known.
         look.payload_loss = payload_loss::read(&mut conn, stream, &spec.group).await?;
@@ -153,15 +156,6 @@ async fn read_recovery_report(
         .inspect_err(|e| tracing::warn!(resource = %super::key(scg), error = %e, "reading the recovery report"))
         .ok()
         .flatten()
-}
-
-/// Of two shards' recovery reports, the later (a sweep writes one per shard).
-fn latest(a: Option<RecoveryReport>, b: Option<RecoveryReport>) -> Option<RecoveryReport> {
-    match (a, b) {
-        (Some(a), Some(b)) if b.finished_at_ms > a.finished_at_ms => Some(b),
-        (Some(a), _) => Some(a),
-        (None, b) => b,
-    }
 }
 
 /// Bounds that cannot be read mean no trim this poll (never a blind one).

@@ -9,20 +9,11 @@
 use anyhow::Result;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
+use streamfleet_bench::Trivial;
 use streamfleet_contract as env;
 use streamfleet_streams::shard::{shard_key, shard_keys, shard_of};
 use streamfleet_testbed::RedisCluster;
-use streamfleet_worker::{Entry, Handler, Outcome, Stats, Worker, WorkerConfig};
-
-struct Trivial;
-impl Handler for Trivial {
-    fn business_key(&self, e: &Entry) -> Option<String> {
-        e.field_str("order_id").map(str::to_string)
-    }
-    async fn handle(&self, _: &Entry) -> Outcome {
-        Outcome::Done
-    }
-}
+use streamfleet_worker::{Stats, Worker, WorkerConfig};
 
 /// CPU seconds this process has used.
 fn own_cpu() -> f64 {

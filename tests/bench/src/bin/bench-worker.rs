@@ -8,21 +8,11 @@
 use anyhow::Result;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
-use streamfleet_bench::fill;
+use streamfleet_bench::{Trivial, fill};
 use streamfleet_contract as env;
 use streamfleet_streams::ensure_group;
 use streamfleet_testbed::RedisServer;
-use streamfleet_worker::{Entry, Handler, Outcome, Worker, WorkerConfig};
-
-struct Trivial;
-impl Handler for Trivial {
-    fn business_key(&self, e: &Entry) -> Option<String> {
-        e.field_str("order_id").map(str::to_string)
-    }
-    async fn handle(&self, _: &Entry) -> Outcome {
-        Outcome::Done
-    }
-}
+use streamfleet_worker::{Worker, WorkerConfig};
 
 async fn naive(conn: &mut redis::aio::MultiplexedConnection, stream: &str, n: usize) -> Result<Duration> {
     let start = Instant::now();
