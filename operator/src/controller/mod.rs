@@ -15,6 +15,7 @@ pub mod finalizer;
 #[cfg(test)]
 mod fixtures;
 pub mod observe;
+pub mod secrets;
 pub mod status;
 pub mod validate;
 
@@ -62,6 +63,8 @@ pub struct Context {
     /// Every StreamConsumerGroup this operator serves (the controller's own
     /// cache), to find two that name the same group.
     resources: Store<DeserializeGuard<StreamConsumerGroup>>,
+    /// The referenced Secrets, read only when they change.
+    pub(crate) secrets: secrets::SecretCache,
     /// The Redis endpoint each resource last resolved to.
     endpoints: Mutex<HashMap<String, Endpoint>>,
     caches_synced: Arc<AtomicBool>,
@@ -75,6 +78,7 @@ struct Stores {
     cronjobs: Store<CronJob>,
     pods: Store<Pod>,
     resources: Store<DeserializeGuard<StreamConsumerGroup>>,
+    secrets: Store<secrets::SecretMeta>,
 }
 
 /// What the controller remembers about one resource between polls.
@@ -104,6 +108,7 @@ impl Context {
             cronjobs: stores.cronjobs,
             pods: stores.pods,
             resources: stores.resources,
+            secrets: secrets::SecretCache::new(stores.secrets),
             endpoints: Mutex::new(HashMap::new()),
             caches_synced: Arc::new(AtomicBool::new(false)),
             failures: Mutex::new(HashMap::new()),
@@ -166,6 +171,7 @@ impl Context {
         }
         self.reset_backoff(&key);
         self.metrics.forget(namespace, name);
+        self.secrets.prune();
     }
 
     /// Resources gone from the cache (deleted without a finalizer to see it)
@@ -245,8 +251,19 @@ pub async fn run(
     let (cronjobs, cronjob_events) = cached_watch::<CronJob>(&client, namespace.as_deref(), &owned);
     // Pods: a worker's deletion is acted on at once (reaping).
     let (pods, pod_events) = cached_watch::<Pod>(&client, namespace.as_deref(), &owned);
+    // Secrets: metadata only, to know when a referenced one changed.
+    let (secret_metadata, secret_writer) = reflector::store();
+    let secret_events = reflector::reflector(
+        secret_writer,
+        watcher(scoped_api::<secrets::SecretMeta>(&client, namespace.as_deref()), watcher::Config::default())
+            .modify(secrets::strip),
+    )
+    .default_backoff()
+    .touched_objects()
+    .boxed();
     let controller = Controller::new(scgs, watcher::Config::default().any_semantic());
-    let stores = Stores { deployments, cronjobs, pods, resources: controller.store() };
+    let resources = controller.store();
+    let stores = Stores { deployments, cronjobs, pods, resources: resources.clone(), secrets: secret_metadata };
     let ctx = Arc::new(Context::new(client, settings, metrics, instance, stores));
     tokio::spawn(mark_synced(ctx.clone()));
     tokio::spawn(prune_vanished(ctx.clone()));
@@ -256,6 +273,17 @@ pub async fn run(
         .watches_stream(pod_events, |pod: Pod| {
             let name = pod.labels().get(objects::GROUP_LABEL)?.clone();
             Some(ObjectRef::new(&name).within(&pod.namespace()?))
+        })
+        // A changed Secret is re-read by the resources that reference it.
+        .watches_stream(secret_events, move |secret| {
+            let namespace = secret.namespace();
+            resources
+                .state()
+                .iter()
+                .filter_map(|r| r.0.as_ref().ok())
+                .filter(|r| r.namespace() == namespace && secrets::references(r, &secret.name_any()))
+                .map(|r| ObjectRef::new(&r.name_any()).within(&r.namespace().unwrap_or_default()))
+                .collect::<Vec<_>>()
         })
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
@@ -304,7 +332,8 @@ where
 async fn mark_synced(ctx: Arc<Context>) {
     let ready = ctx.pods.wait_until_ready().await.is_ok()
         && ctx.deployments.wait_until_ready().await.is_ok()
-        && ctx.cronjobs.wait_until_ready().await.is_ok();
+        && ctx.cronjobs.wait_until_ready().await.is_ok()
+        && ctx.secrets.wait_until_ready().await;
     tracing::info!(ready, "owned-object caches synced");
     ctx.caches_synced.store(ready, Ordering::SeqCst);
 }

@@ -10,12 +10,11 @@ use crate::error::Error;
 use crate::objects;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::CronJob;
-use k8s_openapi::api::core::v1::Secret;
 use kube::runtime::reflector::ObjectRef;
-use kube::{Api, ResourceExt as _};
+use kube::ResourceExt as _;
 use std::collections::HashSet;
 use std::sync::Arc;
-use streamfleet_crd::{RedisMode, SecretKeyRef, StreamConsumerGroup};
+use streamfleet_crd::{RedisMode, StreamConsumerGroup};
 use streamfleet_streams::health::GroupSnapshot;
 use streamfleet_streams::payload_loss::{self, PayloadLoss};
 use streamfleet_streams::recovery::RecoveryReport;
@@ -58,7 +57,7 @@ pub async fn observe(
     scg: &StreamConsumerGroup,
     spec: &ValidSpec,
 ) -> Result<(StreamConnection, Observation), Error> {
-    let endpoint = resolve_endpoint(&ctx.client, scg).await?;
+    let endpoint = resolve_endpoint(ctx, scg).await?;
     ctx.remember_endpoint(scg, &endpoint);
     let conn = ctx.connections.get(&endpoint).await?;
     // Every shard at once: the requests share the multiplexed connection,
@@ -175,14 +174,14 @@ async fn read_retention_bounds(
     bounds.await.inspect_err(|e| tracing::warn!(resource = %super::key(scg), error = %e, "retention bounds")).ok()
 }
 
-/// Reads the Redis URL (and CA) the spec references.
-async fn resolve_endpoint(client: &kube::Client, scg: &StreamConsumerGroup) -> Result<Endpoint, Error> {
-    let secrets: Api<Secret> = Api::namespaced(client.clone(), &scg.namespace().unwrap_or_default());
+/// Reads the Redis URL (and CA) the spec references, through the Secret cache.
+async fn resolve_endpoint(ctx: &Context, scg: &StreamConsumerGroup) -> Result<Endpoint, Error> {
+    let namespace = scg.namespace().unwrap_or_default();
     let redis = &scg.spec.redis;
-    let url = String::from_utf8(read_secret_key(&secrets, &redis.url_secret_ref).await?)
+    let url = String::from_utf8(ctx.secrets.read(&ctx.client, &namespace, &redis.url_secret_ref).await?)
         .map_err(|_| Error::InvalidSpec("spec.redis.urlSecretRef: the URL is not UTF-8".into()))?;
     let ca_pem = match redis.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
-        Some(r) => Some(read_secret_key(&secrets, r).await?),
+        Some(r) => Some(ctx.secrets.read(&ctx.client, &namespace, r).await?),
         None => None,
     };
     let mode = match redis.mode {
@@ -192,18 +191,9 @@ async fn resolve_endpoint(client: &kube::Client, scg: &StreamConsumerGroup) -> R
     Ok(Endpoint { url: url.trim().to_string(), mode, ca_pem })
 }
 
-async fn read_secret_key(secrets: &Api<Secret>, r: &SecretKeyRef) -> Result<Vec<u8>, Error> {
-    let secret = secrets.get_opt(&r.name).await?.ok_or_else(|| Error::SecretNotFound { name: r.name.clone() })?;
-    secret
-        .data
-        .and_then(|mut d| d.remove(&r.key))
-        .map(|v| v.0)
-        .ok_or_else(|| Error::SecretKeyNotFound { name: r.name.clone(), key: r.key.clone() })
-}
-
 /// The endpoint and a connection to it, for deletion (which needs no snapshot).
 pub async fn endpoint(ctx: &Context, scg: &StreamConsumerGroup) -> Result<(Endpoint, StreamConnection), Error> {
-    let endpoint = resolve_endpoint(&ctx.client, scg).await?;
+    let endpoint = resolve_endpoint(ctx, scg).await?;
     let conn = ctx.connections.get(&endpoint).await?;
     Ok((endpoint, conn))
 }
