@@ -48,7 +48,8 @@ impl SecretCache {
         {
             return Ok(value);
         }
-        let secret = Api::<Secret>::namespaced(client.clone(), namespace).get_opt(&r.name).await?.ok_or_else(not_found)?;
+        let secret =
+            Api::<Secret>::namespaced(client.clone(), namespace).get_opt(&r.name).await?.ok_or_else(not_found)?;
         // The version actually read, which may be newer than the watch's.
         let read = secret.resource_version().unwrap_or_default();
         let value = secret

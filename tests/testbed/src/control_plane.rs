@@ -23,6 +23,8 @@ root-ca-certificate-publisher-controller,ttl-after-finished-controller";
 pub struct ControlPlane {
     pub server: String,
     pub kubeconfig: PathBuf,
+    /// The kube-apiserver's audit log of service-account requests (see [`crate::audit`]).
+    pub audit_log: PathBuf,
     pub pki: Pki,
     // Dropped in reverse order of start: controller-manager, apiserver, etcd.
     controller_manager: Daemon,
@@ -41,7 +43,8 @@ impl ControlPlane {
         std::fs::write(&tokens, format!("{token},admin,admin,system:masters\n"))?;
 
         let etcd = start_etcd(dir, &logs).await?;
-        let (mut apiserver, server) = start_apiserver(dir, &logs, &pki, &tokens, etcd.1).await?;
+        let audit_log = logs.join("audit.log");
+        let (mut apiserver, server) = start_apiserver(dir, &logs, &pki, &tokens, etcd.1, &audit_log).await?;
         let etcd = etcd.0;
 
         let kubeconfig = dir.join("kubeconfig");
@@ -50,7 +53,7 @@ impl ControlPlane {
         wait_ready(&client, &mut apiserver).await?;
 
         let controller_manager = start_controller_manager(&logs, &pki, &kubeconfig)?;
-        let mut plane = Self { server, kubeconfig, pki, controller_manager, apiserver, etcd };
+        let mut plane = Self { server, kubeconfig, audit_log, pki, controller_manager, apiserver, etcd };
         plane.wait_controllers(&client).await?;
         Ok(plane)
     }
@@ -116,9 +119,12 @@ async fn start_apiserver(
     pki: &Pki,
     tokens: &Path,
     etcd_port: u16,
+    audit_log: &Path,
 ) -> Result<(Daemon, String)> {
     let bin = tools::tool("kube-apiserver")?;
     let port = free_port()?;
+    let policy = dir.join("audit-policy.yaml");
+    std::fs::write(&policy, crate::audit::POLICY)?;
     let args = vec![
         format!("--etcd-servers=http://127.0.0.1:{etcd_port}"),
         "--bind-address=127.0.0.1".into(),
@@ -137,6 +143,11 @@ async fn start_apiserver(
         // Loopback cannot be published as the `kubernetes` Service endpoint.
         "--endpoint-reconciler-type=none".into(),
         "--profiling=false".into(),
+        // The API server's own count of what each service account asked for.
+        format!("--audit-policy-file={}", policy.display()),
+        format!("--audit-log-path={}", audit_log.display()),
+        "--audit-log-format=json".into(),
+        "--audit-log-mode=blocking".into(),
         "--v=1".into(),
     ];
     let daemon = Daemon::spawn("kube-apiserver", &bin, &args, logs)?;

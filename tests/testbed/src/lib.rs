@@ -8,6 +8,7 @@
 //! isolate themselves by namespace ([`TestBed::namespace`]); each test that
 //! needs Redis starts its own server.
 
+pub mod audit;
 pub mod certs;
 pub mod control_plane;
 pub mod kubelet;
@@ -31,6 +32,8 @@ pub struct TestBed {
     pub dir: PathBuf,
     pub kubeconfig: PathBuf,
     pub server: String,
+    /// The API server's audit log of service-account requests.
+    pub audit_log: PathBuf,
     runtime: tokio::runtime::Handle,
 }
 
@@ -86,6 +89,7 @@ impl TestBed {
                     dir: thread_dir.clone(),
                     kubeconfig: plane.kubeconfig.clone(),
                     server: plane.server.clone(),
+                    audit_log: plane.audit_log.clone(),
                     runtime: handle,
                 }));
                 if let Err(e) = kubelet.run().await {

@@ -1,0 +1,95 @@
+//! What the operator asks of the API server, counted by the API server
+//! itself (its audit log of the operator's service account): at rest nothing
+//! but the Lease and its watches; a recovery run costs exactly one status
+//! write and one Event; a changed Secret is read once.
+
+// A test fails by panicking.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use anyhow::Result;
+use k8s_openapi::api::batch::v1::Job;
+use kube::Api;
+use std::collections::BTreeMap;
+use std::time::Duration;
+use streamfleet_crd::StreamConsumerGroup;
+use streamfleet_e2e::*;
+use streamfleet_testbed::{TestBed, audit, eventually};
+
+const T: Duration = Duration::from_secs(120);
+/// Five polls at the 2 s interval below.
+const WINDOW: Duration = Duration::from_secs(10);
+
+/// The operator's requests in `ns` since `from`, by kind, leaving out the
+/// Lease (leader election) and its watches, which are allowed at rest.
+fn requests_since(bed: &TestBed, ns: &str, from: u64) -> Result<BTreeMap<String, usize>> {
+    let all = audit::since(&bed.audit_log, from, &format!("system:serviceaccount:{ns}:"))?;
+    let counted: Vec<_> = all.into_iter().filter(|r| r.resource != "leases" && r.verb != "watch").collect();
+    Ok(audit::count_by_kind(&counted))
+}
+
+async fn run_job(bed: &TestBed, ns: &str, cronjob: &str, job: &str) -> Result<()> {
+    run_ok(bed, "kubectl", &["create", "job", "-n", ns, job, "--from", &format!("cronjob/{cronjob}")], None).await?;
+    let jobs: Api<Job> = Api::namespaced(bed.client().await?, ns);
+    eventually("recovery Job complete", T, || async {
+        let done = jobs.get(job).await?.status.and_then(|s| s.succeeded).unwrap_or(0) >= 1;
+        Ok(done.then_some(()))
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_rest_the_operator_makes_no_api_request_and_a_recovery_run_costs_one_status_write_and_one_event()
+-> Result<()> {
+    let f = Fixture::start("e2e-rest", &[]).await?;
+    let (bed, client, ns) = (f.bed, f.client.clone(), &f.ns.name);
+    let records = tempfile::tempdir()?;
+    let spec = "  startId: \"0\"\n  scaling: {minReplicas: 1, maxReplicas: 1, pollIntervalSeconds: 2}\n  recovery: {schedule: \"0 0 1 1 *\"}";
+    f.apply(&recording_manifest("quiet", "orders", "billing", &records.path().display().to_string(), spec)).await?;
+    wait_condition(&client, ns, "quiet", "Ready", "True", None, T).await?;
+    // A first recovery run, so the window below is after one (a run used to
+    // make every later poll re-announce it).
+    run_job(bed, ns, "quiet-recovery", "recover-1").await?;
+    let scgs: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), ns);
+    let first = eventually("first lastRecovery", T, || async {
+        Ok(scgs.get("quiet").await?.status.and_then(|s| s.last_recovery))
+    })
+    .await?;
+    // Let the worker Deployment's rollout and the Job's cleanup settle.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+
+    // At rest: five polls, no request but the Lease and the watches.
+    let from = audit::offset(&bed.audit_log)?;
+    tokio::time::sleep(WINDOW).await;
+    let at_rest = requests_since(bed, ns, from)?;
+    assert!(at_rest.is_empty(), "at rest the operator asked the API server for {at_rest:?}");
+    let polls = audit::since(&bed.audit_log, from, &format!("system:serviceaccount:{ns}:"))?;
+    assert!(polls.iter().any(|r| r.resource == "leases"), "the audit log sees the operator (its Lease renewals)");
+
+    // A second recovery run, at least a second after the first (the report's
+    // time has second precision): one status write, one Event, nothing else.
+    let events_before = event_count(&client, ns, "quiet", "RecoveryCompleted").await?;
+    let from = audit::offset(&bed.audit_log)?;
+    run_job(bed, ns, "quiet-recovery", "recover-2").await?;
+    eventually("second lastRecovery", T, || async {
+        let latest = scgs.get("quiet").await?.status.and_then(|s| s.last_recovery);
+        Ok(latest.filter(|l| l.time != first.time))
+    })
+    .await?;
+    tokio::time::sleep(WINDOW).await;
+    let mut around_run = requests_since(bed, ns, from)?;
+    // The same note within minutes continues the first run's Event as a
+    // series (a patch); otherwise it is a new Event (a create): one write.
+    let event_writes = around_run.remove("create events").unwrap_or(0) + around_run.remove("patch events").unwrap_or(0);
+    assert_eq!(event_writes, 1, "one Event write per recovery run");
+    let expected: BTreeMap<String, usize> = [("patch streamconsumergroups/status".to_string(), 1)].into();
+    assert_eq!(around_run, expected, "a recovery run and five polls after it");
+    assert_eq!(event_count(&client, ns, "quiet", "RecoveryCompleted").await?, events_before + 1);
+
+    // A rotated Secret is read again, once, and then no more.
+    let from = audit::offset(&bed.audit_log)?;
+    run_ok(bed, "kubectl", &["label", "secret", "-n", ns, "redis", "rotated=1"], None).await?;
+    tokio::time::sleep(WINDOW).await;
+    let after_rotation = requests_since(bed, ns, from)?;
+    assert_eq!(after_rotation, [("get secrets".to_string(), 1)].into(), "after the Secret changed");
+    Ok(())
+}
