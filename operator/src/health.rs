@@ -125,7 +125,6 @@ mod tests {
             before_oldest_pending: None,
             stream_length: 100,
             dead_letter_length: 0,
-            commands: 5,
         }
     }
 

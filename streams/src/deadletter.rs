@@ -46,26 +46,32 @@ impl Reason {
     }
 }
 
-/// XADD the dead letter, and only once that succeeded ack the entry, drop its
-/// last error and, for a lost payload, record it (a failing `redis.call`
-/// stops the script: a MULTI would ack even when the XADD failed).
+/// Per entry: XADD the dead letter, and only once that succeeded ack the
+/// entry, drop its last error and, for a lost payload, record it. A failing
+/// `redis.call` stops the script there (Redis does not undo what ran): every
+/// entry before it is dead-lettered and acked, the failing one neither acked
+/// nor lost, the rest untouched. (A MULTI would ack even when the XADD failed.)
 /// KEYS: dead-letter stream, stream, last-error hash, payload-lost count and
-/// IDs. ARGV: group, entry ID, lost (1/0), last index of the kept IDs, then
-/// the dead letter's fields and values.
-static DEAD_LETTER: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
-    redis::Script::new(
-        r"
-        local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 5))
-        redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
-        redis.call('HDEL', KEYS[3], ARGV[2])
-        if ARGV[3] == '1' then
+/// IDs. ARGV: group, last index of the kept lost IDs, then per entry: its
+/// ID, lost (1/0), the number of field and value arguments, and those.
+/// Sent as `EVAL` (Redis caches the compiled script; one per batch), so it
+/// rides in a pipeline on a cluster too.
+const DEAD_LETTER: &str = r"
+    local ids = {}
+    local i = 3
+    while i <= #ARGV do
+        local id, lost, n = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+        ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, i + 3, i + 2 + n))
+        redis.call('XACK', KEYS[2], ARGV[1], id)
+        redis.call('HDEL', KEYS[3], id)
+        if lost == '1' then
             redis.call('HINCRBY', KEYS[4], 'count', 1)
-            redis.call('LPUSH', KEYS[5], ARGV[2])
-            redis.call('LTRIM', KEYS[5], 0, tonumber(ARGV[4]))
+            redis.call('LPUSH', KEYS[5], id)
+            redis.call('LTRIM', KEYS[5], 0, tonumber(ARGV[2]))
         end
-        return id",
-    )
-});
+        i = i + 3 + n
+    end
+    return ids";
 
 /// What to record about a dead letter besides the entry itself.
 pub struct Letter<'a> {
@@ -85,40 +91,59 @@ pub async fn dead_letter<C: ConnectionLike + Send>(
     entry: &Entry,
     letter: &Letter<'_>,
 ) -> Result<String, StreamError> {
-    let now_ms = crate::recovery::now_ms();
-    let lost = letter.reason == Reason::PayloadMissing;
-    let mut script = DEAD_LETTER.prepare_invoke();
-    script
-        .key(dead_letter_stream)
-        .key(&entry.stream)
-        .key(keys::last_error_key(&entry.stream, letter.group))
-        .key(crate::payload_loss::count_key(&entry.stream, letter.group))
-        .key(crate::payload_loss::ids_key(&entry.stream, letter.group))
-        .arg(letter.group)
-        .arg(&entry.id)
-        .arg(if lost { "1" } else { "0" })
+    let ids: Vec<String> = command(dead_letter_stream, &[(entry, letter)])
+        .query_async(conn)
+        .await
+        .map_err(|e| StreamError::new("dead-lettering an entry", e))?;
+    ids.into_iter().next().ok_or_else(|| {
+        let e = redis::RedisError::from((redis::ErrorKind::UnexpectedReturnType, "no dead letter ID"));
+        StreamError::new("dead-lettering an entry", e)
+    })
+}
+
+/// The one command that dead-letters every entry of `letters` (see
+/// [`dead_letter`]; each entry atomically): one round trip and one script
+/// call for a page of them. Entries of one stream and group; an empty
+/// batch makes a command that does nothing.
+pub fn command(dead_letter_stream: &str, letters: &[(&Entry, &Letter<'_>)]) -> redis::Cmd {
+    let now_ms = crate::recovery::now_ms().to_string();
+    let (stream, group) = letters.first().map_or(("", ""), |(e, l)| (e.stream.as_str(), l.group));
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(DEAD_LETTER)
+        .arg(5)
+        .arg(dead_letter_stream)
+        .arg(stream)
+        .arg(keys::last_error_key(stream, group))
+        .arg(crate::payload_loss::count_key(stream, group))
+        .arg(crate::payload_loss::ids_key(stream, group))
+        .arg(group)
         .arg(crate::payload_loss::LATEST - 1);
-    let meta = [
-        (F_SOURCE_STREAM, entry.stream.clone()),
-        (F_SOURCE_ID, entry.id.clone()),
-        (F_GROUP, letter.group.to_string()),
-        (F_CONSUMER, letter.consumer.to_string()),
-        (F_DELIVERIES, entry.deliveries.to_string()),
-        (F_REASON, letter.reason.as_str().to_string()),
-        (F_ERROR, letter.error.to_string()),
-        (F_AT, now_ms.to_string()),
-    ];
-    for (k, v) in meta {
-        script.arg(k).arg(v);
+    for (entry, letter) in letters {
+        let lost = letter.reason == Reason::PayloadMissing;
+        let deliveries = entry.deliveries.to_string();
+        let meta = [
+            (F_SOURCE_STREAM, entry.stream.as_str()),
+            (F_SOURCE_ID, entry.id.as_str()),
+            (F_GROUP, letter.group),
+            (F_CONSUMER, letter.consumer),
+            (F_DELIVERIES, deliveries.as_str()),
+            (F_REASON, letter.reason.as_str()),
+            (F_ERROR, letter.error),
+            (F_AT, now_ms.as_str()),
+        ];
+        let n = 2 * (meta.len() + usize::from(letter.business_key.is_some()) + entry.fields.len());
+        cmd.arg(&entry.id).arg(if lost { "1" } else { "0" }).arg(n);
+        for (k, v) in meta {
+            cmd.arg(k).arg(v);
+        }
+        if let Some(key) = letter.business_key {
+            cmd.arg(F_BUSINESS_KEY).arg(key);
+        }
+        for (k, v) in &entry.fields {
+            cmd.arg(k).arg(v.as_slice());
+        }
     }
-    if let Some(key) = letter.business_key {
-        script.arg(F_BUSINESS_KEY).arg(key);
-    }
-    for (k, v) in &entry.fields {
-        script.arg(k).arg(v.as_slice());
-    }
-    let id: String = script.invoke_async(conn).await.map_err(|e| StreamError::new("dead-lettering an entry", e))?;
-    Ok(id)
+    cmd
 }
 
 /// Records the latest handler error of a pending entry, for whoever

@@ -75,8 +75,6 @@ pub struct GroupSnapshot {
     pub before_oldest_pending: Option<String>,
     pub stream_length: u64,
     pub dead_letter_length: u64,
-    /// Redis commands this inspection sent (for the benchmark).
-    pub commands: usize,
 }
 
 impl GroupSnapshot {
@@ -107,7 +105,6 @@ impl GroupSnapshot {
             before_oldest_pending: first.before_oldest_pending.clone(),
             stream_length: parts.iter().map(|p| p.stream_length).sum(),
             dead_letter_length: parts.iter().map(|p| p.dead_letter_length).sum(),
-            commands: parts.iter().map(|p| p.commands).sum(),
         })
     }
 }
@@ -133,21 +130,16 @@ pub async fn inspect<C: ConnectionLike + Send>(
     let Some(info) = groups.groups.into_iter().find(|g| g.name == group) else {
         return Ok(None);
     };
-    let mut commands = 3;
 
     let mut pipe = redis::pipe();
     pipe.cmd("XPENDING").arg(stream).arg(group).arg("-").arg("+").arg(OLDEST_SAMPLE);
     pipe.cmd("XINFO").arg("CONSUMERS").arg(stream).arg(group);
     let (oldest, consumers): (Vec<(String, String, u64, u64)>, StreamInfoConsumersReply) =
         pipe.query_async(conn).await.map_err(err)?;
-    commands += 2;
 
     let lag = match info.lag {
         Some(n) => Lag::Known(to_u64(n)),
-        None => {
-            commands += 1;
-            count_after(conn, stream, &info.last_delivered_id).await?
-        }
+        None => count_after(conn, stream, &info.last_delivered_id).await?,
     };
     // The PEL is in ID order, so the oldest-ID sample is the one that has waited
     // longest since first delivery; its idle times tell how stuck it is.
@@ -170,7 +162,6 @@ pub async fn inspect<C: ConnectionLike + Send>(
         before_oldest_pending,
         stream_length,
         dead_letter_length,
-        commands,
     }))
 }
 
@@ -225,7 +216,6 @@ mod tests {
             before_oldest_pending: Some(format!("{pending}-1")),
             stream_length: 10,
             dead_letter_length: 1,
-            commands: 5,
         }
     }
 

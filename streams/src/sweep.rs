@@ -11,7 +11,9 @@
 use crate::deadletter::{self, Letter, Reason};
 use crate::entry::{Entry, fields_from_map};
 use crate::error::StreamError;
+use crate::keys;
 use crate::recovery::{RecoveryReport, now_ms};
+use crate::retention::StreamId;
 use redis::aio::ConnectionLike;
 use std::time::Duration;
 
@@ -25,6 +27,14 @@ pub struct SweepSettings<'a> {
     pub max_deliveries: u64,
     pub batch: usize,
 }
+
+/// `1` for each ARGV entry ID present in KEYS[1], `0` for each one gone.
+const PRESENT: &str = r"
+    local out = {}
+    for i = 1, #ARGV do
+        out[i] = (#redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i], 'COUNT', 1) > 0) and '1' or '0'
+    end
+    return table.concat(out)";
 
 /// One full pass over the PEL.
 pub async fn sweep<C: ConnectionLike + Send>(
@@ -50,64 +60,139 @@ pub async fn sweep<C: ConnectionLike + Send>(
             .map_err(err("scanning the PEL"))?;
         let Some((last, ..)) = page.last() else { break };
         start = format!("({last}");
+        let mut beyond_present = std::collections::HashSet::new();
         report.scanned += u64::try_from(page.len()).unwrap_or(u64::MAX);
 
-        // Which payloads still exist: one pipelined XRANGE per entry.
-        let mut pipe = redis::pipe();
-        for (id, ..) in &page {
-            pipe.cmd("XRANGE").arg(s.stream).arg(id).arg(id);
+        // Which payloads still exist. Pending entries mostly sit together, so
+        // one bounded XRANGE over the page's span answers for the IDs it
+        // covers; IDs past where it stopped (a span full of acked entries)
+        // are checked one by one on the server by a script.
+        let first = page.first().map(|(id, ..)| id.as_str()).unwrap_or("-");
+        let bound = s.batch.saturating_mul(2).max(1);
+        let span: Vec<(String, redis::Value)> = redis::cmd("XRANGE")
+            .arg(s.stream)
+            .arg(first)
+            .arg(last)
+            .arg("COUNT")
+            .arg(bound)
+            .query_async(conn)
+            .await
+            .map_err(err("reading pending payloads"))?;
+        let covered_to = match span.last() {
+            Some((id, _)) if span.len() >= bound => StreamId::parse(id),
+            _ => StreamId::parse(last),
+        };
+        let existing: std::collections::HashSet<&str> = span.iter().map(|(id, _)| id.as_str()).collect();
+        let beyond: Vec<&str> = page
+            .iter()
+            .map(|(id, ..)| id.as_str())
+            .filter(|id| StreamId::parse(id).zip(covered_to).is_none_or(|(id, to)| id > to))
+            .collect();
+        if !beyond.is_empty() {
+            let mut presence = redis::cmd("EVAL");
+            presence.arg(PRESENT).arg(1).arg(s.stream).arg(&beyond);
+            let present: String = presence.query_async(conn).await.map_err(err("checking pending payloads"))?;
+            // The script's answers are not borrowed from `span`: collect them apart.
+            beyond_present =
+                beyond.iter().zip(present.bytes()).filter(|(_, p)| *p == b'1').map(|(id, _)| id.to_string()).collect();
         }
-        let payloads: Vec<Vec<(String, std::collections::HashMap<String, redis::Value>)>> =
-            pipe.query_async(conn).await.map_err(err("reading pending payloads"))?;
+        let mut lost = Vec::new();
+        let mut poison = Vec::new();
+        for (id, owner, _, deliveries) in &page {
+            let entry = Entry { stream: s.stream.into(), id: id.clone(), fields: Vec::new(), deliveries: *deliveries };
+            if !existing.contains(id.as_str()) && !beyond_present.contains(id) {
+                lost.push((entry, owner.as_str()));
+            } else if *deliveries >= s.max_deliveries {
+                poison.push((entry, owner.as_str()));
+            }
+        }
 
-        for ((id, owner, _, deliveries), payload) in page.iter().zip(payloads) {
-            if payload.is_empty() {
-                let entry =
-                    Entry { stream: s.stream.into(), id: id.clone(), fields: Vec::new(), deliveries: *deliveries };
-                let letter = Letter {
-                    group: s.group,
-                    consumer: owner,
-                    reason: Reason::PayloadMissing,
-                    error: "payload trimmed or deleted while pending",
-                    business_key: None,
-                };
-                deadletter::dead_letter(conn, s.dead_letter_stream, &entry, &letter).await?;
-                report.payload_lost += 1;
+        // Two more round trips per page, whatever it holds: lost payloads
+        // dead-lettered together with claiming the poison (one XCLAIM, min-idle
+        // guarded: an entry a worker took meanwhile has a fresh idle time and
+        // is not taken), reading its last errors and payloads; then the
+        // poison's dead letters. Each dead letter is its own atomic script.
+        let mut pipe = redis::pipe();
+        let lost_letters: Vec<Letter> = lost
+            .iter()
+            .map(|(_, owner)| Letter {
+                group: s.group,
+                consumer: owner,
+                reason: Reason::PayloadMissing,
+                error: "payload trimmed or deleted while pending",
+                business_key: None,
+            })
+            .collect();
+        if !lost.is_empty() {
+            let letters: Vec<_> = lost.iter().map(|(e, _)| e).zip(&lost_letters).collect();
+            pipe.add_command(deadletter::command(s.dead_letter_stream, &letters)).ignore();
+        }
+        if !poison.is_empty() {
+            let claim = pipe.cmd("XCLAIM").arg(s.stream).arg(s.group).arg(s.consumer).arg(min_idle_ms);
+            for (entry, _) in &poison {
+                claim.arg(&entry.id);
+            }
+            claim.arg("JUSTID");
+            let errors = pipe.cmd("HMGET").arg(keys::last_error_key(s.stream, s.group));
+            for (entry, _) in &poison {
+                errors.arg(&entry.id);
+            }
+            for (entry, _) in &poison {
+                pipe.cmd("XRANGE").arg(s.stream).arg(&entry.id).arg(&entry.id);
+            }
+        }
+        type Payload = Vec<(String, std::collections::HashMap<String, redis::Value>)>;
+        let (claimed, errors, payloads) = if poison.is_empty() {
+            if !lost.is_empty() {
+                let () = pipe.query_async(conn).await.map_err(err("dead-lettering lost payloads"))?;
+            }
+            (Vec::new(), Vec::new(), Vec::new())
+        } else {
+            // The claim, the last errors, then one payload per poison entry.
+            let replies: Vec<redis::Value> = pipe.query_async(conn).await.map_err(err("claiming poison entries"))?;
+            let mut replies = replies.into_iter();
+            let mut next = || replies.next().unwrap_or(redis::Value::Nil);
+            let parsed = |what| move |e: redis::ParsingError| StreamError::new(what, e.into());
+            let claimed: Vec<String> = redis::from_redis_value(next()).map_err(parsed("claiming poison entries"))?;
+            let errors: Vec<Option<String>> = redis::from_redis_value(next()).map_err(parsed("reading last errors"))?;
+            let payloads = (0..poison.len())
+                .map(|_| redis::from_redis_value::<Payload>(next()))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(parsed("reading poison payloads"))?;
+            (claimed, errors, payloads)
+        };
+        report.payload_lost += u64::try_from(lost.len()).unwrap_or(u64::MAX);
+        let claimed: std::collections::HashSet<String> = claimed.into_iter().collect();
+        let mut taken = Vec::new();
+        for (((mut entry, owner), error), payload) in poison.into_iter().zip(errors).zip(payloads) {
+            if !claimed.contains(&entry.id) {
                 continue;
             }
-            if *deliveries < s.max_deliveries {
-                continue;
-            }
-            // Claim first: if a worker took it meanwhile, its idle time reset
-            // and the claim (min-idle guarded) takes nothing.
-            let claimed: Vec<String> = redis::cmd("XCLAIM")
-                .arg(s.stream)
-                .arg(s.group)
-                .arg(s.consumer)
-                .arg(min_idle_ms)
-                .arg(id)
-                .arg("JUSTID")
-                .query_async(conn)
-                .await
-                .map_err(err("claiming a poison entry"))?;
-            if claimed.is_empty() {
-                continue;
-            }
-            report.claimed += 1;
-            let fields = payload.into_iter().next().map(|(_, map)| fields_from_map(map)).unwrap_or_default();
-            let entry = Entry { stream: s.stream.into(), id: id.clone(), fields, deliveries: *deliveries };
-            let error = deadletter::last_error(conn, s.stream, s.group, id).await?;
-            let error = error.unwrap_or_else(|| format!("delivered {deliveries} times without an ack"));
-            let letter = Letter {
+            // Deleted between the check and the claim: still a dead letter, without fields.
+            entry.fields = payload.into_iter().next().map(|(_, map)| fields_from_map(map)).unwrap_or_default();
+            let error = error.unwrap_or_else(|| format!("delivered {} times without an ack", entry.deliveries));
+            taken.push((entry, owner, error));
+        }
+        let letters: Vec<Letter> = taken
+            .iter()
+            .map(|(_, owner, error)| Letter {
                 group: s.group,
                 consumer: owner,
                 reason: Reason::MaxDeliveries,
-                error: &error,
+                error,
                 business_key: None,
-            };
-            deadletter::dead_letter(conn, s.dead_letter_stream, &entry, &letter).await?;
-            report.dead_lettered += 1;
+            })
+            .collect();
+        if !taken.is_empty() {
+            let batch: Vec<_> = taken.iter().map(|(e, ..)| e).zip(&letters).collect();
+            let _: redis::Value = deadletter::command(s.dead_letter_stream, &batch)
+                .query_async(conn)
+                .await
+                .map_err(err("dead-lettering poison entries"))?;
         }
+        let moved = u64::try_from(taken.len()).unwrap_or(u64::MAX);
+        report.claimed += moved;
+        report.dead_lettered += moved;
         if page.len() < s.batch {
             break;
         }

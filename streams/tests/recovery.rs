@@ -98,6 +98,47 @@ async fn sweep_dead_letters_poison_records_lost_payloads_and_leaves_the_rest() -
     Ok(())
 }
 
+/// Pending entries far apart (many acked entries between them): the span
+/// read stops early, and the entries past it are still checked one by one.
+#[tokio::test]
+async fn sweep_finds_lost_payloads_among_scattered_pending_entries() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    ensure_group(&mut conn, "orders", "g", "0").await?;
+    let mut pending = Vec::new();
+    for i in 0..3 {
+        pending.push(conn.xadd::<_, _, _, _, String>("orders", "*", &[("order_id", format!("p{i}"))]).await?);
+        for j in 0..10 {
+            let _: String = conn.xadd("orders", "*", &[("order_id", format!("acked-{i}-{j}"))]).await?;
+        }
+    }
+    let opts = redis::streams::StreamReadOptions::default().group("g", "w1").count(100);
+    let read: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
+    let acked: Vec<String> = read.keys[0].ids.iter().map(|e| e.id.clone()).filter(|id| !pending.contains(id)).collect();
+    let _: i64 = conn.xack("orders", "g", &acked).await?;
+    let _: i64 = conn.xdel("orders", &[&pending[1]]).await?;
+    let settings = SweepSettings {
+        stream: "orders",
+        group: "g",
+        consumer: "sweep-pod",
+        dead_letter_stream: "{orders}:dead",
+        min_idle: Duration::ZERO,
+        max_deliveries: 5,
+        batch: 2,
+    };
+    let report = sweep(&mut conn, &settings).await?;
+    assert_eq!((report.scanned, report.payload_lost, report.dead_lettered), (3, 1, 0), "{report:?}");
+    let pel = owners(&mut conn).await?;
+    assert_eq!(
+        pel.keys().cloned().collect::<std::collections::BTreeSet<_>>(),
+        [pending[0].clone(), pending[2].clone()].into()
+    );
+    let found = letters(&mut conn).await?;
+    assert_eq!(found.len(), 1);
+    assert_eq!(found[0].1[dl::F_SOURCE_ID], pending[1]);
+    Ok(())
+}
+
 #[tokio::test]
 async fn replay_requeues_original_fields_and_removes_the_dead_letter() -> Result<()> {
     let server = RedisServer::start().await?;

@@ -104,3 +104,83 @@ pub async fn run_until_processed<H: streamfleet_worker::Handler>(
     running.await??;
     Ok(took)
 }
+
+/// The server's version (`INFO server`), for a figure's settings.
+pub async fn redis_version(conn: &mut redis::aio::MultiplexedConnection) -> Result<String> {
+    let info: String = redis::cmd("INFO").arg("server").query_async(conn).await?;
+    Ok(info.lines().find_map(|l| l.strip_prefix("redis_version:")).unwrap_or("unknown").trim().to_string())
+}
+
+/// CPU seconds this process has used.
+pub fn own_cpu() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the command name (which may hold spaces): utime is the 12th, stime the 13th.
+    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// CPU seconds a Redis server has used (`INFO cpu`).
+pub async fn redis_cpu<C: redis::aio::ConnectionLike + Send>(conn: &mut C) -> Result<f64> {
+    let info: String = redis::cmd("INFO").arg("cpu").query_async(conn).await?;
+    Ok(info
+        .lines()
+        .filter_map(|l| l.strip_prefix("used_cpu_sys:").or_else(|| l.strip_prefix("used_cpu_user:")))
+        .filter_map(|v| v.trim().parse::<f64>().ok())
+        .sum())
+}
+
+/// Several runs of one measurement.
+#[derive(Clone, Debug, Default)]
+pub struct Runs(pub Vec<f64>);
+
+impl Runs {
+    pub fn push(&mut self, value: f64) {
+        self.0.push(value);
+    }
+
+    fn sorted(&self) -> Vec<f64> {
+        let mut v = self.0.clone();
+        v.sort_by(f64::total_cmp);
+        v
+    }
+
+    /// The middle run (the mean of the two middle ones for an even count).
+    pub fn median(&self) -> f64 {
+        let v = self.sorted();
+        match v.len() {
+            0 => f64::NAN,
+            n if n % 2 == 1 => v[n / 2],
+            n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+        }
+    }
+
+    /// Every run, sorted, `/`-separated, with `decimals` decimals.
+    pub fn listed(&self, decimals: usize) -> String {
+        self.sorted().iter().map(|v| format!("{v:.decimals$}")).collect::<Vec<_>>().join(" / ")
+    }
+
+    /// (max - min) / median, as a percentage: how much the runs disagree.
+    pub fn spread_percent(&self) -> f64 {
+        let v = self.sorted();
+        match (v.first(), v.last()) {
+            (Some(min), Some(max)) => 100.0 * (max - min) / self.median(),
+            _ => f64::NAN,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Runs;
+
+    #[test]
+    fn runs_give_median_listing_and_spread() {
+        let runs = Runs(vec![3.0, 1.0, 2.0]);
+        assert_eq!(runs.median(), 2.0);
+        assert_eq!(runs.listed(1), "1.0 / 2.0 / 3.0");
+        assert_eq!(runs.spread_percent(), 100.0);
+        assert_eq!(Runs(vec![4.0, 1.0, 2.0, 3.0]).median(), 2.5);
+    }
+}

@@ -176,14 +176,69 @@ fn clean_stale_runs() {
     }
 }
 
-/// Writes a measured figure as `target/figures/<name>.json`, from which
-/// `scripts/docs-figures.sh` generates its section of `docs/benchmarks.md`.
-/// Shape: `what`, `settings`, `columns`, `rows`, `summary`.
+/// Writes a figure a test measured as `target/figures/<name>.json`;
+/// `scripts/docs-figures.sh` copies it to `docs/figures/` and generates its
+/// section of `docs/benchmarks.md`. Shape: `what`, `settings`, `columns`,
+/// `rows`, `summary`, and `environment` (added here: where and from which
+/// commit it was measured).
 pub fn write_figure(name: &str, figure: &serde_json::Value) -> Result<()> {
-    let dir = tools::workspace_root().join("target/figures");
-    std::fs::create_dir_all(&dir)?;
-    std::fs::write(dir.join(format!("{name}.json")), serde_json::to_string_pretty(figure)?)?;
+    write_figure_in(&tools::workspace_root().join("target/figures"), name, figure)
+}
+
+/// Writes a figure a benchmark program measured straight to
+/// `docs/figures/<name>.json` (see [`write_figure`]).
+pub fn publish_figure(name: &str, figure: &serde_json::Value) -> Result<()> {
+    write_figure_in(&tools::workspace_root().join("docs/figures"), name, figure)
+}
+
+fn write_figure_in(dir: &Path, name: &str, figure: &serde_json::Value) -> Result<()> {
+    let mut figure = figure.clone();
+    if let Some(fields) = figure.as_object_mut() {
+        let mut environment = environment();
+        if let (Some(given), Some(all)) =
+            (fields.get("environment").and_then(|e| e.as_object()), environment.as_object_mut())
+        {
+            all.extend(given.clone());
+        }
+        fields.insert("environment".into(), environment);
+    }
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join(format!("{name}.json"));
+    std::fs::write(&path, serde_json::to_string_pretty(&figure)? + "\n")?;
+    eprintln!("figure written to {}", path.display());
     Ok(())
+}
+
+/// Where a figure was measured: the commit (marked `-dirty` with local
+/// changes), the date, the machine.
+fn environment() -> serde_json::Value {
+    let output = |cmd: &str, args: &[&str]| {
+        std::process::Command::new(cmd)
+            .args(args)
+            .current_dir(tools::workspace_root())
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default()
+    };
+    let dirty = !output("git", &["status", "--porcelain", "--untracked-files=no"]).is_empty();
+    let commit = output("git", &["rev-parse", "--short=12", "HEAD"]) + if dirty { "-dirty" } else { "" };
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpu =
+        cpuinfo.lines().find_map(|l| l.strip_prefix("model name")).map(|v| v.trim_start_matches([' ', '\t', ':']));
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let mem_kib: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
+    serde_json::json!({
+        "commit": commit,
+        "date": output("date", &["-u", "+%Y-%m-%d"]),
+        "machine": format!("{cores} cores ({}), {} GiB", cpu.unwrap_or("unknown CPU"), mem_kib / 1024 / 1024),
+    })
 }
 
 pub fn random_suffix() -> String {

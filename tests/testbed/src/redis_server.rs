@@ -121,6 +121,47 @@ impl RedisServer {
     }
 }
 
+/// Commands the server has executed, by name, as it counts them (`INFO
+/// commandstats`), without `INFO` itself: take it before and after, and the
+/// difference is what was sent in between.
+pub async fn command_calls<C: redis::aio::ConnectionLike + Send>(
+    conn: &mut C,
+) -> Result<std::collections::BTreeMap<String, u64>> {
+    let info: String = redis::cmd("INFO").arg("commandstats").query_async(conn).await?;
+    Ok(parse_commandstats(&info, "calls="))
+}
+
+/// Microseconds the server spent in each command (`INFO commandstats`,
+/// without `INFO`): where a server's time goes.
+pub async fn command_micros<C: redis::aio::ConnectionLike + Send>(
+    conn: &mut C,
+) -> Result<std::collections::BTreeMap<String, u64>> {
+    let info: String = redis::cmd("INFO").arg("commandstats").query_async(conn).await?;
+    Ok(parse_commandstats(&info, "usec="))
+}
+
+fn parse_commandstats(info: &str, field: &str) -> std::collections::BTreeMap<String, u64> {
+    info.lines()
+        .filter_map(|line| {
+            let (name, rest) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+            let value = rest.split(',').find_map(|kv| kv.strip_prefix(field))?.parse().ok()?;
+            (name != "info").then(|| (name.to_string(), value))
+        })
+        .collect()
+}
+
+/// What `after` counts beyond `before` ([`command_calls`]), zero counts left out.
+pub fn calls_between(
+    before: &std::collections::BTreeMap<String, u64>,
+    after: &std::collections::BTreeMap<String, u64>,
+) -> std::collections::BTreeMap<String, u64> {
+    after
+        .iter()
+        .map(|(name, n)| (name.clone(), n.saturating_sub(before.get(name).copied().unwrap_or(0))))
+        .filter(|(_, n)| *n > 0)
+        .collect()
+}
+
 /// Owned copies of command-line arguments.
 fn owned(args: &[&str]) -> Vec<String> {
     args.iter().map(|s| s.to_string()).collect()
@@ -290,5 +331,17 @@ impl RedisCluster {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         bail!("Redis Cluster did not reach cluster_state:ok in 20s")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn command_calls_are_read_from_commandstats_without_info() {
+        let info = "# Commandstats\r\ncmdstat_xlen:calls=4,usec=3,usec_per_call=0.75,rejected_calls=0,failed_calls=0\r\ncmdstat_info:calls=9,usec=1\r\ncmdstat_xinfo|groups:calls=2,usec=8\r\n";
+        let calls = super::parse_commandstats(info, "calls=");
+        assert_eq!(calls.into_iter().collect::<Vec<_>>(), vec![("xinfo|groups".into(), 2), ("xlen".into(), 4)]);
+        let micros = super::parse_commandstats(info, "usec=");
+        assert_eq!(micros.into_iter().collect::<Vec<_>>(), vec![("xinfo|groups".into(), 8), ("xlen".into(), 3)]);
     }
 }

@@ -15,27 +15,11 @@ use streamfleet_streams::shard::{shard_key, shard_keys, shard_of};
 use streamfleet_testbed::RedisCluster;
 use streamfleet_worker::{Stats, Worker, WorkerConfig};
 
-/// CPU seconds this process has used.
-fn own_cpu() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    // Fields after the command name (which may hold spaces): utime is the 12th, stime the 13th.
-    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    (ticks(11) + ticks(12)) / 100.0
-}
-
-/// CPU seconds the cluster's nodes have used (`INFO cpu`).
+/// CPU seconds the cluster's nodes have used.
 async fn redis_cpu(cluster: &RedisCluster) -> Result<f64> {
     let mut total = 0.0;
     for node in &cluster.nodes {
-        let mut conn = node.connection().await?;
-        let info: String = redis::cmd("INFO").arg("cpu").query_async(&mut conn).await?;
-        total += info
-            .lines()
-            .filter_map(|l| l.strip_prefix("used_cpu_sys:").or_else(|| l.strip_prefix("used_cpu_user:")))
-            .filter_map(|v| v.trim().parse::<f64>().ok())
-            .sum::<f64>();
+        total += streamfleet_bench::redis_cpu(&mut node.connection().await?).await?;
     }
     Ok(total)
 }
@@ -68,7 +52,7 @@ async fn run(cluster: &RedisCluster, stream: &str, shards: u32, n: usize) -> Res
     let mut stats = Vec::new();
     let mut stops = Vec::new();
     let mut running = Vec::new();
-    let (cpu0, redis0, start) = (own_cpu(), redis_cpu(cluster).await?, Instant::now());
+    let (cpu0, redis0, start) = (streamfleet_bench::own_cpu(), redis_cpu(cluster).await?, Instant::now());
     for w in 0..3 {
         let vars: HashMap<&str, String> = HashMap::from([
             (env::REDIS_URL, cluster.urls()[0].clone()),
@@ -91,7 +75,7 @@ async fn run(cluster: &RedisCluster, stream: &str, shards: u32, n: usize) -> Res
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let took = start.elapsed().as_secs_f64();
-    let (cpu1, redis1) = (own_cpu(), redis_cpu(cluster).await?);
+    let (cpu1, redis1) = (streamfleet_bench::own_cpu(), redis_cpu(cluster).await?);
     for stop in stops {
         let _ = stop.send(());
     }
