@@ -5,54 +5,50 @@
 //! |---|---|
 //! | `Unknown` | the group could not be inspected, or its lag is unknown |
 //! | `PayloadLost` | pending entries were found with their payload gone (by anyone), and not all are acknowledged |
-//! | `Stalled` | work is waiting and nothing moves: the oldest pending entry has been idle for over twice min-idle-time, or lag > 0 and the group's read counter has not moved for the whole history (≥ 3 polls, ≥ 30 s) |
+//! | `Stalled` | work is waiting and nothing moves: the oldest pending entry has been idle for over twice min-idle-time, or lag > 0 and the group's read counter has not moved for ≥ 30 s over ≥ 3 polls |
 //! | `PoisonForming` | a pending entry has been delivered at least max(2, maxDeliveries − 1) times |
 //! | `Backlogged` | lag + pending exceed what the running replicas are meant to carry |
 //! | `Healthy` | otherwise |
 
-use std::collections::VecDeque;
 use std::time::Duration;
 use streamfleet_crd::Health;
 use streamfleet_streams::health::{GroupSnapshot, Lag};
 
-/// How much history the classification keeps.
-const HISTORY: usize = 6;
 const STALL_MIN_SPAN: Duration = Duration::from_secs(30);
+/// Polls that must agree before reading is called stopped.
+const STALL_MIN_POLLS: usize = 3;
 
-/// What one poll saw about progress.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Progress {
-    pub at: Duration,
-    pub entries_read: Option<u64>,
-    pub last_delivered_id: String,
-}
-
+/// Where the group's reading stood, and since when it has stood still. Kept
+/// by time, not by a count of polls: a reconcile that a watch event triggers
+/// (a recovery Job starting) is one more observation, never a shorter view
+/// that would flip the health back and forth.
 #[derive(Clone, Debug, Default)]
 pub struct HealthMemory {
-    history: VecDeque<Progress>,
+    /// (entries read, last delivered ID) at the latest poll.
+    position: Option<(Option<u64>, String)>,
+    /// When `position` was first seen, and the latest poll.
+    since: Duration,
+    latest: Duration,
+    /// Polls that saw `position`.
+    polls: usize,
 }
 
 impl HealthMemory {
     pub fn record(&mut self, snapshot: &GroupSnapshot, now: Duration) {
-        self.history.push_back(Progress {
-            at: now,
-            entries_read: snapshot.entries_read,
-            last_delivered_id: snapshot.last_delivered_id.clone(),
-        });
-        while self.history.len() > HISTORY {
-            self.history.pop_front();
+        let position = (snapshot.entries_read, snapshot.last_delivered_id.clone());
+        if self.position.as_ref() == Some(&position) {
+            self.polls += 1;
+        } else {
+            self.position = Some(position);
+            self.since = now;
+            self.polls = 1;
         }
+        self.latest = now;
     }
 
-    /// True when the history spans long enough and nothing was read in it.
+    /// True when reading has stood still long enough, over enough polls.
     fn reading_stopped(&self) -> bool {
-        let (Some(first), Some(last)) = (self.history.front(), self.history.back()) else { return false };
-        self.history.len() >= 3
-            && last.at.saturating_sub(first.at) >= STALL_MIN_SPAN
-            && self
-                .history
-                .iter()
-                .all(|p| p.last_delivered_id == first.last_delivered_id && p.entries_read == first.entries_read)
+        self.polls >= STALL_MIN_POLLS && self.latest.saturating_sub(self.since) >= STALL_MIN_SPAN
     }
 }
 
@@ -181,5 +177,20 @@ mod tests {
             m.record(&idle, Duration::from_secs(t));
         }
         assert_eq!(classify_one(Some(&idle), &m, false), Health::Healthy, "idle is not stalled");
+    }
+
+    #[test]
+    fn extra_reconciles_do_not_shorten_the_view_of_a_stall() {
+        let s = snap(Lag::Known(5), 0);
+        let mut m = HealthMemory::default();
+        for t in [0, 10, 20, 30] {
+            m.record(&s, Duration::from_secs(t));
+        }
+        assert_eq!(classify_one(Some(&s), &m, false), Health::Stalled);
+        // A recovery Job's start and end trigger reconciles between polls.
+        for t in [30, 31, 31, 32, 32, 33, 33, 34] {
+            m.record(&s, Duration::from_secs(t));
+            assert_eq!(classify_one(Some(&s), &m, false), Health::Stalled, "at {t}s");
+        }
     }
 }

@@ -11,6 +11,7 @@
 //! * `hand_back`: an entry not started (shutdown, a failed batch) is made
 //!   claimable at once with its delivery count restored, its mark dropped.
 
+use streamfleet_streams::retention::StreamId;
 use streamfleet_streams::{StreamConnection, StreamError};
 
 /// KEYS: stream, then the marks of the entries that have one (in order).
@@ -41,21 +42,38 @@ static EXTEND: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
 });
 
 /// KEYS: stream, then the marks to complete (in order). ARGV: group,
-/// consumer, completed TTL ms, then per entry: ID, 1 to complete its mark.
-/// The completion is written whether or not the entry is still ours (its
-/// effect happened); the ack only when it is. Returns the IDs not acked.
+/// consumer, completed TTL ms, the lowest and highest ID of the entries,
+/// then per entry: ID, 1 to complete its mark. The completion is written
+/// whether or not the entry is still ours (its effect happened); the ack
+/// only when it is. Which are ours comes from this consumer's own PEL over
+/// the entries' ID span, read in pages (`XPENDING … <consumer>`: one call for
+/// a batch read together, not one per entry). Returns the IDs not acked.
 static COMMIT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         r"
+        local wanted, n = {}, 0
+        for j = 6, #ARGV, 2 do
+            wanted[ARGV[j]] = true
+            n = n + 1
+        end
+        if n == 0 then return {} end
+        local ours, from = {}, ARGV[4]
+        while true do
+            local page = redis.call('XPENDING', KEYS[1], ARGV[1], from, ARGV[5], n, ARGV[2])
+            for _, p in ipairs(page) do
+                if wanted[p[1]] then ours[p[1]] = true end
+            end
+            if #page < n then break end
+            from = '(' .. page[#page][1]
+        end
         local acked, lost, m = {}, {}, 2
-        for j = 4, #ARGV, 2 do
+        for j = 6, #ARGV, 2 do
             local id = ARGV[j]
             if ARGV[j + 1] == '1' then
                 redis.call('SET', KEYS[m], 'completed', 'PX', ARGV[3])
                 m = m + 1
             end
-            local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
-            if p[1] ~= nil and p[1][2] == ARGV[2] then
+            if ours[id] then
                 acked[#acked + 1] = id
                 if #acked == 500 then
                     redis.call('XACK', KEYS[1], ARGV[1], unpack(acked))
@@ -135,8 +153,13 @@ impl Lease<'_> {
         completed_ttl_ms: u64,
         settled: &[(&str, Option<String>)],
     ) -> Result<Vec<String>, StreamError> {
+        // The span of the IDs; an ID that does not parse widens it to the
+        // whole of this consumer's PEL (never a narrower, wrong answer).
+        let parsed: Option<Vec<StreamId>> = settled.iter().map(|(id, _)| StreamId::parse(id)).collect();
+        let span = parsed.and_then(|ids| Some((ids.iter().min()?.to_string(), ids.iter().max()?.to_string())));
+        let (low, high) = span.unwrap_or_else(|| ("-".into(), "+".into()));
         let mut script = COMMIT.prepare_invoke();
-        script.key(self.stream).arg(self.group).arg(self.consumer).arg(completed_ttl_ms);
+        script.key(self.stream).arg(self.group).arg(self.consumer).arg(completed_ttl_ms).arg(low).arg(high);
         for (id, mark) in settled {
             script.arg(*id).arg(if mark.is_some() { "1" } else { "0" });
             if let Some(key) = mark {

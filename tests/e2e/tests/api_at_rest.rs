@@ -42,6 +42,12 @@ async fn at_rest_the_operator_makes_no_api_request_and_a_recovery_run_costs_one_
 -> Result<()> {
     let f = Fixture::start("e2e-rest", &[]).await?;
     let (bed, client, ns) = (f.bed, f.client.clone(), &f.ns.name);
+    // A backlog nobody consumes (the workers only record their start): at
+    // rest is "nothing changes", not "nothing to do".
+    let mut conn = f.conn.clone();
+    for i in 0..3 {
+        let _: String = redis::AsyncCommands::xadd(&mut conn, "orders", "*", &[("order_id", i)]).await?;
+    }
     let records = tempfile::tempdir()?;
     let spec = "  startId: \"0\"\n  scaling: {minReplicas: 1, maxReplicas: 1, pollIntervalSeconds: 2}\n  recovery: {schedule: \"0 0 1 1 *\"}";
     f.apply(&recording_manifest("quiet", "orders", "billing", &records.path().display().to_string(), spec)).await?;
@@ -59,9 +65,16 @@ async fn at_rest_the_operator_makes_no_api_request_and_a_recovery_run_costs_one_
 
     // At rest: five polls, no request but the Lease and the watches.
     let from = audit::offset(&bed.audit_log)?;
+    let status_before = scgs.get("quiet").await?.status;
     tokio::time::sleep(WINDOW).await;
     let at_rest = requests_since(bed, ns, from)?;
-    assert!(at_rest.is_empty(), "at rest the operator asked the API server for {at_rest:?}");
+    let status_after = scgs.get("quiet").await?.status;
+    assert!(
+        at_rest.is_empty(),
+        "at rest the operator asked the API server for {at_rest:?}; status before {}, after {}",
+        serde_json::to_string(&status_before)?,
+        serde_json::to_string(&status_after)?
+    );
     let polls = audit::since(&bed.audit_log, from, &format!("system:serviceaccount:{ns}:"))?;
     assert!(polls.iter().any(|r| r.resource == "leases"), "the audit log sees the operator (its Lease renewals)");
 

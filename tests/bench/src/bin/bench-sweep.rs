@@ -94,7 +94,7 @@ async fn main() -> Result<()> {
     let (mut baseline, mut swept) = (Runs::default(), Runs::default());
     let (mut sweep_cores, mut redis_cores) = (Runs::default(), Runs::default());
     let mut arranged = (0, 0);
-    let mut profile = String::new();
+    let mut profiles = Vec::new();
     for run in 0..RUNS {
         let base = format!("base-{run}");
         arrange(&mut conn, &base, n, false).await?;
@@ -126,7 +126,7 @@ async fn main() -> Result<()> {
         let mut spent: Vec<(String, u64)> =
             calls_between(&micros, &command_micros(&mut conn).await?).into_iter().collect();
         spent.sort_by_key(|(_, us)| std::cmp::Reverse(*us));
-        profile = spent
+        let profile = spent
             .iter()
             .take(5)
             .map(|(name, us)| format!("{name} {:.2} s", *us as f64 / 1e6))
@@ -148,14 +148,16 @@ async fn main() -> Result<()> {
             sweep_cores.0[run],
             redis_cores.0[run]
         );
+        profiles.push(profile);
         let _: () = redis::cmd("DEL").arg(&stream).arg(&dead).query_async(&mut conn).await?;
     }
     let summary = format!(
-        "Sweep {:.0} entries/s (median; target ≥ 100,000), {:.0}% of a bare XAUTOCLAIM pass, while dead-lettering {} and recording {} lost payloads per run",
+        "Sweep {:.0} entries/s (median; target ≥ 100,000), {:.0}% of a bare XAUTOCLAIM pass, while dead-lettering {} and recording {} lost payloads per run. Where Redis spent its time in the last run: {}",
         swept.median(),
         100.0 * swept.median() / baseline.median(),
         arranged.0,
-        arranged.1
+        arranged.1,
+        profiles.last().map_or("", String::as_str)
     );
     println!("{summary}");
     streamfleet_testbed::publish_figure(
