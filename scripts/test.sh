@@ -35,6 +35,9 @@ if ! diff -u deploy/streamfleet.yaml "$rendered"; then
 fi
 "$root/target/tools/bin/helm" lint charts/streamfleet --strict
 
+step "benchmark tables match their figure files"
+bash scripts/docs-figures.sh --check
+
 step "build binaries (the kubelet stand-in runs them as pods)"
 cargo build --workspace --bins --locked
 step "tests"

@@ -2,7 +2,7 @@
 //! waiting, like a call to a payment provider), at concurrency 1, 10 and 50,
 //! three runs each, on one redis-server. The limit is concurrency ÷ handler
 //! time; the result is the share of it reached. Writes
-//! `target/figures/concurrency.json` (see `scripts/docs-figures.sh`).
+//! `docs/figures/concurrency.json` (see `scripts/docs-figures.sh`).
 
 use anyhow::Result;
 use std::collections::HashMap;
@@ -77,7 +77,7 @@ async fn main() -> Result<()> {
         ]));
         summary.push(format!("{concurrency}: {:.0}%", 100.0 * median / limit));
     }
-    streamfleet_testbed::write_figure(
+    streamfleet_testbed::publish_figure(
         "concurrency",
         &serde_json::json!({
             "what": "One worker with an I/O-bound handler (10 ms) at several handlers in flight; limit = concurrency ÷ handler time",

@@ -206,8 +206,10 @@ async fn main() -> Result<()> {
         })
         .await?;
         let ready_seconds = started.elapsed().as_secs_f64();
-        // Rollouts, first status writes and pod starts settle.
-        tokio::time::sleep(Duration::from_secs(POLL_SECONDS * 2)).await;
+        // Rollouts, pod starts and first status writes settle, and the live
+        // resources' backlog (nobody reads it) has been called Stalled (30 s
+        // without reads, then a poll): the window sees the fleet at rest.
+        tokio::time::sleep(Duration::from_secs(30 + POLL_SECONDS * 2)).await;
         let (offset, api0, (cpu0, _)) =
             (audit::offset(&bed.audit_log)?, apiserver_requests(&client).await?, proc_usage(pid)?);
         let statuses = |client: Client| async move {

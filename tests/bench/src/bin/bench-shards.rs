@@ -4,7 +4,7 @@
 //! drain the same number of entries, sent by business key to their shards;
 //! three runs per shard count. Reports entries/s and the CPU this process
 //! and the Redis nodes used, in cores: on two cores, scale-out is bounded by
-//! the CPU, and the figures say so. Writes `target/figures/shards.json`.
+//! the CPU, and the figures say so. Writes `docs/figures/shards.json`.
 
 use anyhow::Result;
 use std::collections::HashMap;
@@ -114,7 +114,7 @@ async fn main() -> Result<()> {
     }
     let base = medians[0].1;
     let ratios: Vec<String> = medians.iter().map(|(s, r)| format!("{s}: ×{:.2}", r / base)).collect();
-    streamfleet_testbed::write_figure(
+    streamfleet_testbed::publish_figure(
         "shards",
         &serde_json::json!({
             "what": "One pipeline over 1, 3 and 6 shards on a 3-master Redis Cluster on this machine: three workers drain the same entries; CPU in cores (of 2) for the bench process (workers) and for the Redis nodes",
