@@ -16,6 +16,7 @@ pub mod finalizer;
 mod fixtures;
 pub mod observe;
 pub mod secrets;
+pub mod slim;
 pub mod status;
 pub mod validate;
 
@@ -247,10 +248,11 @@ pub async fn run(
     let owned = watcher::Config::default().labels("app.kubernetes.io/managed-by=streamfleet");
     // Each owned kind is watched once: the watch fills a cache the reconciler
     // reads (no GET per poll) and triggers the owner's reconcile on change.
-    let (deployments, deployment_events) = cached_watch::<Deployment>(&client, namespace.as_deref(), &owned);
-    let (cronjobs, cronjob_events) = cached_watch::<CronJob>(&client, namespace.as_deref(), &owned);
+    let (deployments, deployment_events) =
+        cached_watch::<Deployment>(&client, namespace.as_deref(), &owned, slim::deployment);
+    let (cronjobs, cronjob_events) = cached_watch::<CronJob>(&client, namespace.as_deref(), &owned, slim::cronjob);
     // Pods: a worker's deletion is acted on at once (reaping).
-    let (pods, pod_events) = cached_watch::<Pod>(&client, namespace.as_deref(), &owned);
+    let (pods, pod_events) = cached_watch::<Pod>(&client, namespace.as_deref(), &owned, slim::pod);
     // Secrets: metadata only, to know when a referenced one changed.
     let (secret_metadata, secret_writer) = reflector::store();
     let secret_events = reflector::reflector(
@@ -261,8 +263,14 @@ pub async fn run(
     .default_backoff()
     .touched_objects()
     .boxed();
-    let controller = Controller::new(scgs, watcher::Config::default().any_semantic());
-    let resources = controller.store();
+    let (resources, resource_writer) = reflector::store();
+    let resource_events = reflector::reflector(
+        resource_writer,
+        watcher(scgs, watcher::Config::default().any_semantic()).modify(slim::resource),
+    )
+    .default_backoff()
+    .applied_objects();
+    let controller = Controller::for_stream(resource_events, resources.clone());
     let stores = Stores { deployments, cronjobs, pods, resources: resources.clone(), secrets: secret_metadata };
     let ctx = Arc::new(Context::new(client, settings, metrics, instance, stores));
     tokio::spawn(mark_synced(ctx.clone()));
@@ -309,8 +317,14 @@ where
 
 type Touched<K> = futures::stream::BoxStream<'static, Result<K, watcher::Error>>;
 
-/// A watch of `K` feeding a cache, and the stream of objects it touched.
-fn cached_watch<K>(client: &Client, namespace: Option<&str>, config: &watcher::Config) -> (Store<K>, Touched<K>)
+/// A watch of `K` feeding a cache of what `slim` leaves of each object, and
+/// the stream of objects it touched.
+fn cached_watch<K>(
+    client: &Client,
+    namespace: Option<&str>,
+    config: &watcher::Config,
+    slim: fn(&mut K),
+) -> (Store<K>, Touched<K>)
 where
     K: kube::Resource<Scope = kube::core::NamespaceResourceScope, DynamicType = ()>
         + Clone
@@ -321,7 +335,7 @@ where
         + 'static,
 {
     let (store, writer) = reflector::store();
-    let events = reflector::reflector(writer, watcher(scoped_api::<K>(client, namespace), config.clone()))
+    let events = reflector::reflector(writer, watcher(scoped_api::<K>(client, namespace), config.clone()).modify(slim))
         .default_backoff()
         .touched_objects()
         .boxed();

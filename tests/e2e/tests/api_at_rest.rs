@@ -60,7 +60,13 @@ async fn at_rest_the_operator_makes_no_api_request_and_a_recovery_run_costs_one_
         Ok(scgs.get("quiet").await?.status.and_then(|s| s.last_recovery))
     })
     .await?;
-    // Let the worker Deployment's rollout and the Job's cleanup settle.
+    // Nothing reads the backlog: after 30 s without reads it is Stalled, a
+    // change of its own. At rest starts after it.
+    eventually("health Stalled", T, || async {
+        let health = scgs.get("quiet").await?.status.and_then(|s| s.health);
+        Ok((health == Some(streamfleet_crd::Health::Stalled)).then_some(()))
+    })
+    .await?;
     tokio::time::sleep(Duration::from_secs(4)).await;
 
     // At rest: five polls, no request but the Lease and the watches.

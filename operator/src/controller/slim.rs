@@ -1,0 +1,83 @@
+//! What the watch caches keep of each object: only what a reconcile reads.
+//! Managed fields, annotations and the owned objects' pod templates are
+//! most of an object's size and nothing here reads them; a fleet of
+//! thousands of resources would otherwise hold them all in memory.
+//!
+//! Read from the caches: metadata (name, namespace, uid, generation, labels,
+//! owner references) everywhere; a Deployment's `spec.replicas` and status;
+//! a CronJob's status; a pod's identity only; the resource's spec and status.
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::batch::v1::CronJob;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::core::DeserializeGuard;
+use streamfleet_crd::StreamConsumerGroup;
+
+fn metadata(meta: &mut ObjectMeta) {
+    meta.managed_fields = None;
+    meta.annotations = None;
+}
+
+pub fn deployment(d: &mut Deployment) {
+    metadata(&mut d.metadata);
+    if let Some(spec) = d.spec.as_mut() {
+        spec.template = Default::default();
+    }
+}
+
+pub fn cronjob(c: &mut CronJob) {
+    metadata(&mut c.metadata);
+    if let Some(spec) = c.spec.as_mut() {
+        spec.job_template = Default::default();
+    }
+}
+
+pub fn pod(p: &mut Pod) {
+    metadata(&mut p.metadata);
+    p.spec = None;
+    p.status = None;
+}
+
+/// The resource itself keeps its annotations (the payload-loss
+/// acknowledgement is one).
+pub fn resource(r: &mut DeserializeGuard<StreamConsumerGroup>) {
+    if let Ok(scg) = r.0.as_mut() {
+        scg.metadata.managed_fields = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owned_objects_keep_identity_replicas_and_status_only() {
+        let mut d: Deployment = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "w", "uid": "u", "generation": 3, "labels": {"a": "b"},
+                         "annotations": {"deployment.kubernetes.io/revision": "1"},
+                         "managedFields": [{"manager": "streamfleet"}],
+                         "ownerReferences": [{"apiVersion": "streamfleet.io/v1alpha1", "kind": "StreamConsumerGroup", "name": "p", "uid": "o"}]},
+            "spec": {"replicas": 2, "selector": {}, "template": {"spec": {"containers": [{"name": "c", "image": "i"}]}}},
+            "status": {"availableReplicas": 1}
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+        deployment(&mut d);
+        assert_eq!((d.metadata.uid.as_deref(), d.metadata.generation), (Some("u"), Some(3)));
+        assert_eq!(d.metadata.owner_references.as_ref().map(Vec::len), Some(1));
+        assert!(d.metadata.labels.is_some());
+        assert!(d.metadata.managed_fields.is_none() && d.metadata.annotations.is_none());
+        assert_eq!(d.spec.as_ref().and_then(|s| s.replicas), Some(2));
+        assert!(d.spec.as_ref().is_some_and(|s| s.template.spec.is_none()));
+        assert_eq!(d.status.as_ref().and_then(|s| s.available_replicas), Some(1));
+
+        let mut p: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "w-1", "uid": "pu", "labels": {"x": "y"}},
+            "spec": {"containers": [{"name": "c", "image": "i"}]}, "status": {"phase": "Running"}
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+        pod(&mut p);
+        assert_eq!((p.metadata.name.as_deref(), p.metadata.uid.as_deref()), (Some("w-1"), Some("pu")));
+        assert!(p.metadata.labels.is_some() && p.spec.is_none() && p.status.is_none());
+    }
+}
