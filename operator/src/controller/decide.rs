@@ -32,6 +32,9 @@ pub struct PolicyMemory {
     /// The payload-loss total already announced (the status forgets it while
     /// the group cannot be inspected).
     pub payload_lost_announced: i64,
+    /// The time of the recovery run last announced: the cached status may
+    /// not show it yet when a watch event brings the next reconcile first.
+    pub recovery_announced: Option<Time>,
 }
 
 /// What one reconcile will do.
@@ -155,7 +158,10 @@ pub fn decide(
     });
     let (retention, trims) = retention_plan(observed);
     let mut events: Vec<PlannedEvent> = scaling_event(current_replicas, &scaling).into_iter().collect();
-    events.extend(recovery_event(at.scg, last_recovery.as_ref()));
+    events.extend(recovery_event(at.scg, last_recovery.as_ref(), memory.recovery_announced.as_ref()));
+    if let Some(latest) = &last_recovery {
+        memory.recovery_announced = Some(latest.time.clone());
+    }
     events.extend(payload_loss_event(at.scg, &payload_lost, memory.payload_lost_announced));
     memory.payload_lost_announced = memory.payload_lost_announced.max(payload_lost.total);
     events.extend(health_event(at.scg, health, &health_message));
@@ -330,10 +336,14 @@ pub fn recovery_status(r: RecoveryReport) -> RecoveryStatus {
 /// One Event per new recovery run: a Warning when it dead-lettered entries
 /// (a defect signal), Normal otherwise. Lost payloads are announced from the
 /// payload-loss record, whoever found them.
-fn recovery_event(scg: &StreamConsumerGroup, latest: Option<&RecoveryStatus>) -> Option<PlannedEvent> {
+fn recovery_event(
+    scg: &StreamConsumerGroup,
+    latest: Option<&RecoveryStatus>,
+    announced: Option<&Time>,
+) -> Option<PlannedEvent> {
     let latest = latest?;
     let previous = scg.status.as_ref().and_then(|s| s.last_recovery.as_ref());
-    if previous.is_some_and(|p| p.time == latest.time) {
+    if previous.is_some_and(|p| p.time == latest.time) || announced == Some(&latest.time) {
         return None;
     }
     let (type_, reason) = if latest.dead_lettered > 0 {
@@ -405,6 +415,19 @@ mod tests {
     use super::super::observe::RetentionBounds;
     use super::*;
     use streamfleet_crd::StreamConsumerGroupStatus;
+
+    #[test]
+    fn a_recovery_run_is_announced_once_even_before_the_cache_shows_the_status() {
+        let at = |s| Time(k8s_openapi::jiff::Timestamp::from_second(s).unwrap_or_default());
+        let run = |s| RecoveryStatus { time: at(s), claimed: 0, dead_lettered: 0, payload_lost: 0 };
+        let stale = scg();
+        assert!(recovery_event(&stale, Some(&run(60)), None).is_some(), "a new run is announced");
+        assert!(
+            recovery_event(&stale, Some(&run(60)), Some(&at(60))).is_none(),
+            "the status in the cache is stale, the memory is not"
+        );
+        assert!(recovery_event(&stale, Some(&run(120)), Some(&at(60))).is_some(), "the next run is");
+    }
 
     fn converge(plan: Plan) -> Convergence {
         match plan {

@@ -89,6 +89,10 @@ struct ResourceMemory {
     /// Per field manager: fingerprint of the object last applied, and the
     /// uid/generation the API server gave it.
     applied: HashMap<&'static str, (u64, String)>,
+    /// The status last written, and the resource version the resource had
+    /// in the cache when it was: while the cache still shows that version,
+    /// it has not seen the write yet.
+    status: Option<(String, streamfleet_crd::StreamConsumerGroupStatus)>,
 }
 
 impl Context {
@@ -154,6 +158,32 @@ impl Context {
     fn remember_applied(&self, key: &str, manager: &'static str, fingerprint: u64, identity: String) {
         if let Ok(mut memory) = self.memory.lock() {
             memory.entry(key.to_string()).or_default().applied.insert(manager, (fingerprint, identity));
+        }
+    }
+
+    /// Whether `status` was just written and the cache (still at
+    /// `cached_version`) has only not caught up with it.
+    pub(crate) fn status_written(
+        &self,
+        key: &str,
+        cached_version: &str,
+        status: &streamfleet_crd::StreamConsumerGroupStatus,
+    ) -> bool {
+        let Ok(memory) = self.memory.lock() else { return false };
+        memory
+            .get(key)
+            .and_then(|m| m.status.as_ref())
+            .is_some_and(|(version, written)| version == cached_version && written == status)
+    }
+
+    pub(crate) fn remember_status(
+        &self,
+        key: &str,
+        cached_version: String,
+        status: streamfleet_crd::StreamConsumerGroupStatus,
+    ) {
+        if let Ok(mut memory) = self.memory.lock() {
+            memory.entry(key.to_string()).or_default().status = Some((cached_version, status));
         }
     }
 

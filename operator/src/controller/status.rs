@@ -178,7 +178,11 @@ pub fn failed(scg: &StreamConsumerGroup, error: &Error, now: &Time) -> StreamCon
 /// Writes the status only when it differs from what is stored.
 pub async fn write(ctx: &Context, scg: &StreamConsumerGroup, status: StreamConsumerGroupStatus) -> Result<(), Error> {
     ctx.metrics.observe(&scg.namespace().unwrap_or_default(), &scg.name_any(), &status);
-    if scg.status.as_ref() == Some(&status) {
+    let key = super::key(scg);
+    let cached_version = scg.resource_version().unwrap_or_default();
+    // Unchanged, or written a moment ago and not yet seen by the watch (a
+    // watch event can bring the next reconcile before its own update).
+    if scg.status.as_ref() == Some(&status) || ctx.status_written(&key, &cached_version, &status) {
         return Ok(());
     }
     let api: Api<StreamConsumerGroup> = Api::namespaced(ctx.client.clone(), &scg.namespace().unwrap_or_default());
@@ -189,6 +193,7 @@ pub async fn write(ctx: &Context, scg: &StreamConsumerGroup, status: StreamConsu
     });
     api.patch_status(&scg.name_any(), &PatchParams::apply(MANAGER_STATUS).force(), &Patch::Apply(&patch)).await?;
     ctx.metrics.api_write(MANAGER_STATUS);
+    ctx.remember_status(&key, cached_version, status);
     Ok(())
 }
 
