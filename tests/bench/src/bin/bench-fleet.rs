@@ -214,7 +214,9 @@ async fn main() -> Result<()> {
         for i in (done..total).filter(|i| i % 2 == 0 && i / 2 < live_max) {
             pipe.cmd("XADD").arg(format!("s{i:05}")).arg("*").arg("order_id").arg(i).ignore();
         }
-        let () = pipe.query_async(&mut conn).await?;
+        if !pipe.is_empty() {
+            let () = pipe.query_async(&mut conn).await?;
+        }
         let started = Instant::now();
         create(&client, done..total, live_max).await?;
         eventually("all GroupReady", Duration::from_secs(1800), || async {
@@ -302,9 +304,16 @@ async fn main() -> Result<()> {
             level.rss_mib
         );
         results.push(level);
+        publish(&results, live_max)?;
         done = total;
     }
 
+    Ok(())
+}
+
+/// Writes the figure of the levels measured so far (a long run that stops
+/// still leaves its figures).
+fn publish(results: &[Level], live_max: usize) -> Result<()> {
     let per_minute = 60.0 / WINDOW.as_secs_f64();
     let rows: Vec<serde_json::Value> = results
         .iter()
