@@ -222,7 +222,9 @@ fn environment() -> serde_json::Value {
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
             .unwrap_or_default()
     };
-    let dirty = !output("git", &["status", "--porcelain", "--untracked-files=no"]).is_empty();
+    // Figure files other programs of the same session rewrote do not count.
+    let dirty =
+        !output("git", &["status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/figures"]).is_empty();
     let commit = output("git", &["rev-parse", "--short=12", "HEAD"]) + if dirty { "-dirty" } else { "" };
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let cpu =

@@ -125,7 +125,7 @@ async fn main() -> Result<()> {
         Row {
             name: "streamfleet, guard off",
             batch: BATCH.to_string(),
-            acks: "pipelined XACKs per flush of settled entries",
+            acks: "one script per flush of settled entries: ownership check, then XACK",
             runs: Runs::default(),
         },
         Row {
