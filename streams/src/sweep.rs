@@ -60,7 +60,6 @@ pub async fn sweep<C: ConnectionLike + Send>(
             .map_err(err("scanning the PEL"))?;
         let Some((last, ..)) = page.last() else { break };
         start = format!("({last}");
-        let mut beyond_present = std::collections::HashSet::new();
         report.scanned += u64::try_from(page.len()).unwrap_or(u64::MAX);
 
         // Which payloads still exist. Pending entries mostly sit together, so
@@ -88,14 +87,14 @@ pub async fn sweep<C: ConnectionLike + Send>(
             .map(|(id, ..)| id.as_str())
             .filter(|id| StreamId::parse(id).zip(covered_to).is_none_or(|(id, to)| id > to))
             .collect();
-        if !beyond.is_empty() {
+        let beyond_present: std::collections::HashSet<String> = if beyond.is_empty() {
+            std::collections::HashSet::new()
+        } else {
             let mut presence = redis::cmd("EVAL");
             presence.arg(PRESENT).arg(1).arg(s.stream).arg(&beyond);
             let present: String = presence.query_async(conn).await.map_err(err("checking pending payloads"))?;
-            // The script's answers are not borrowed from `span`: collect them apart.
-            beyond_present =
-                beyond.iter().zip(present.bytes()).filter(|(_, p)| *p == b'1').map(|(id, _)| id.to_string()).collect();
-        }
+            beyond.iter().zip(present.bytes()).filter(|(_, p)| *p == b'1').map(|(id, _)| id.to_string()).collect()
+        };
         let mut lost = Vec::new();
         let mut poison = Vec::new();
         for (id, owner, _, deliveries) in &page {

@@ -202,7 +202,6 @@ impl Context {
         }
         self.reset_backoff(&key);
         self.metrics.forget(namespace, name);
-        self.secrets.prune();
     }
 
     /// Resources gone from the cache (deleted without a finalizer to see it)
@@ -219,6 +218,7 @@ impl Context {
                 self.forget_key(namespace, name);
             }
         }
+        self.secrets.prune();
     }
 
     /// Whether the resource cache holds `scg` itself: until it does, it is

@@ -111,14 +111,19 @@ pub async fn redis_version(conn: &mut redis::aio::MultiplexedConnection) -> Resu
     Ok(info.lines().find_map(|l| l.strip_prefix("redis_version:")).unwrap_or("unknown").trim().to_string())
 }
 
-/// CPU seconds this process has used.
-pub fn own_cpu() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+/// CPU seconds (user + system) process `pid` has used ("self": this one).
+pub fn process_cpu(pid: &str) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // Fields after the command name (which may hold spaces): utime is the 12th, stime the 13th.
     let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
     let fields: Vec<&str> = after.split_whitespace().collect();
     let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
     (ticks(11) + ticks(12)) / 100.0
+}
+
+/// CPU seconds this process has used.
+pub fn own_cpu() -> f64 {
+    process_cpu("self")
 }
 
 /// CPU seconds a Redis server has used (`INFO cpu`).

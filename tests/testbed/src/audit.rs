@@ -25,8 +25,6 @@ pub struct Request {
     pub resource: String,
     pub subresource: Option<String>,
     pub namespace: Option<String>,
-    pub name: Option<String>,
-    pub code: Option<u16>,
 }
 
 impl Request {
@@ -67,8 +65,6 @@ pub fn since(log: &Path, from: u64, user_prefix: &str) -> Result<Vec<Request>> {
             resource: text(&object["resource"]).unwrap_or_default(),
             subresource: text(&object["subresource"]),
             namespace: text(&object["namespace"]),
-            name: text(&object["name"]),
-            code: line["responseStatus"]["code"].as_u64().and_then(|c| u16::try_from(c).ok()),
         });
     }
     Ok(requests)

@@ -63,10 +63,7 @@ fn records_dir() -> String {
 
 /// (utime + stime) in seconds, and resident memory in MiB, of a process.
 fn proc_usage(pid: u32) -> Result<(f64, f64)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
-    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    let cpu = (ticks(11) + ticks(12)) / 100.0;
+    let cpu = streamfleet_bench::process_cpu(&pid.to_string());
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     let rss_kib: f64 = status
         .lines()
