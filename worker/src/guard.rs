@@ -66,40 +66,48 @@ pub struct Acquisition {
 
 /// Takes every free mark of a batch, in one script per stream: a key is
 /// ours when it has no mark, when the mark is this consumer's own (a restart
-/// under the same name), or when its owner was declared dead; each
-/// acquisition gets the next fence from the group's counter, and the mark
-/// records owner and fence (`processing:<consumer>:<fence>`). A key repeated
-/// in the batch is busy after its first entry.
+/// under the same name), or when its owner was declared dead. One `INCRBY`
+/// reserves a fence for each distinct key of the batch (a key found taken
+/// leaves its fence unused: fences only need to grow), and the mark records
+/// owner and fence (`processing:<consumer>:<fence>`); `SET … NX GET` takes a
+/// free key and reads a taken one's mark in one call. A key repeated in the
+/// batch is busy after its first entry.
 /// KEYS: fence counter, dead-consumer registry, marks. ARGV: consumer, TTL ms.
+/// Returns per mark: state (0 acquired, 1 completed, 2 busy), fence (0 for none).
 static ACQUIRE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         r"
-        local out, seen = {}, {}
+        local out, seen, distinct = {}, {}, 0
         for i = 3, #KEYS do
-            local key, take = KEYS[i], false
-            if seen[key] then
-                out[#out + 1] = {2, 0}
-            else
+            if not seen[KEYS[i]] then
+                seen[KEYS[i]] = true
+                distinct = distinct + 1
+            end
+        end
+        seen = {}
+        local fence = distinct > 0 and redis.call('INCRBY', KEYS[1], distinct) - distinct or 0
+        local prefix = 'processing:' .. ARGV[1] .. ':'
+        for i = 3, #KEYS do
+            local key, state, given = KEYS[i], 2, 0
+            if not seen[key] then
                 seen[key] = true
-                local v = redis.call('GET', key)
+                fence = fence + 1
+                local mark = prefix .. fence
+                local v = redis.call('SET', key, mark, 'NX', 'PX', ARGV[2], 'GET')
                 if not v then
-                    take = true
+                    state, given = 0, fence
                 elseif v == 'completed' then
-                    out[#out + 1] = {1, 0}
+                    state = 1
                 else
                     local owner = string.match(v, '^processing:([^:]+)')
                     if owner == ARGV[1] or (owner and redis.call('ZSCORE', KEYS[2], owner)) then
-                        take = true
-                    else
-                        out[#out + 1] = {2, 0}
+                        redis.call('SET', key, mark, 'PX', ARGV[2])
+                        state, given = 0, fence
                     end
                 end
-                if take then
-                    local fence = redis.call('INCR', KEYS[1])
-                    redis.call('SET', key, 'processing:' .. ARGV[1] .. ':' .. fence, 'PX', ARGV[2])
-                    out[#out + 1] = {0, fence}
-                end
             end
+            out[#out + 1] = state
+            out[#out + 1] = given
         end
         return out",
     )

@@ -12,9 +12,9 @@
 //! Writes `docs/figures/worker.json`.
 
 use anyhow::Result;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
-use streamfleet_bench::{Runs, Trivial, fill, redis_version};
+use streamfleet_bench::{Runs, Trivial, fill, own_cpu, redis_version};
 use streamfleet_contract as env;
 use streamfleet_streams::ensure_group;
 use streamfleet_testbed::RedisServer;
@@ -107,6 +107,29 @@ struct Row {
     batch: String,
     acks: &'static str,
     runs: Runs,
+    /// Redis time by command over all runs, µs (a script's time includes
+    /// the commands it calls, which are listed on their own too).
+    redis_us: BTreeMap<String, u64>,
+    /// The consumer's own CPU over all runs, s (in-process rows only).
+    client_cpu: Option<f64>,
+}
+
+impl Row {
+    fn new(name: &'static str, batch: &str, acks: &'static str) -> Self {
+        Self { name, batch: batch.into(), acks, runs: Runs::default(), redis_us: BTreeMap::new(), client_cpu: None }
+    }
+
+    /// Where the time per 1,000 entries went: Redis by command, then the consumer's CPU.
+    fn profile(&self, entries: usize) -> String {
+        let per_k = |us: u64| us as f64 * 1000.0 / entries as f64;
+        let mut spent: Vec<(&String, &u64)> = self.redis_us.iter().filter(|(_, us)| per_k(**us) >= 1.0).collect();
+        spent.sort_by_key(|(_, us)| std::cmp::Reverse(**us));
+        let mut parts: Vec<String> = spent.iter().map(|(name, us)| format!("{name} {:.0}", per_k(**us))).collect();
+        if let Some(cpu) = self.client_cpu {
+            parts.push(format!("consumer CPU {:.0}", cpu * 1e6 * 1000.0 / entries as f64));
+        }
+        parts.join(", ")
+    }
 }
 
 #[tokio::main]
@@ -116,33 +139,17 @@ async fn main() -> Result<()> {
     let mut conn = server.connection().await?;
     let watermill_bin = build_watermill().await.inspect_err(|e| println!("(watermill skipped: {e:#})")).ok();
     let mut rows = vec![
-        Row {
-            name: "ceiling: library-free loop",
-            batch: BATCH.to_string(),
-            acks: "one XACK per read, carrying every ID",
-            runs: Runs::default(),
-        },
-        Row {
-            name: "streamfleet, guard off",
-            batch: BATCH.to_string(),
-            acks: "one script per flush of settled entries: ownership check, then XACK",
-            runs: Runs::default(),
-        },
-        Row {
-            name: "streamfleet, guard on",
-            batch: BATCH.to_string(),
-            acks: "one script per flush: completion marks, then acks",
-            runs: Runs::default(),
-        },
-        Row { name: "naive loop", batch: "1".into(), acks: "one XACK per entry", runs: Runs::default() },
+        Row::new("ceiling: library-free loop", &BATCH.to_string(), "one XACK per read, carrying every ID"),
+        Row::new(
+            "streamfleet, guard off",
+            &BATCH.to_string(),
+            "one script per flush of settled entries: ownership check, then XACK",
+        ),
+        Row::new("streamfleet, guard on", &BATCH.to_string(), "one script per flush: completion marks, then acks"),
+        Row::new("naive loop", "1", "one XACK per entry"),
     ];
     if watermill_bin.is_some() {
-        rows.push(Row {
-            name: "Watermill redisstream subscriber (Go)",
-            batch: "library default".into(),
-            acks: "one XACK per message",
-            runs: Runs::default(),
-        });
+        rows.push(Row::new("Watermill redisstream subscriber (Go)", "library default", "one XACK per message"));
     }
     // BENCH_ONLY=<row index>: that row alone (to profile it); no figure.
     let only: Option<usize> = std::env::var("BENCH_ONLY").ok().and_then(|v| v.parse().ok());
@@ -151,31 +158,40 @@ async fn main() -> Result<()> {
             if only.is_some_and(|o| o != i) {
                 continue;
             }
-            let (before, calls_before) = (command_micros(&mut conn).await?, command_calls(&mut conn).await?);
             let stream = format!("s-{i}-{run}");
-            let took = if i == 4 {
-                match &watermill_bin {
-                    Some(bin) => watermill(bin, &server, n).await?,
-                    None => continue,
-                }
-            } else {
+            if i != 4 {
                 ensure_group(&mut conn, &stream, "g", "0").await?;
                 fill(&mut conn, &stream, n).await?;
-                match i {
-                    0 => raw_loop(&mut conn, &stream, n, BATCH).await?,
-                    1 => library(&server, &stream, n, false).await?,
-                    2 => library(&server, &stream, n, true).await?,
-                    _ => raw_loop(&mut conn, &stream, n, 1).await?,
-                }
+            }
+            let (before, calls_before, cpu_before) =
+                (command_micros(&mut conn).await?, command_calls(&mut conn).await?, own_cpu());
+            let took = match i {
+                0 => raw_loop(&mut conn, &stream, n, BATCH).await?,
+                1 => library(&server, &stream, n, false).await?,
+                2 => library(&server, &stream, n, true).await?,
+                3 => raw_loop(&mut conn, &stream, n, 1).await?,
+                _ => match &watermill_bin {
+                    Some(bin) => watermill(bin, &server, n).await?,
+                    None => continue,
+                },
             };
+            if i != 4 {
+                *row.client_cpu.get_or_insert(0.0) += own_cpu() - cpu_before;
+            }
             row.runs.push(n as f64 / took.as_secs_f64());
-            let mut spent: Vec<(String, u64)> =
-                calls_between(&before, &command_micros(&mut conn).await?).into_iter().collect();
-            spent.sort_by_key(|(_, us)| std::cmp::Reverse(*us));
+            let spent = calls_between(&before, &command_micros(&mut conn).await?);
             let calls = calls_between(&calls_before, &command_calls(&mut conn).await?);
+            for (name, us) in &spent {
+                // The Watermill peer fills its own stream.
+                if !(i == 4 && name == "xadd") && !name.starts_with("info") {
+                    *row.redis_us.entry(name.clone()).or_default() += us;
+                }
+            }
+            let mut spent: Vec<(String, u64)> = spent.into_iter().collect();
+            spent.sort_by_key(|(_, us)| std::cmp::Reverse(*us));
             let spent: Vec<String> = spent
                 .iter()
-                .take(4)
+                .take(6)
                 .map(|(name, us)| format!("{name} {:.2} s/{} calls", *us as f64 / 1e6, calls.get(name).unwrap_or(&0)))
                 .collect();
             println!(
@@ -210,6 +226,7 @@ async fn main() -> Result<()> {
                 format!("{:.0}", row.runs.median()),
                 format!("{:.0}%", row.runs.spread_percent()),
                 format!("{:.0}%", share(row)),
+                row.profile(n * RUNS),
             ])
         })
         .collect();
@@ -218,7 +235,7 @@ async fn main() -> Result<()> {
         &serde_json::json!({
             "what": "One consumer's throughput with a trivial handler against the ceiling (a library-free loop at the same batch size), same server, same entries, rows interleaved",
             "settings": {"entries per run": n, "runs": RUNS, "handler": "returns Done", "concurrency": "library default (10)", "redis": redis_version(&mut conn).await?, "connection": "loopback"},
-            "columns": ["consumer", "batch", "acks", "entries/s (runs, sorted)", "median", "spread", "of the ceiling"],
+            "columns": ["consumer", "batch", "acks", "entries/s (runs, sorted)", "median", "spread", "of the ceiling", "where the time goes: µs per 1,000 entries (Redis by command; a script includes the commands it calls)"],
             "rows": table,
             "summary": summary,
         }),
