@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Regenerates the committed CRD YAML from the Rust types (crd/), for deploy/ and the chart.
+# Regenerates the committed CRD YAML from the Rust types (crd/), for deploy/ and the chart,
+# and the field reference docs/crd-reference.md.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -7,4 +8,5 @@ yaml=$(cargo run -q -p streamfleet-crd --bin crdgen)
 for f in deploy/crds/streamconsumergroups.streamfleet.io.yaml charts/streamfleet/crds/streamconsumergroups.streamfleet.io.yaml; do
   printf '%s\n' "$yaml" > "$f"
 done
-echo "CRD written to deploy/crds and charts/streamfleet/crds" >&2
+cargo run -q -p streamfleet-crd --bin crdgen -- --reference > docs/crd-reference.md
+echo "CRD written to deploy/crds and charts/streamfleet/crds, field reference to docs/crd-reference.md" >&2

@@ -16,6 +16,75 @@ pub fn crd_yaml() -> Result<String, serde_yaml::Error> {
     Ok(out)
 }
 
+/// The field reference (`docs/crd-reference.md`): every field of the spec
+/// and status with its type, default, bounds and description, from the
+/// same schema the API server enforces.
+pub fn reference_markdown() -> Result<String, serde_json::Error> {
+    let crd = serde_json::to_value(StreamConsumerGroup::crd())?;
+    let version = &crd["spec"]["versions"][0];
+    let schema = &version["schema"]["openAPIV3Schema"]["properties"];
+    let mut out = format!(
+        "# StreamConsumerGroup field reference\n\n\
+         Generated from the CRD (`{}/{}`) by `scripts/gen-crd.sh`; do not edit. \
+         `kubectl explain streamconsumergroup.spec` says the same.\n",
+        crd["spec"]["group"].as_str().unwrap_or_default(),
+        version["name"].as_str().unwrap_or_default()
+    );
+    for part in ["spec", "status"] {
+        out.push_str(&format!("\n## `{part}`\n\n| field | type | default | description |\n|---|---|---|---|\n"));
+        let mut rows = Vec::new();
+        fields(&schema[part], part, &mut rows);
+        for row in rows {
+            out.push_str(&row);
+        }
+    }
+    Ok(out)
+}
+
+/// One table row per property under `node`, depth first.
+fn fields(node: &serde_json::Value, path: &str, rows: &mut Vec<String>) {
+    let Some(properties) = node["properties"].as_object() else {
+        return;
+    };
+    let required: Vec<&str> =
+        node["required"].as_array().map(|r| r.iter().filter_map(|v| v.as_str()).collect()).unwrap_or_default();
+    for (name, field) in properties {
+        let field_path = format!("{path}.{name}");
+        let mut kind = match field["type"].as_str() {
+            Some("array") => format!("[]{}", field["items"]["type"].as_str().unwrap_or("object")),
+            Some(t) => t.to_string(),
+            None if field["x-kubernetes-int-or-string"].as_bool() == Some(true) => "int or string".into(),
+            None => "object".into(),
+        };
+        if let Some(values) = field["enum"].as_array() {
+            let values: Vec<String> = values.iter().filter_map(|v| v.as_str()).map(|v| format!("`{v}`")).collect();
+            kind = format!("{kind}: {}", values.join(", "));
+        }
+        let bounds: Vec<String> =
+            [("minimum", "≥"), ("maximum", "≤"), ("minLength", "length ≥"), ("maxLength", "length ≤")]
+                .iter()
+                .filter_map(|(key, text)| field[*key].as_f64().map(|v| format!("{text} {v}")))
+                .collect();
+        if !bounds.is_empty() {
+            kind = format!("{kind} ({})", bounds.join(", "));
+        }
+        if required.contains(&name.as_str()) {
+            kind.push_str(", required");
+        }
+        let default = match &field["default"] {
+            serde_json::Value::Null => String::new(),
+            v => format!("`{v}`"),
+        };
+        let description = field["description"].as_str().unwrap_or_default().split_whitespace().collect::<Vec<_>>();
+        let description = description.join(" ").replace('|', "\\|");
+        rows.push(format!("| `{field_path}` | {kind} | {default} | {description} |\n"));
+        fields(field, &field_path, rows);
+        if field["type"].as_str() == Some("array") {
+            fields(&field["items"], &format!("{field_path}[]"), rows);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     /// The committed CRD copies must be exactly what the types generate:
@@ -31,5 +100,15 @@ mod tests {
             let committed = std::fs::read_to_string(root.join(path)).unwrap_or_default();
             assert!(committed == generated, "{path} is stale: run scripts/gen-crd.sh");
         }
+    }
+
+    /// The field reference is generated from the same schema, and drift-checked.
+    #[test]
+    fn committed_field_reference_matches_the_types() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let generated = super::reference_markdown().unwrap();
+        let committed = std::fs::read_to_string(root.join("docs/crd-reference.md")).unwrap_or_default();
+        assert!(committed == generated, "docs/crd-reference.md is stale: run scripts/gen-crd.sh");
+        assert!(generated.contains("| `spec.suspend` | boolean |"), "{generated}");
     }
 }

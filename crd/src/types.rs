@@ -94,6 +94,16 @@ pub struct StreamConsumerGroupSpec {
     /// deleted: `Retain` (default) keeps it, `Delete` destroys it.
     #[serde(default)]
     pub deletion_policy: DeletionPolicy,
+
+    /// Suspends the pipeline: the workers are scaled to zero (after their
+    /// drain) and the recovery CronJob is suspended. The group is still
+    /// inspected: lag, pending and dead letters are still reported, health
+    /// reads `Suspended` (or `PayloadLost`). Entries wait in Redis; retention
+    /// never trims what is undelivered or pending. `false` (default) resumes.
+    /// The worker Deployment's replicas are the operator's: `kubectl scale`
+    /// on it is undone at the next poll, this field is how to stop.
+    #[serde(default)]
+    pub suspend: bool,
 }
 
 fn default_start_id() -> String {
@@ -299,6 +309,15 @@ pub struct RecoverySpec {
     #[schemars(length(min = 1, max = 256))]
     pub dead_letter_stream: Option<String>,
 
+    /// Caps each dead-letter stream at this many letters: every poll the
+    /// operator trims the oldest beyond it (`XTRIM MAXLEN`), sets the
+    /// `DeadLetterCapReached` condition and publishes a Warning Event naming
+    /// how many it dropped. Unset (default): never trimmed, because a dead
+    /// letter is the only record of work that failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub dead_letter_max_length: Option<i64>,
+
     /// `Sweep` runs the operator image, which claims and dead-letters
     /// without running handlers; `Worker` runs the worker template in
     /// recovery mode, which claims idle entries and re-runs the handlers.
@@ -327,6 +346,7 @@ impl Default for RecoverySpec {
             max_deliveries: default_max_deliveries(),
             batch_size: default_batch_size(),
             dead_letter_stream: None,
+            dead_letter_max_length: None,
             mode: RecoveryMode::default(),
         }
     }
@@ -418,7 +438,7 @@ pub struct StreamConsumerGroupStatus {
     pub replicas: Option<ReplicaStatus>,
 
     /// Overall classification: Healthy, Backlogged, Stalled, PoisonForming,
-    /// PayloadLost or Unknown.
+    /// PayloadLost, Unknown or Suspended (`spec.suspend`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub health: Option<Health>,
 
@@ -521,6 +541,8 @@ pub enum Health {
     PayloadLost,
     /// The group could not be inspected.
     Unknown,
+    /// `spec.suspend`: no workers, no recovery runs; figures still reported.
+    Suspended,
 }
 
 /// Outcome of one recovery sweep.

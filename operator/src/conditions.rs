@@ -8,6 +8,7 @@ pub const WORKERS_AVAILABLE: &str = "WorkersAvailable";
 pub const DEGRADED: &str = "Degraded";
 pub const RETENTION_BLOCKED: &str = "RetentionBlocked";
 pub const CONFLICT: &str = "Conflict";
+pub const DEAD_LETTER_CAP_REACHED: &str = "DeadLetterCapReached";
 
 /// Sets condition `type_` in `conditions`; its transition time changes only
 /// when its status does.

@@ -65,6 +65,18 @@ struct RunArgs {
     /// Namespace of the lease (the operator's own namespace).
     #[arg(long, env = "STREAMFLEET_LEASE_NAMESPACE", default_value = "default")]
     lease_namespace: String,
+    /// The Lease's name (the chart makes it unique per release).
+    #[arg(long, env = "STREAMFLEET_LEASE_NAME", default_value = "streamfleet-leader")]
+    lease_name: String,
+    /// Pull secrets of the operator image, for the sweep Jobs that run it (comma-separated names).
+    #[arg(long, env = "STREAMFLEET_IMAGE_PULL_SECRETS", value_delimiter = ',')]
+    image_pull_secrets: Vec<String>,
+    /// The sweep container's resources, as a JSON ResourceRequirements.
+    #[arg(long, env = "STREAMFLEET_SWEEP_RESOURCES")]
+    sweep_resources: Option<String>,
+    /// A sweep Job still running after this many seconds is stopped.
+    #[arg(long, env = "STREAMFLEET_SWEEP_DEADLINE_SECONDS")]
+    sweep_deadline_seconds: Option<i64>,
     /// This replica's identity (the pod name).
     #[arg(long, env = "STREAMFLEET_POD_NAME")]
     identity: Option<String>,
@@ -72,7 +84,7 @@ struct RunArgs {
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(streamfleet_operator::tools::plugin_args(std::env::args_os()));
     let filter = tracing_subscriber::EnvFilter::try_new(&cli.log).context("--log")?;
     match cli.log_format {
         LogFormat::Json => tracing_subscriber::fmt().json().with_env_filter(filter).init(),
@@ -118,7 +130,7 @@ async fn run(args: RunArgs) -> Result<()> {
     };
 
     let mut lease = args.leader_election.then(|| {
-        LeaseLock::new(client.clone(), &args.lease_namespace, "streamfleet-leader", &identity, Duration::from_secs(15))
+        LeaseLock::new(client.clone(), &args.lease_namespace, &args.lease_name, &identity, Duration::from_secs(15))
     });
     if let Some(lease) = &mut lease {
         // A standby is healthy and ready: it serves probes and waits its turn.
@@ -132,7 +144,18 @@ async fn run(args: RunArgs) -> Result<()> {
     }
     readiness.set(true);
 
-    let settings = ObjectSettings { operator_image: args.operator_image.clone() };
+    let sweep_resources = match &args.sweep_resources {
+        Some(json) => {
+            Some(serde_json::from_str(json).context("STREAMFLEET_SWEEP_RESOURCES: not a ResourceRequirements")?)
+        }
+        None => None,
+    };
+    let settings = ObjectSettings {
+        operator_image: args.operator_image.clone(),
+        image_pull_secrets: args.image_pull_secrets.iter().filter(|n| !n.is_empty()).cloned().collect(),
+        sweep_resources,
+        sweep_deadline_seconds: args.sweep_deadline_seconds,
+    };
     let controller = controller::run(
         client,
         settings,

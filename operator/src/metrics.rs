@@ -1,6 +1,7 @@
-//! Prometheus metrics of the operator: per resource (labelled by namespace
-//! and name) the group's health figures and replicas; per controller the
-//! reconciles, their duration, and errors by reason.
+//! Prometheus metrics of the operator: per resource (labelled by namespace,
+//! name, stream and group, so an alert names all four) the group's health
+//! figures, limits and replicas; per controller the reconciles, their
+//! duration, and errors by reason.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -8,20 +9,38 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use std::collections::HashMap;
+use std::sync::Mutex;
 use std::time::Duration;
-use streamfleet_crd::{Health, StreamConsumerGroupStatus};
+use streamfleet_crd::{Health, StreamConsumerGroup, StreamConsumerGroupStatus};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResourceLabels {
     pub namespace: String,
     pub name: String,
+    pub stream: String,
+    pub group: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct HealthLabels {
     pub namespace: String,
     pub name: String,
+    pub stream: String,
+    pub group: String,
     pub health: String,
+}
+
+impl ResourceLabels {
+    fn with_health(&self, health: Health) -> HealthLabels {
+        HealthLabels {
+            namespace: self.namespace.clone(),
+            name: self.name.clone(),
+            stream: self.stream.clone(),
+            group: self.group.clone(),
+            health: format!("{health:?}"),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -29,8 +48,15 @@ pub struct ReasonLabels {
     pub reason: String,
 }
 
-const HEALTHS: [Health; 6] =
-    [Health::Healthy, Health::Backlogged, Health::Stalled, Health::PoisonForming, Health::PayloadLost, Health::Unknown];
+const HEALTHS: [Health; 7] = [
+    Health::Healthy,
+    Health::Backlogged,
+    Health::Stalled,
+    Health::PoisonForming,
+    Health::PayloadLost,
+    Health::Unknown,
+    Health::Suspended,
+];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WriteLabels {
@@ -42,35 +68,46 @@ pub struct Metrics {
     writes: Family<WriteLabels, Counter>,
     gauges: Vec<(&'static str, Family<ResourceLabels, Gauge>)>,
     health: Family<HealthLabels, Gauge>,
+    /// The labels each resource's series were written with, to drop them
+    /// when it goes (its spec is gone by then).
+    labelled: Mutex<HashMap<(String, String), ResourceLabels>>,
     reconciles: Counter,
     errors: Family<ReasonLabels, Counter>,
     duration: Histogram,
 }
 
 /// Per-resource gauges: (metric name, help, how to read it from the status).
-type Reader = fn(&StreamConsumerGroupStatus) -> Option<i64>;
-const GAUGES: [(&str, &str, Reader); 11] = [
-    ("streamfleet_group_lag", "Entries not yet delivered to the group (absent when unknown)", |s| s.lag),
-    ("streamfleet_group_pending", "Entries delivered and not acknowledged", |s| s.pending),
-    ("streamfleet_group_oldest_pending_idle_seconds", "Idle time of the oldest pending entry", |s| {
+type Reader = fn(&StreamConsumerGroup, &StreamConsumerGroupStatus) -> Option<i64>;
+const GAUGES: [(&str, &str, Reader); 13] = [
+    ("streamfleet_group_lag", "Entries not yet delivered to the group (absent when unknown)", |_, s| s.lag),
+    ("streamfleet_group_pending", "Entries delivered and not acknowledged", |_, s| s.pending),
+    ("streamfleet_group_oldest_pending_idle_seconds", "Idle time of the oldest pending entry", |_, s| {
         s.oldest_pending_idle_seconds.or(s.pending.map(|_| 0))
     }),
-    ("streamfleet_group_max_delivery_count", "Highest delivery count among the oldest pending entries", |s| {
+    ("streamfleet_group_max_deliveries", "Highest delivery count among the oldest pending entries", |_, s| {
         s.max_delivery_count.or(s.pending.map(|_| 0))
     }),
-    ("streamfleet_group_consumers", "Consumers in the group", |s| s.consumers),
-    ("streamfleet_dead_letter_length", "Entries in the dead-letter stream", |s| s.dead_letter_length),
-    ("streamfleet_stream_length", "Entries in the stream", |s| s.stream_length),
-    ("streamfleet_payload_lost", "Pending entries found with their payload gone, ever (absent when unknown)", |s| {
-        s.payload_lost.as_ref().map(|p| p.total)
+    ("streamfleet_group_max_deliveries_limit", "Deliveries after which an entry is dead-lettered (spec)", |scg, _| {
+        Some(i64::from(scg.spec.recovery.max_deliveries))
     }),
-    ("streamfleet_payload_lost_unacknowledged", "Lost payloads the user has not acknowledged", |s| {
+    ("streamfleet_group_min_idle_seconds", "Idle time after which a pending entry may be claimed (spec)", |scg, _| {
+        Some(scg.spec.recovery.min_idle_time_ms / 1000)
+    }),
+    ("streamfleet_group_consumers", "Consumers in the group", |_, s| s.consumers),
+    ("streamfleet_dead_letter_length", "Entries in the dead-letter stream", |_, s| s.dead_letter_length),
+    ("streamfleet_stream_length", "Entries in the stream", |_, s| s.stream_length),
+    (
+        "streamfleet_payload_lost",
+        "Pending entries found with their payload gone, ever (absent when unknown)",
+        |_, s| s.payload_lost.as_ref().map(|p| p.total),
+    ),
+    ("streamfleet_payload_lost_unacknowledged", "Lost payloads the user has not acknowledged", |_, s| {
         s.payload_lost.as_ref().map(|p| p.unacknowledged)
     }),
-    ("streamfleet_replicas_desired", "Worker replicas the scaling policy asks for", |s| {
+    ("streamfleet_replicas_desired", "Worker replicas the scaling policy asks for", |_, s| {
         s.replicas.as_ref().map(|r| i64::from(r.desired))
     }),
-    ("streamfleet_replicas_current", "Worker replicas available", |s| {
+    ("streamfleet_replicas_current", "Worker replicas available", |_, s| {
         s.replicas.as_ref().map(|r| i64::from(r.current))
     }),
 ];
@@ -94,7 +131,7 @@ impl Default for Metrics {
         registry.register("streamfleet_reconcile_duration_seconds", "Reconcile duration", duration.clone());
         let writes = Family::<WriteLabels, Counter>::default();
         registry.register("streamfleet_api_writes", "Kubernetes API writes by field manager", writes.clone());
-        Self { registry, writes, gauges, health, reconciles, errors, duration }
+        Self { registry, writes, gauges, health, labelled: Mutex::default(), reconciles, errors, duration }
     }
 }
 
@@ -114,10 +151,15 @@ impl Metrics {
 
     /// Sets the resource's gauges from its status; a figure the status lacks
     /// (an unknown lag, say) is removed rather than reported as zero.
-    pub fn observe(&self, namespace: &str, name: &str, status: &StreamConsumerGroupStatus) {
-        let labels = ResourceLabels { namespace: namespace.into(), name: name.into() };
+    pub fn observe(&self, scg: &StreamConsumerGroup, status: &StreamConsumerGroupStatus) {
+        let labels = ResourceLabels {
+            namespace: scg.metadata.namespace.clone().unwrap_or_default(),
+            name: scg.metadata.name.clone().unwrap_or_default(),
+            stream: scg.spec.stream.clone(),
+            group: scg.spec.group.clone(),
+        };
         for ((_, family), (_, _, read)) in self.gauges.iter().zip(GAUGES) {
-            match read(status) {
+            match read(scg, status) {
                 Some(v) => {
                     family.get_or_create(&labels).set(v);
                 }
@@ -127,23 +169,22 @@ impl Metrics {
             }
         }
         for h in HEALTHS {
-            let l = HealthLabels { namespace: namespace.into(), name: name.into(), health: format!("{h:?}") };
-            self.health.get_or_create(&l).set(i64::from(status.health == Some(h)));
+            self.health.get_or_create(&labels.with_health(h)).set(i64::from(status.health == Some(h)));
+        }
+        if let Ok(mut labelled) = self.labelled.lock() {
+            labelled.insert((labels.namespace.clone(), labels.name.clone()), labels);
         }
     }
 
     /// Drops a deleted resource's series.
     pub fn forget(&self, namespace: &str, name: &str) {
-        let labels = ResourceLabels { namespace: namespace.into(), name: name.into() };
+        let labels = self.labelled.lock().ok().and_then(|mut l| l.remove(&(namespace.into(), name.into())));
+        let Some(labels) = labels else { return };
         for (_, family) in &self.gauges {
             family.remove(&labels);
         }
         for h in HEALTHS {
-            self.health.remove(&HealthLabels {
-                namespace: namespace.into(),
-                name: name.into(),
-                health: format!("{h:?}"),
-            });
+            self.health.remove(&labels.with_health(h));
         }
     }
 
@@ -172,17 +213,29 @@ mod tests {
             replicas: Some(ReplicaStatus { desired: 4, current: 2, summary: "2/4".into() }),
             ..Default::default()
         };
-        m.observe("shop", "orders", &s);
+        let scg: StreamConsumerGroup = serde_json::from_value(serde_json::json!({
+            "apiVersion": "streamfleet.io/v1alpha1", "kind": "StreamConsumerGroup",
+            "metadata": {"name": "orders", "namespace": "shop"},
+            "spec": {"redis": {"urlSecretRef": {"name": "r", "key": "url"}}, "stream": "orders", "group": "billing",
+                     "recovery": {"minIdleTimeMs": 60000, "maxDeliveries": 5},
+                     "worker": {"template": {"spec": {"containers": [{"name": "w", "image": "w"}]}}}}
+        }))
+        .unwrap();
+        m.observe(&scg, &s);
         m.reconciled(Duration::from_millis(20));
         m.failed("RedisUnreachable");
         let text = m.render();
-        assert!(text.contains(r#"streamfleet_group_lag{namespace="shop",name="orders"} 42"#), "{text}");
-        assert!(text.contains(r#"streamfleet_replicas_desired{namespace="shop",name="orders"} 4"#));
-        assert!(text.contains(r#"streamfleet_health{namespace="shop",name="orders",health="Backlogged"} 1"#));
-        assert!(text.contains(r#"streamfleet_health{namespace="shop",name="orders",health="Healthy"} 0"#));
+        let labels = r#"namespace="shop",name="orders",stream="orders",group="billing""#;
+        assert!(text.contains(&format!("streamfleet_group_lag{{{labels}}} 42")), "{text}");
+        assert!(text.contains(&format!("streamfleet_replicas_desired{{{labels}}} 4")));
+        assert!(text.contains(&format!("streamfleet_group_min_idle_seconds{{{labels}}} 60")));
+        assert!(text.contains(&format!("streamfleet_group_max_deliveries_limit{{{labels}}} 5")));
+        assert!(text.contains(&format!(r#"streamfleet_health{{{labels},health="Backlogged"}} 1"#)));
+        assert!(text.contains(&format!(r#"streamfleet_health{{{labels},health="Healthy"}} 0"#)));
+        assert!(!text.contains("_count{"), "no gauge named like a histogram's count: {text}");
         assert!(text.contains(r#"streamfleet_reconcile_errors_total{reason="RedisUnreachable"} 1"#));
         s.lag = None;
-        m.observe("shop", "orders", &s);
+        m.observe(&scg, &s);
         assert!(!m.render().contains("streamfleet_group_lag{"), "unknown lag is not zero");
         m.forget("shop", "orders");
         assert!(!m.render().contains(r#"name="orders""#));

@@ -5,8 +5,8 @@ use crate::error::Error;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::batch::v1::{CronJob, CronJobSpec, JobSpec, JobTemplateSpec};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EnvVar, EnvVarSource, ObjectFieldSelector, PodSpec, PodTemplateSpec, SeccompProfile,
-    SecretKeySelector, SecurityContext,
+    Capabilities, Container, EnvVar, EnvVarSource, LocalObjectReference, ObjectFieldSelector, PodSpec, PodTemplateSpec,
+    ResourceRequirements, SeccompProfile, SecretKeySelector, SecurityContext,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use kube::{Resource as _, ResourceExt as _};
@@ -20,10 +20,16 @@ pub const GROUP_LABEL: &str = "streamfleet.io/consumer-group";
 pub const COMPONENT_LABEL: &str = "app.kubernetes.io/component";
 
 /// Settings of this operator installation that shape the objects.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct ObjectSettings {
     /// The operator's own image, run by `Sweep`-mode recovery Jobs.
     pub operator_image: String,
+    /// Pull secrets of that image (the chart's `imagePullSecrets`).
+    pub image_pull_secrets: Vec<String>,
+    /// The sweep container's resources.
+    pub sweep_resources: Option<ResourceRequirements>,
+    /// A sweep Job still running after this many seconds is stopped; the next run resumes.
+    pub sweep_deadline_seconds: Option<i64>,
 }
 
 pub fn worker_deployment_name(scg: &StreamConsumerGroup) -> String {
@@ -196,13 +202,22 @@ pub fn recovery_cronjob(scg: &StreamConsumerGroup, settings: &ObjectSettings) ->
         metadata: owned_meta(scg, recovery_cronjob_name(scg), "recovery")?,
         spec: Some(CronJobSpec {
             schedule: scg.spec.recovery.schedule.clone(),
+            suspend: Some(scg.spec.suspend),
             // Two sweeps racing over one PEL would only contend.
             concurrency_policy: Some("Forbid".into()),
             successful_jobs_history_limit: Some(1),
             failed_jobs_history_limit: Some(1),
             job_template: JobTemplateSpec {
                 metadata: Some(ObjectMeta { labels: Some(labels(scg, "recovery")), ..ObjectMeta::default() }),
-                spec: Some(JobSpec { backoff_limit: Some(2), template, ..JobSpec::default() }),
+                spec: Some(JobSpec {
+                    backoff_limit: Some(2),
+                    active_deadline_seconds: match scg.spec.recovery.mode {
+                        RecoveryMode::Sweep => settings.sweep_deadline_seconds,
+                        RecoveryMode::Worker => None,
+                    },
+                    template,
+                    ..JobSpec::default()
+                }),
             },
             ..CronJobSpec::default()
         }),
@@ -216,11 +231,15 @@ fn sweep_pod_template(scg: &StreamConsumerGroup, settings: &ObjectSettings) -> P
         spec: Some(PodSpec {
             // The sweep talks only to Redis: no API credentials.
             automount_service_account_token: Some(false),
+            image_pull_secrets: (!settings.image_pull_secrets.is_empty()).then(|| {
+                settings.image_pull_secrets.iter().map(|name| LocalObjectReference { name: name.clone() }).collect()
+            }),
             containers: vec![Container {
                 name: "sweep".into(),
                 image: Some(settings.operator_image.clone()),
                 args: Some(vec!["sweep".into()]),
                 env: Some(contract_env(scg, "recovery")),
+                resources: settings.sweep_resources.clone(),
                 security_context: Some(restricted_security_context()),
                 ..Container::default()
             }],
@@ -346,7 +365,8 @@ mod tests {
 
     #[test]
     fn sweep_cronjob_runs_the_operator_image_without_api_credentials() {
-        let settings = ObjectSettings { operator_image: "streamfleet/streamfleet:1".into() };
+        let settings =
+            ObjectSettings { operator_image: "streamfleet/streamfleet:1".into(), ..ObjectSettings::default() };
         let s = scg(json!({"recovery": {"schedule": "*/2 * * * *"}}));
         let cj = recovery_cronjob(&s, &settings).unwrap();
         let spec = cj.spec.unwrap();
@@ -360,11 +380,33 @@ mod tests {
         assert_eq!(c.args.as_deref(), Some(&["sweep".to_string()][..]));
         assert_eq!(env_of(c)[env::MODE].value.as_deref(), Some("recovery"));
         assert_eq!(c.security_context.as_ref().unwrap().read_only_root_filesystem, Some(true));
+        assert_eq!((pod.image_pull_secrets, c.resources.clone()), (None, None), "none configured");
+    }
+
+    #[test]
+    fn the_sweep_job_pulls_with_the_operators_secrets_within_its_resources_and_deadline() {
+        let resources: ResourceRequirements =
+            serde_json::from_value(json!({"requests": {"cpu": "50m"}, "limits": {"memory": "256Mi"}})).unwrap();
+        let settings = ObjectSettings {
+            operator_image: "registry.example/streamfleet:1".into(),
+            image_pull_secrets: vec!["regcred".into()],
+            sweep_resources: Some(resources.clone()),
+            sweep_deadline_seconds: Some(900),
+        };
+        let job = recovery_cronjob(&scg(json!({})), &settings).unwrap().spec.unwrap().job_template.spec.unwrap();
+        assert_eq!(job.active_deadline_seconds, Some(900));
+        let pod = job.template.spec.unwrap();
+        assert_eq!(pod.image_pull_secrets, Some(vec![LocalObjectReference { name: "regcred".into() }]));
+        assert_eq!(pod.containers[0].resources, Some(resources));
+        // Worker mode runs the user's template: its own pull secrets, no deadline of ours.
+        let worker = recovery_cronjob(&scg(json!({"recovery": {"mode": "Worker"}})), &settings).unwrap();
+        let job = worker.spec.unwrap().job_template.spec.unwrap();
+        assert_eq!((job.active_deadline_seconds, job.template.spec.unwrap().image_pull_secrets), (None, None));
     }
 
     #[test]
     fn worker_mode_recovery_runs_the_worker_template_in_recovery_mode() {
-        let settings = ObjectSettings { operator_image: "op".into() };
+        let settings = ObjectSettings { operator_image: "op".into(), ..ObjectSettings::default() };
         let cj = recovery_cronjob(&scg(json!({"recovery": {"mode": "Worker"}})), &settings).unwrap();
         let pod = cj.spec.unwrap().job_template.spec.unwrap().template.spec.unwrap();
         assert_eq!(pod.containers[1].image.as_deref(), Some("worker:1"));

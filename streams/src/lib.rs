@@ -6,6 +6,7 @@ pub mod config;
 pub mod connection;
 pub mod consumers;
 pub mod deadletter;
+pub mod dlq;
 pub mod entry;
 pub mod error;
 pub mod group;

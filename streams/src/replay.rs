@@ -20,6 +20,8 @@ pub enum Selection {
         to: String,
     },
     All,
+    /// Every letter the filter matches.
+    Matching(crate::dlq::Filter),
 }
 
 /// What happened to one dead letter.
@@ -158,6 +160,10 @@ async fn select<C: ConnectionLike + Send>(
 ) -> Result<Vec<Letter>, StreamError> {
     let err = |e| StreamError::new("reading dead letters", e);
     let range = |from: String, to: String| (from, to);
+    let filter = match selection {
+        Selection::Matching(filter) => Some(filter),
+        _ => None,
+    };
     let (from, to) = match selection {
         Selection::Ids(ids) => {
             let mut pipe = redis::pipe();
@@ -173,6 +179,7 @@ async fn select<C: ConnectionLike + Send>(
         }
         Selection::Range { from, to } => range(from.clone(), to.clone()),
         Selection::All => range("-".into(), "+".into()),
+        Selection::Matching(filter) => filter.scan_range(),
     };
     let mut out = Vec::new();
     let mut start = from;
@@ -188,7 +195,12 @@ async fn select<C: ConnectionLike + Send>(
             .map_err(err)?;
         let n = page.ids.len();
         let Some(last) = page.ids.last().map(|e| e.id.clone()) else { break };
-        out.extend(page.ids.into_iter().map(|e| (e.id, Some(fields_from_map(e.map)))));
+        for e in page.ids {
+            let fields = fields_from_map(e.map);
+            if filter.is_none_or(|f| f.matches(&crate::dlq::DeadLetter::parse(e.id.clone(), fields.clone()))) {
+                out.push((e.id, Some(fields)));
+            }
+        }
         if n < PAGE {
             break;
         }

@@ -25,3 +25,16 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
+
+{{- define "streamfleet.leaseName" -}}
+{{- default (printf "%s-leader" (include "streamfleet.fullname" .)) .Values.leaderElection.leaseName -}}
+{{- end -}}
+
+{{- /* imagePullSecrets ([{name: a}, ...]) as "a,b". */ -}}
+{{- define "streamfleet.pullSecretNames" -}}
+{{- $names := list -}}
+{{- range .Values.imagePullSecrets -}}
+{{- $names = append $names .name -}}
+{{- end -}}
+{{- join "," $names -}}
+{{- end -}}

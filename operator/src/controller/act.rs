@@ -132,6 +132,16 @@ pub async fn converge(
             .inspect_err(|e| tracing::warn!(stream, error = %e, "retention"))
             .unwrap_or(0);
     }
+    for (stream, cap) in &plan.dead_letter_trims {
+        // Exact (not `~`): the cap is what the user asked to keep.
+        let dropped: Result<u64, _> = redis::cmd("XTRIM").arg(stream).arg("MAXLEN").arg(*cap).query_async(conn).await;
+        match dropped {
+            Ok(n) => {
+                tracing::warn!(stream, dropped = n, cap, "dead-letter stream over its cap: oldest letters dropped")
+            }
+            Err(e) => tracing::warn!(stream, error = %e, "trimming the dead-letter stream to its cap"),
+        }
+    }
     let mut refused = Vec::new();
     let name = objects::worker_deployment_name(scg);
     let live = ctx.deployments.get(&ObjectRef::new(&name).within(&namespace(scg)));

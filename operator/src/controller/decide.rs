@@ -90,6 +90,10 @@ pub struct Convergence {
     pub create_shards: Vec<(String, bool)>,
     /// Per-shard figures for the status (empty for one shard).
     pub shard_figures: Vec<ShardStatus>,
+    /// Dead-letter streams over their cap: (stream, cap), trimmed to it.
+    pub dead_letter_trims: Vec<(String, u64)>,
+    /// Whether a dead-letter stream is at its cap (`None`: no cap).
+    pub dead_letter_cap_reached: Option<bool>,
     pub reap: Vec<Reap>,
     pub deployment: Deployment,
     pub cronjob: CronJob,
@@ -137,13 +141,17 @@ pub fn decide(
         return Ok(create_group(spec, at.scg));
     };
     let current_replicas = observed.deployment.as_ref().and_then(|d| d.spec.as_ref().and_then(|s| s.replicas));
-    let scaling = scaling::decide(
-        &spec.scaling,
-        current_replicas.unwrap_or(0),
-        Some((snapshot.lag, snapshot.pending)),
-        at.now,
-        &mut memory.scaling,
-    );
+    let scaling = if spec.suspend {
+        scaling::Decision { replicas: 0, reason: "suspended (spec.suspend)".into() }
+    } else {
+        scaling::decide(
+            &spec.scaling,
+            current_replicas.unwrap_or(0),
+            Some((snapshot.lag, snapshot.pending)),
+            at.now,
+            &mut memory.scaling,
+        )
+    };
     memory.health.record(&snapshot, at.now);
     let last_recovery = observed.last_recovery.clone().map(recovery_status);
     let payload_lost = payload_lost_status(at.scg, &observed.payload_loss);
@@ -156,6 +164,7 @@ pub fn decide(
         replicas: scaling.replicas,
         payload_lost_unacknowledged: u64::try_from(payload_lost.unacknowledged).unwrap_or(0),
     });
+    let (health, health_message) = suspended_health(spec.suspend, health, health_message, &snapshot);
     let (retention, trims) = retention_plan(observed);
     let mut events: Vec<PlannedEvent> = scaling_event(current_replicas, &scaling).into_iter().collect();
     events.extend(recovery_event(at.scg, last_recovery.as_ref(), memory.recovery_announced.as_ref()));
@@ -165,7 +174,11 @@ pub fn decide(
     events.extend(payload_loss_event(at.scg, &payload_lost, memory.payload_lost_announced));
     memory.payload_lost_announced = memory.payload_lost_announced.max(payload_lost.total);
     events.extend(health_event(at.scg, health, &health_message));
+    let (dead_letter_trims, cap_events, dead_letter_cap_reached) = dead_letter_cap(spec, observed);
+    events.extend(cap_events);
     Ok(Plan::Converge(Box::new(Convergence {
+        dead_letter_trims,
+        dead_letter_cap_reached,
         reap: reap_plan(at.scg, &snapshot, observed),
         deployment: objects::worker_deployment(at.scg, scaling.replicas)?,
         cronjob: objects::recovery_cronjob(at.scg, at.settings)?,
@@ -182,6 +195,54 @@ pub fn decide(
         shard_figures: shard_figures(observed),
         events,
     })))
+}
+
+/// A suspended pipeline reads `Suspended` with its figures, unless payloads
+/// were lost: that still needs a person, suspended or not.
+fn suspended_health(suspend: bool, health: Health, message: String, snapshot: &GroupSnapshot) -> (Health, String) {
+    if !suspend || health == Health::PayloadLost {
+        return (health, message);
+    }
+    let lag = match snapshot.lag {
+        Lag::Known(n) => n.to_string(),
+        Lag::AtLeast(n) => format!(">={n}"),
+        _ => "unknown".to_string(),
+    };
+    let note = format!(
+        "suspended (spec.suspend): no workers, no recovery runs; lag {lag}, pending {}; \
+         without the suspension: {health:?}",
+        snapshot.pending
+    );
+    (Health::Suspended, note)
+}
+
+/// Dead-letter streams over `spec.recovery.deadLetterMaxLength` (trimmed to
+/// it, each with a Warning naming what is dropped), and whether any is at it.
+fn dead_letter_cap(spec: &ValidSpec, observed: &Observation) -> (Vec<(String, u64)>, Vec<PlannedEvent>, Option<bool>) {
+    let Some(cap) = spec.dead_letter_max_length else {
+        return (Vec::new(), Vec::new(), None);
+    };
+    let lengths: Vec<(String, u64)> = observed
+        .shards
+        .iter()
+        .filter_map(|(stream, s)| Some((spec.dead_letter_stream_of(stream), s.as_ref()?.dead_letter_length)))
+        .collect();
+    let over: Vec<&(String, u64)> = lengths.iter().filter(|(_, n)| *n > cap).collect();
+    let events = over
+        .iter()
+        .map(|(stream, length)| PlannedEvent {
+            type_: EventType::Warning,
+            reason: "DeadLetterCapReached",
+            action: "Trim",
+            note: format!(
+                "dead-letter stream {stream} holds {length} letters, over its cap of {cap} \
+                 (spec.recovery.deadLetterMaxLength): the oldest {} are dropped",
+                length - cap
+            ),
+        })
+        .collect();
+    let trims = over.iter().map(|(stream, _)| (stream.clone(), cap)).collect();
+    (trims, events, Some(lengths.iter().any(|(_, n)| *n >= cap)))
 }
 
 /// The missing group's start: never silently at `$` for a group seen before,
@@ -404,6 +465,10 @@ fn health_event(scg: &StreamConsumerGroup, health: Health, message: &str) -> Opt
     let from = before.map_or("none".to_string(), |h| format!("{h:?}"));
     let note = format!("health {from} -> {health:?}: {message}");
     Some(match health {
+        Health::Suspended => PlannedEvent { type_: EventType::Normal, reason: "Suspended", action: "Suspend", note },
+        _ if before == Some(Health::Suspended) => {
+            PlannedEvent { type_: EventType::Normal, reason: "Resumed", action: "Resume", note }
+        }
         Health::Healthy => PlannedEvent { type_: EventType::Normal, reason: "Healthy", action: "Inspect", note },
         _ => PlannedEvent { type_: EventType::Warning, reason: "HealthDegraded", action: "Inspect", note },
     })
@@ -434,6 +499,61 @@ mod tests {
             Plan::Converge(c) => *c,
             _ => panic!("expected a convergence plan"),
         }
+    }
+
+    #[test]
+    fn a_suspended_pipeline_runs_nothing_and_still_reports_its_figures() {
+        let mut suspended = scg();
+        suspended.spec.suspend = true;
+        let plan = converge(run(&suspended, &observed(Some(snapshot(700, 30, &[])), Some(3))));
+        assert_eq!(plan.scaling.replicas, 0, "workers to zero, whatever the lag");
+        assert_eq!(plan.deployment.spec.as_ref().and_then(|s| s.replicas), Some(0));
+        assert_eq!(plan.cronjob.spec.as_ref().and_then(|s| s.suspend), Some(true), "no recovery runs");
+        assert_eq!(plan.health, Health::Suspended);
+        assert!(plan.health_message.contains("lag 700, pending 30"), "{}", plan.health_message);
+        let announced: Vec<&str> = plan.events.iter().map(|e| e.reason).collect();
+        assert!(announced.contains(&"Suspended") && announced.contains(&"Scaled"), "{announced:?}");
+
+        // Resumed: the Event says so once, the CronJob runs again.
+        let mut resumed = scg();
+        resumed.status =
+            Some(StreamConsumerGroupStatus { health: Some(Health::Suspended), ..StreamConsumerGroupStatus::default() });
+        let plan = converge(run(&resumed, &observed(Some(snapshot(700, 30, &[])), Some(0))));
+        assert_eq!(plan.cronjob.spec.as_ref().and_then(|s| s.suspend), Some(false));
+        assert!(plan.scaling.replicas > 0);
+        let resumed_events: Vec<_> = plan.events.iter().filter(|e| e.reason == "Resumed").collect();
+        assert_eq!(resumed_events.len(), 1, "{:?}", plan.events);
+        assert_eq!(resumed_events[0].type_, EventType::Normal);
+    }
+
+    #[test]
+    fn payloads_lost_while_suspended_still_read_payload_lost() {
+        let (health, _) = suspended_health(true, Health::PayloadLost, "lost".into(), &snapshot(0, 0, &[]));
+        assert_eq!(health, Health::PayloadLost);
+        let (health, _) = suspended_health(false, Health::Stalled, "stalled".into(), &snapshot(0, 0, &[]));
+        assert_eq!(health, Health::Stalled, "not suspended: untouched");
+    }
+
+    #[test]
+    fn a_dead_letter_stream_over_its_cap_is_trimmed_to_it_with_a_warning() {
+        let mut capped = scg();
+        capped.spec.recovery.dead_letter_max_length = Some(100);
+        let mut full = snapshot(0, 0, &[]);
+        full.dead_letter_length = 130;
+        let plan = converge(run(&capped, &observed(Some(full.clone()), Some(1))));
+        assert_eq!(plan.dead_letter_trims, vec![("{orders}:dead".to_string(), 100)]);
+        assert_eq!(plan.dead_letter_cap_reached, Some(true));
+        let warning = plan.events.iter().find(|e| e.reason == "DeadLetterCapReached").unwrap();
+        assert_eq!(warning.type_, EventType::Warning);
+        assert!(warning.note.contains("holds 130") && warning.note.contains("oldest 30"), "{}", warning.note);
+
+        full.dead_letter_length = 100;
+        let plan = converge(run(&capped, &observed(Some(full.clone()), Some(1))));
+        assert!(plan.dead_letter_trims.is_empty(), "at the cap: nothing to drop");
+        assert_eq!(plan.dead_letter_cap_reached, Some(true), "but reached");
+        assert!(!plan.events.iter().any(|e| e.reason == "DeadLetterCapReached"));
+        let plan = converge(run(&scg(), &observed(Some(full), Some(1))));
+        assert_eq!((plan.dead_letter_trims.len(), plan.dead_letter_cap_reached), (0, None), "no cap, no trim");
     }
 
     #[test]

@@ -62,7 +62,7 @@ pub fn observed(group: Option<GroupSnapshot>, replicas: Option<i32>) -> Observat
 }
 
 pub fn run(scg: &StreamConsumerGroup, observed: &Observation) -> Plan {
-    let settings = ObjectSettings { operator_image: "op".into() };
+    let settings = ObjectSettings { operator_image: "op".into(), ..ObjectSettings::default() };
     let at = Situation { scg, settings: &settings, now: Duration::from_secs(100) };
     decide(&validate(scg).unwrap(), observed, &mut PolicyMemory::default(), &at).unwrap()
 }

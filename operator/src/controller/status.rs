@@ -51,7 +51,8 @@ pub fn converged(
         (Health::Unknown, Lag::Unknown) => "LagUnknown".to_string(),
         (h, _) => format!("{h:?}"),
     };
-    set(&mut status, conditions::DEGRADED, plan.health != Health::Healthy, &degraded_reason, &plan.health_message);
+    let degraded = !matches!(plan.health, Health::Healthy | Health::Suspended);
+    set(&mut status, conditions::DEGRADED, degraded, &degraded_reason, &plan.health_message);
     if status.conditions.iter().any(|c| c.type_ == conditions::CONFLICT) {
         set(&mut status, conditions::CONFLICT, false, "NoConflict", "this resource runs the group");
     }
@@ -62,6 +63,17 @@ pub fn converged(
         }
         // No retention, or its bounds unread this poll: nothing to claim.
         None => status.conditions.retain(|c| c.type_ != conditions::RETENTION_BLOCKED),
+    }
+    match plan.dead_letter_cap_reached {
+        Some(reached) => {
+            let (reason, message) = if reached {
+                ("AtCap", "a dead-letter stream is at spec.recovery.deadLetterMaxLength: older letters are dropped")
+            } else {
+                ("BelowCap", "every dead-letter stream is below spec.recovery.deadLetterMaxLength")
+            };
+            set(&mut status, conditions::DEAD_LETTER_CAP_REACHED, reached, reason, message);
+        }
+        None => status.conditions.retain(|c| c.type_ != conditions::DEAD_LETTER_CAP_REACHED),
     }
     status.health = Some(plan.health);
     if plan.last_recovery.is_some() {
@@ -170,14 +182,17 @@ pub fn failed(scg: &StreamConsumerGroup, error: &Error, now: &Time) -> StreamCon
     let unknown = format!("the group could not be inspected: {message}");
     conditions::set(&mut status.conditions, conditions::DEGRADED, true, "GroupNotInspected", &unknown, generation, now);
     status.health = Some(Health::Unknown);
-    status.conditions.retain(|c| c.type_ != conditions::RETENTION_BLOCKED);
+    // Unknown, not the last good verdict.
+    status
+        .conditions
+        .retain(|c| c.type_ != conditions::RETENTION_BLOCKED && c.type_ != conditions::DEAD_LETTER_CAP_REACHED);
     set_figures(&mut status, None);
     status
 }
 
 /// Writes the status only when it differs from what is stored.
 pub async fn write(ctx: &Context, scg: &StreamConsumerGroup, status: StreamConsumerGroupStatus) -> Result<(), Error> {
-    ctx.metrics.observe(&scg.namespace().unwrap_or_default(), &scg.name_any(), &status);
+    ctx.metrics.observe(scg, &status);
     let key = super::key(scg);
     let cached_version = scg.resource_version().unwrap_or_default();
     // Unchanged, or written a moment ago and not yet seen by the watch (a

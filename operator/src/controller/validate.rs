@@ -28,6 +28,10 @@ pub struct ValidSpec {
     pub poll_interval: Duration,
     pub retention: Option<RetentionLimits>,
     pub delete_group: bool,
+    /// `spec.suspend`: no workers, no recovery runs.
+    pub suspend: bool,
+    /// `spec.recovery.deadLetterMaxLength`.
+    pub dead_letter_max_length: Option<u64>,
 }
 
 /// `spec.retention`, in the units the stream protocol takes.
@@ -111,6 +115,11 @@ pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
         )?),
         retention,
         delete_group: spec.deletion_policy == DeletionPolicy::Delete,
+        suspend: spec.suspend,
+        dead_letter_max_length: match spec.recovery.dead_letter_max_length {
+            Some(n) => Some(positive("spec.recovery.deadLetterMaxLength", n)?),
+            None => None,
+        },
         dead_letter_stream,
     })
 }

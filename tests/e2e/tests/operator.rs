@@ -86,6 +86,12 @@ async fn helm_installed_operator_creates_group_workers_and_recovery() -> Result<
     let cj = cronjobs.get("orders-recovery").await?;
     assert_eq!(cj.spec.as_ref().map(|s| s.schedule.as_str()), Some("*/7 * * * *"));
     assert_eq!(cj.owner_references().first().map(|o| o.kind.as_str()), Some("StreamConsumerGroup"));
+    // The chart's sweep settings reach the Jobs the operator creates.
+    let job = cj.spec.clone().unwrap().job_template.spec.unwrap();
+    assert_eq!(job.active_deadline_seconds, Some(900), "sweep.activeDeadlineSeconds");
+    let sweep = &job.template.spec.unwrap().containers[0];
+    let limits = sweep.resources.clone().and_then(|r| r.limits).unwrap_or_default();
+    assert_eq!(limits.get("memory").map(|q| q.0.as_str()), Some("256Mi"), "sweep.resources");
 
     let reasons = event_reasons(&client, &ns.name, "orders").await?;
     assert!(reasons.iter().any(|r| r == "GroupCreated"), "{reasons:?}");
@@ -240,12 +246,22 @@ async fn killing_the_leader_hands_over_with_one_leader_at_a_time() -> Result<()>
     let bed = TestBed::shared()?;
     let client = bed.client().await?;
     let ns = bed.namespace(&client, "e2e-leader").await?;
-    install_operator(bed, &ns.name, &["--set", "replicaCount=2"]).await?;
+    let release =
+        install_operator(bed, &ns.name, &["--set", "replicaCount=2", "--set", "podDisruptionBudget.enabled=true"])
+            .await?;
+    // One Lease per release: two releases in one namespace never share a leader.
+    let lease_name = format!("{release}-streamfleet-leader");
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
     let holder = |l: Lease| l.spec.and_then(|s| s.holder_identity);
     let leader =
-        eventually("a leader", T, || async { Ok(leases.get_opt("streamfleet-leader").await?.and_then(holder)) })
-            .await?;
+        eventually("a leader", T, || async { Ok(leases.get_opt(&lease_name).await?.and_then(holder)) }).await?;
+    let budgets: Api<k8s_openapi::api::policy::v1::PodDisruptionBudget> = Api::namespaced(client.clone(), &ns.name);
+    let budget = eventually("the budget counts both replicas", T, || async {
+        let pdb = budgets.get(&format!("{release}-streamfleet")).await?;
+        Ok(pdb.status.filter(|s| s.expected_pods == 2))
+    })
+    .await?;
+    assert_eq!(budget.disruptions_allowed, 1, "a drain may take one operator pod, never the last");
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
     let operator_pods: Vec<String> = pods
         .list(&ListParams::default().labels("app.kubernetes.io/name=streamfleet-operator"))
@@ -275,7 +291,7 @@ async fn killing_the_leader_hands_over_with_one_leader_at_a_time() -> Result<()>
     // (the standby, or the leader's replacement, whichever asks first) takes it.
     pods.delete(&leader, &DeleteParams::default()).await?;
     let successor = eventually("a new leader", T, || async {
-        Ok(leases.get("streamfleet-leader").await.ok().and_then(holder).filter(|h| *h != leader))
+        Ok(leases.get(&lease_name).await.ok().and_then(holder).filter(|h| *h != leader))
     })
     .await?;
     let live = pods.get_opt(&successor).await?;
@@ -332,5 +348,404 @@ spec:
     .await?;
     let groups: Vec<String> = group_info(redis, "s").await?.into_iter().map(|(g, _)| g).collect();
     assert_eq!(groups, vec!["good".to_string()]);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_suspended_pipeline_runs_no_workers_nor_recovery_and_still_reports_then_resumes() -> Result<()> {
+    let mut f = Fixture::start("e2e-suspend", &[]).await?;
+    let (bed, client, ns) = (f.bed, f.client.clone(), f.ns.name.clone());
+    let records = tempfile::tempdir()?;
+    let spec = "  scaling: {minReplicas: 1, maxReplicas: 1, pollIntervalSeconds: 1}";
+    f.apply(&recording_manifest("p", "orders", "billing", &records.path().display().to_string(), spec)).await?;
+    wait_condition(&client, &ns, "p", "Ready", "True", None, T).await?;
+    let (deployments, cronjobs): (Api<Deployment>, Api<CronJob>) =
+        (Api::namespaced(client.clone(), &ns), Api::namespaced(client.clone(), &ns));
+    let scgs: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), &ns);
+    let replicas = |d: Deployment| d.spec.and_then(|s| s.replicas);
+    let suspended = |c: CronJob| c.spec.and_then(|s| s.suspend);
+    assert_eq!(replicas(deployments.get("p-worker").await?), Some(1));
+    assert_eq!(suspended(cronjobs.get("p-recovery").await?), Some(false));
+
+    run_ok(
+        bed,
+        "kubectl",
+        &["patch", "scg", "p", "-n", &ns, "--type=merge", "-p", r#"{"spec":{"suspend":true}}"#],
+        None,
+    )
+    .await?;
+    eventually("workers at zero, recovery suspended", T, || async {
+        let zero = replicas(deployments.get("p-worker").await?) == Some(0);
+        Ok((zero && suspended(cronjobs.get("p-recovery").await?) == Some(true)).then_some(()))
+    })
+    .await?;
+    // Entries keep arriving: the figures still move while suspended.
+    for i in 0..7 {
+        let _: String = f.conn.xadd("orders", "*", &[("order_id", i.to_string())]).await?;
+    }
+    let status = eventually("Suspended with the new lag", T, || async {
+        let s = scgs.get("p").await?.status.unwrap_or_default();
+        Ok((s.health == Some(streamfleet_crd::Health::Suspended) && s.lag == Some(7)).then_some(s))
+    })
+    .await?;
+    let degraded = status.conditions.iter().find(|c| c.type_ == "Degraded").unwrap();
+    assert_eq!(degraded.status, "False", "suspended on purpose is not degraded: {degraded:?}");
+    let table = run_ok(bed, "kubectl", &["get", "scg", "p", "-n", &ns], None).await?;
+    assert!(table.contains("Suspended"), "{table}");
+    let announced = eventually("a Suspended Event", T, || async {
+        let events = events_about(&client, &ns, "p").await?;
+        Ok(events.into_iter().find(|e| e.reason.as_deref() == Some("Suspended")))
+    })
+    .await?;
+    assert_eq!(announced.type_.as_deref(), Some("Normal"));
+
+    run_ok(
+        bed,
+        "kubectl",
+        &["patch", "scg", "p", "-n", &ns, "--type=merge", "-p", r#"{"spec":{"suspend":false}}"#],
+        None,
+    )
+    .await?;
+    eventually("workers back, recovery scheduled again", T, || async {
+        let one = replicas(deployments.get("p-worker").await?) == Some(1);
+        let health = scgs.get("p").await?.status.unwrap_or_default().health;
+        let running = suspended(cronjobs.get("p-recovery").await?) == Some(false);
+        Ok((one && running && health != Some(streamfleet_crd::Health::Suspended)).then_some(()))
+    })
+    .await?;
+    eventually("one Resumed Event", T, || async {
+        Ok((event_count(&client, &ns, "p", "Resumed").await? == 1).then_some(()))
+    })
+    .await?;
+    assert_eq!(event_count(&client, &ns, "p", "Suspended").await?, 1, "announced once");
+    Ok(())
+}
+
+/// Every document `helm template` renders, as JSON values.
+async fn rendered(bed: &TestBed, sets: &[&str]) -> Result<Vec<serde_json::Value>> {
+    let chart = repo_path("charts/streamfleet").display().to_string();
+    // The chart requires a recent Kubernetes; `helm template` assumes an old one.
+    let mut args = vec!["template", "t", &chart, "--namespace", "ops", "--kube-version", "1.35.0"];
+    for set in sets {
+        args.extend(["--set", set]);
+    }
+    let yaml = run_ok(bed, "helm", &args, None).await?;
+    let mut docs = Vec::new();
+    for doc in serde_yaml::Deserializer::from_str(&yaml) {
+        let value: serde_json::Value = serde::Deserialize::deserialize(doc)?;
+        if !value.is_null() {
+            docs.push(value);
+        }
+    }
+    Ok(docs)
+}
+
+fn kinds(docs: &[serde_json::Value]) -> Vec<String> {
+    docs.iter().map(|d| d["kind"].as_str().unwrap_or_default().to_string()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_chart_renders_what_a_production_install_sets() -> Result<()> {
+    let bed = TestBed::shared()?;
+    let defaults = rendered(bed, &[]).await?;
+    let default_kinds = kinds(&defaults);
+    for kind in ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment", "Service"]
+    {
+        assert!(default_kinds.contains(&kind.to_string()), "{kind} by default: {default_kinds:?}");
+    }
+    assert!(!default_kinds.iter().any(|k| k == "PodDisruptionBudget" || k == "ServiceMonitor"), "{default_kinds:?}");
+    let lease_role = defaults.iter().find(|d| d["kind"] == "Role").unwrap();
+    let named = lease_role["rules"].as_array().unwrap().iter().find(|r| r["resourceNames"].is_array()).unwrap();
+    assert_eq!(named["resourceNames"][0], "t-streamfleet-leader", "renews only its own Lease");
+
+    let docs = rendered(
+        bed,
+        &[
+            "podDisruptionBudget.enabled=true",
+            "metrics.serviceMonitor.enabled=true",
+            "metrics.serviceMonitor.labels.release=prom",
+            "rbac.create=false",
+            "serviceAccount.create=false",
+            "serviceAccount.name=bring-your-own",
+            "leaderElection.leaseName=ops-leader",
+            "imagePullSecrets[0].name=regcred",
+            "priorityClassName=system-cluster-critical",
+            "nodeSelector.pool=ops",
+            "tolerations[0].key=dedicated",
+            "tolerations[0].operator=Exists",
+            "affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchExpressions[0].key=pool",
+            "affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchExpressions[0].operator=Exists",
+            "topologySpreadConstraints[0].maxSkew=1",
+            "topologySpreadConstraints[0].topologyKey=kubernetes.io/hostname",
+            "topologySpreadConstraints[0].whenUnsatisfiable=ScheduleAnyway",
+            "podAnnotations.team=payments",
+            "podLabels.tier=ops",
+            "podSecurityContext.runAsUser=1000",
+            "podSecurityContext.runAsNonRoot=true",
+            "securityContext.readOnlyRootFilesystem=true",
+            "livenessProbe.periodSeconds=30",
+            "readinessProbe.failureThreshold=6",
+            "extraEnv[0].name=HTTPS_PROXY",
+            "extraEnv[0].value=http://proxy:3128",
+            "extraArgs[0]=--log-format=json",
+            "extraVolumes[0].name=ca",
+            "extraVolumes[0].configMap.name=corp-ca",
+            "extraVolumeMounts[0].name=ca",
+            "extraVolumeMounts[0].mountPath=/etc/corp-ca",
+            "sweep.activeDeadlineSeconds=300",
+            "terminationGracePeriodSeconds=45",
+            "prometheusRule.enabled=true",
+            "prometheusRule.runbookUrl=https://runbooks.example/streamfleet",
+            "dashboard.enabled=true",
+        ],
+    )
+    .await?;
+    let found = kinds(&docs);
+    for kind in ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"] {
+        assert!(!found.contains(&kind.to_string()), "{kind} with rbac.create/serviceAccount.create off: {found:?}");
+    }
+    let pdb = docs.iter().find(|d| d["kind"] == "PodDisruptionBudget").unwrap();
+    assert_eq!(pdb["spec"]["minAvailable"], 1);
+    let monitor = docs.iter().find(|d| d["kind"] == "ServiceMonitor").unwrap();
+    assert_eq!(monitor["metadata"]["labels"]["release"], "prom");
+    assert_eq!(monitor["spec"]["endpoints"][0]["port"], "metrics");
+    assert_eq!(monitor["spec"]["endpoints"][0]["honorLabels"], true, "the pipeline's namespace label stays");
+    let rules = docs.iter().find(|d| d["kind"] == "PrometheusRule").unwrap();
+    let alerts = rules["spec"]["groups"][0]["rules"].as_array().unwrap();
+    assert!(alerts.len() >= 9, "{alerts:?}");
+    for alert in alerts {
+        let url = alert["annotations"]["runbook_url"].as_str().unwrap();
+        assert!(url.starts_with("https://runbooks.example/streamfleet#streamfleet"), "{url}");
+    }
+    let dashboard = docs.iter().find(|d| d["kind"] == "ConfigMap").unwrap();
+    assert_eq!(dashboard["metadata"]["labels"]["grafana_dashboard"], "1");
+    let json: serde_json::Value =
+        serde_json::from_str(dashboard["data"]["streamfleet-pipelines.json"].as_str().unwrap())?;
+    assert_eq!(json["uid"], "streamfleet-pipelines");
+    let service = docs.iter().find(|d| d["kind"] == "Service").unwrap();
+    assert_eq!(service["spec"]["ports"][0]["targetPort"], "health");
+
+    let deployment = docs.iter().find(|d| d["kind"] == "Deployment").unwrap();
+    let pod = &deployment["spec"]["template"];
+    assert_eq!(pod["metadata"]["annotations"]["team"], "payments");
+    assert_eq!(pod["metadata"]["labels"]["tier"], "ops");
+    let spec = &pod["spec"];
+    assert_eq!(spec["serviceAccountName"], "bring-your-own");
+    assert_eq!(spec["priorityClassName"], "system-cluster-critical");
+    assert_eq!(spec["nodeSelector"]["pool"], "ops");
+    assert_eq!(spec["tolerations"][0]["key"], "dedicated");
+    assert!(spec["affinity"]["nodeAffinity"].is_object());
+    assert_eq!(spec["topologySpreadConstraints"][0]["topologyKey"], "kubernetes.io/hostname");
+    assert_eq!(spec["securityContext"]["runAsUser"], 1000);
+    assert_eq!(spec["terminationGracePeriodSeconds"], 45);
+    assert_eq!(spec["volumes"][0]["configMap"]["name"], "corp-ca");
+    let container = &spec["containers"][0];
+    assert_eq!(container["args"], serde_json::json!(["run", "--log-format=json"]));
+    assert_eq!(container["volumeMounts"][0]["mountPath"], "/etc/corp-ca");
+    assert_eq!(container["livenessProbe"]["periodSeconds"], 30);
+    assert_eq!(container["livenessProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(container["readinessProbe"]["failureThreshold"], 6);
+    assert_eq!(container["securityContext"]["capabilities"]["drop"][0], "ALL", "restricted unless overridden");
+    let env: std::collections::BTreeMap<String, String> = container["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| Some((e["name"].as_str()?.to_string(), e["value"].as_str()?.to_string())))
+        .collect();
+    assert_eq!(env["STREAMFLEET_LEASE_NAME"], "ops-leader");
+    assert_eq!(env["STREAMFLEET_IMAGE_PULL_SECRETS"], "regcred");
+    assert_eq!(env["STREAMFLEET_SWEEP_DEADLINE_SECONDS"], "300");
+    let resources: serde_json::Value = serde_json::from_str(&env["STREAMFLEET_SWEEP_RESOURCES"])?;
+    assert_eq!(resources["limits"]["memory"], "256Mi");
+    assert_eq!(env["HTTPS_PROXY"], "http://proxy:3128");
+
+    // A ServiceMonitor without the Service it scrapes is refused with a reason.
+    let refused = run_tool(
+        bed,
+        "helm",
+        &[
+            "template",
+            "t",
+            &repo_path("charts/streamfleet").display().to_string(),
+            "--kube-version",
+            "1.35.0",
+            "--set",
+            "metrics.serviceMonitor.enabled=true",
+            "--set",
+            "metrics.service.enabled=false",
+        ],
+        None,
+    )
+    .await?;
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("needs metrics.service.enabled"));
+    Ok(())
+}
+
+/// `kubectl streamfleet dlq ARGS` with the plugin on the PATH, against the test bed.
+async fn kubectl_dlq(bed: &TestBed, plugin_dir: &std::path::Path, args: &[&str]) -> Result<(bool, String, String)> {
+    let path = format!("{}:{}", plugin_dir.display(), std::env::var("PATH").unwrap_or_default());
+    let out = tokio::process::Command::new(streamfleet_testbed::tools::tool("kubectl")?)
+        .arg("streamfleet")
+        .arg("dlq")
+        .args(args)
+        .env("KUBECONFIG", &bed.kubeconfig)
+        .env("PATH", path)
+        .output()
+        .await?;
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    Ok((out.status.success(), text(&out.stdout), text(&out.stderr)))
+}
+
+fn json_lines(text: &str) -> Vec<serde_json::Value> {
+    text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_listed_inspected_counted_replayed_and_purged_through_the_kubectl_plugin() -> Result<()> {
+    use streamfleet_streams::deadletter::{Letter, Reason, dead_letter};
+    let mut f = Fixture::start("e2e-dlq", &[]).await?;
+    let (bed, client, ns) = (f.bed, f.client.clone(), f.ns.name.clone());
+    let records = tempfile::tempdir()?;
+    let spec = "  scaling: {minReplicas: 0, maxReplicas: 1, pollIntervalSeconds: 1}";
+    f.apply(&recording_manifest("p", "orders", "billing", &records.path().display().to_string(), spec)).await?;
+    wait_condition(&client, &ns, "p", "GroupReady", "True", None, T).await?;
+    // Six orders delivered to a consumer and dead-lettered as a worker would.
+    let reasons = [
+        Reason::Permanent,
+        Reason::Permanent,
+        Reason::Permanent,
+        Reason::Malformed,
+        Reason::Malformed,
+        Reason::MaxDeliveries,
+    ];
+    for i in 0..reasons.len() {
+        let _: String = f.conn.xadd("orders", "*", &[("order_id", format!("o-{i}"))]).await?;
+    }
+    let opts = redis::streams::StreamReadOptions::default().group("billing", "c1").count(10);
+    let read: redis::streams::StreamReadReply = f.conn.xread_options(&["orders"], &[">"], &opts).await?;
+    for (i, (e, reason)) in read.keys[0].ids.iter().zip(reasons).enumerate() {
+        let entry = streamfleet_streams::Entry {
+            stream: "orders".into(),
+            id: e.id.clone(),
+            fields: streamfleet_streams::entry::fields_from_map(e.map.clone()),
+            deliveries: 1,
+        };
+        let key = format!("o-{i}");
+        let letter =
+            Letter { group: "billing", consumer: "c1", reason, error: "card declined", business_key: Some(&key) };
+        dead_letter(&mut f.conn, "{orders}:dead", &entry, &letter).await?;
+    }
+    let plugin = tempfile::tempdir()?;
+    std::os::unix::fs::symlink(
+        streamfleet_testbed::tools::cargo_bin("streamfleet")?,
+        plugin.path().join("kubectl-streamfleet"),
+    )?;
+    let pipeline = format!("{ns}/p");
+    let dlq = async |args: &[&str]| {
+        let mut all = vec!["--pipeline", pipeline.as_str(), "-o", "json"];
+        all.extend_from_slice(args);
+        kubectl_dlq(bed, plugin.path(), &all).await
+    };
+
+    // Paged: 4, then the rest from the cursor the first page printed.
+    let (ok, out, err) = dlq(&["list", "--limit", "4"]).await?;
+    assert!(ok, "{err}");
+    let first = json_lines(&out);
+    assert_eq!(first.len(), 4, "{out}");
+    let cursor = err.trim().strip_prefix("more: --after ").expect(&err).to_string();
+    let (_, out, err) = dlq(&["list", "--limit", "4", "--after", &cursor]).await?;
+    let second = json_lines(&out);
+    assert_eq!(second.len(), 2, "{out}");
+    assert!(!err.contains("more:"), "the last page: {err}");
+    assert_eq!(second[0]["deadLetterStream"], "{orders}:dead", "found through the resource");
+
+    // Filters: reason and business key.
+    let (_, out, _) = dlq(&["list", "--reason", "malformed"]).await?;
+    let keys: Vec<String> = json_lines(&out).iter().map(|l| l["businessKey"].as_str().unwrap().to_string()).collect();
+    assert_eq!(keys, vec!["o-3", "o-4"]);
+    let (_, out, _) = dlq(&["list", "--key", "o-5"]).await?;
+    let only = json_lines(&out);
+    assert_eq!((only.len(), only[0]["reason"].as_str()), (1, Some("max-deliveries")));
+    let (_, out, _) = dlq(&["list", "--since", "2999-01-01T00:00:00Z"]).await?;
+    assert!(json_lines(&out).is_empty(), "nothing in the future: {out}");
+
+    // Show: the original payload with its metadata.
+    let id = first[0]["id"].as_str().unwrap().to_string();
+    let (_, out, _) = dlq(&["show", &id]).await?;
+    let shown: serde_json::Value = serde_json::from_str(out.trim())?;
+    assert_eq!(shown["payload"]["order_id"], "o-0");
+    assert_eq!((shown["group"].as_str(), shown["error"].as_str()), (Some("billing"), Some("card declined")));
+
+    // Stats by reason and by hour.
+    let (_, out, _) = dlq(&["stats"]).await?;
+    let stats: serde_json::Value = serde_json::from_str(out.trim())?;
+    assert_eq!(stats["total"], 6);
+    assert_eq!(stats["byReason"], serde_json::json!({"malformed": 2, "max-deliveries": 1, "permanent": 3}));
+    let hours: u64 = stats["byHour"].as_object().unwrap().values().filter_map(serde_json::Value::as_u64).sum();
+    assert_eq!(hours, 6);
+
+    // Replay by filter: the malformed ones go back to `orders` for `billing`.
+    let length_before: usize = f.conn.xlen("orders").await?;
+    let (ok, out, err) = dlq(&["replay", "--reason", "malformed"]).await?;
+    assert!(ok, "{err}");
+    assert_eq!(json_lines(&out).iter().filter(|r| r["requeued"] == true).count(), 2, "{out}");
+    let length_after: usize = f.conn.xlen("orders").await?;
+    assert_eq!(length_after, length_before + 2);
+    let dead: usize = f.conn.xlen("{orders}:dead").await?;
+    assert_eq!(dead, 4);
+
+    // Purge asks for --yes; a dry run deletes nothing; then the permanent ones go.
+    let (ok, _, err) = dlq(&["purge", "--reason", "permanent"]).await?;
+    assert!(!ok && err.contains("--yes"), "{err}");
+    let (_, out, _) = dlq(&["purge", "--reason", "permanent", "--dry-run"]).await?;
+    assert_eq!(json_lines(&out)[0]["purged"], 3);
+    let dead: usize = f.conn.xlen("{orders}:dead").await?;
+    assert_eq!(dead, 4, "a dry run deletes nothing");
+    let (ok, out, err) = dlq(&["purge", "--reason", "permanent", "--yes"]).await?;
+    assert!(ok, "{err}");
+    assert_eq!(json_lines(&out)[0]["purged"], 3);
+    let (_, out, _) = dlq(&["list"]).await?;
+    let left: Vec<String> = json_lines(&out).iter().map(|l| l["reason"].as_str().unwrap().to_string()).collect();
+    assert_eq!(left, vec!["max-deliveries"]);
+
+    // A pipeline that does not exist is a clear error.
+    let (ok, _, err) = kubectl_dlq(bed, plugin.path(), &["--pipeline", &format!("{ns}/nope"), "list"]).await?;
+    assert!(!ok && err.contains("nope"), "{err}");
+
+    // A cap: two more letters make three; capped at one, the oldest two go,
+    // with the condition and a Warning saying so.
+    let _: String = f.conn.xadd("orders", "*", &[("order_id", "late-1")]).await?;
+    let _: String = f.conn.xadd("orders", "*", &[("order_id", "late-2")]).await?;
+    let read: redis::streams::StreamReadReply = f.conn.xread_options(&["orders"], &[">"], &opts).await?;
+    let mut newest = String::new();
+    for e in read.keys.iter().flat_map(|k| &k.ids) {
+        let fields = streamfleet_streams::entry::fields_from_map(e.map.clone());
+        let entry = streamfleet_streams::Entry { stream: "orders".into(), id: e.id.clone(), fields, deliveries: 1 };
+        // The two replayed orders are read here too: they are not letters again.
+        if !entry.field_str("order_id").is_some_and(|o| o.starts_with("late")) {
+            continue;
+        }
+        let letter =
+            Letter { group: "billing", consumer: "c1", reason: Reason::Permanent, error: "x", business_key: None };
+        newest = dead_letter(&mut f.conn, "{orders}:dead", &entry, &letter).await?;
+    }
+    let scgs: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), &ns);
+    let cap = serde_json::json!({"spec": {"recovery": {"deadLetterMaxLength": 1}}});
+    scgs.patch("p", &PatchParams::default(), &Patch::Merge(cap)).await?;
+    let scg = wait_condition(&client, &ns, "p", "DeadLetterCapReached", "True", None, T).await?;
+    let condition = scg.status.unwrap().conditions.into_iter().find(|c| c.type_ == "DeadLetterCapReached").unwrap();
+    assert_eq!(condition.reason, "AtCap");
+    let kept: redis::streams::StreamRangeReply = f.conn.xrange_all("{orders}:dead").await?;
+    let kept: Vec<String> = kept.ids.into_iter().map(|e| e.id).collect();
+    assert_eq!(kept, vec![newest], "the newest letter stays");
+    let warning = eventually("a DeadLetterCapReached Warning", T, || async {
+        let events = events_about(&client, &ns, "p").await?;
+        Ok(events.into_iter().find(|e| e.reason.as_deref() == Some("DeadLetterCapReached")))
+    })
+    .await?;
+    assert_eq!(warning.type_.as_deref(), Some("Warning"));
+    let note = warning.note.unwrap_or_default();
+    assert!(note.contains("holds 3") && note.contains("oldest 2"), "{note}");
     Ok(())
 }

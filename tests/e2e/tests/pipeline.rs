@@ -82,7 +82,7 @@ async fn a_backlog_scales_workers_up_then_down_then_to_zero_and_wakes_them() -> 
     assert_eq!(status.stream_length, Some(xlen));
     assert_eq!(status.dead_letter_length, Some(0));
     assert_eq!(status.health, Some(streamfleet_crd::Health::Healthy));
-    let labels = format!("namespace=\"{}\",name=\"orders\"", ns.name);
+    let labels = format!("namespace=\"{}\",name=\"orders\",stream=\"orders\",group=\"billing\"", ns.name);
     let metrics = eventually("metrics at rest", T, || async {
         let text = operator_http(&client, &ns.name, "/metrics").await?;
         Ok(text.contains(&format!("streamfleet_group_pending{{{labels}}} 0")).then_some(text))

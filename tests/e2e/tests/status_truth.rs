@@ -18,9 +18,10 @@ use streamfleet_testbed::eventually;
 
 const T: Duration = Duration::from_secs(120);
 
-/// The metric line `name{namespace=..,name=..} value` for resource `p`, if any.
+/// The value of metric `name` for resource `p` (labelled namespace, name,
+/// stream, group), if any.
 fn metric(body: &str, name: &str, namespace: &str) -> Option<String> {
-    let labels = format!("{name}{{namespace=\"{namespace}\",name=\"p\"}}");
+    let labels = format!("{name}{{namespace=\"{namespace}\",name=\"p\",stream=\"orders\",group=\"billing\"}}");
     body.lines().find_map(|l| l.strip_prefix(&labels)).map(|v| v.trim().to_string())
 }
 
@@ -129,7 +130,9 @@ async fn a_redis_outage_reads_unknown_with_figures_cleared_then_heals() -> Resul
     assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", "RedisUnreachable"), "{ready:?}");
     let body = operator_http(&client, &ns, "/metrics").await?;
     assert_eq!(metric(&body, "streamfleet_group_lag", &ns), None, "no stale lag in /metrics: {body}");
-    let unknown = format!("streamfleet_health{{namespace=\"{ns}\",name=\"p\",health=\"Unknown\"}} 1");
+    let unknown = format!(
+        "streamfleet_health{{namespace=\"{ns}\",name=\"p\",stream=\"orders\",group=\"billing\",health=\"Unknown\"}} 1"
+    );
     assert!(body.contains(&unknown), "{body}");
 
     // Back (empty: nothing was persisted): the group is created again where

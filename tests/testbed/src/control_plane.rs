@@ -13,10 +13,10 @@ use std::time::Duration;
 
 /// The controllers kube-controller-manager runs here: what Deployments,
 /// ReplicaSets, Jobs, CronJobs, owner-reference garbage collection, namespace
-/// teardown and service accounts need. Node lifecycle is left out because the
-/// kubelet stand-in's node never goes away.
+/// teardown, service accounts and PodDisruptionBudget status need. Node
+/// lifecycle is left out because the kubelet stand-in's node never goes away.
 const CONTROLLERS: &str = "deployment-controller,replicaset-controller,job-controller,\
-cronjob-controller,garbage-collector-controller,namespace-controller,\
+cronjob-controller,garbage-collector-controller,namespace-controller,disruption-controller,\
 serviceaccount-controller,serviceaccount-token-controller,\
 root-ca-certificate-publisher-controller,ttl-after-finished-controller";
 
