@@ -3,6 +3,9 @@
 #   kube-apiserver, kube-controller-manager, kubectl  (tests/testbed/tools/k8s)
 #   etcd                                              (tests/testbed/tools/etcd)
 #   helm                                              (helm.sh/helm/v3, go install)
+#   prometheus, promtool                              (github.com/prometheus/prometheus, go install):
+#                                                     alert rules are checked and unit-tested with
+#                                                     promtool, and an e2e test scrapes with Prometheus
 # Each build is cached under $STREAMFLEET_CACHE (default ~/.cache/streamfleet),
 # keyed by a hash of the Go module that produces it, so a rerun builds nothing.
 set -euo pipefail
@@ -11,6 +14,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cache=${STREAMFLEET_CACHE:-$HOME/.cache/streamfleet}
 out=$root/target/tools/bin
 helm_version=v3.20.2
+# Prometheus 3.x is published as Go module versions v0.3xx.
+prometheus_module_version=v0.316.0
 mkdir -p "$cache/tools" "$out"
 export GOFLAGS="-mod=mod -buildvcs=false"
 
@@ -48,6 +53,20 @@ build_helm() {
   ln -sf "$dest/helm" "$out/helm"
 }
 
+build_prometheus() {
+  local dest=$cache/tools/prometheus-$prometheus_module_version
+  if [ ! -x "$dest/promtool" ] || [ ! -x "$dest/prometheus" ]; then
+    log "building prometheus and promtool $prometheus_module_version (cold; cached afterwards in $dest)"
+    rm -rf "$dest.tmp" && mkdir -p "$dest.tmp"
+    GOBIN=$dest.tmp go install -trimpath -ldflags="-s -w" \
+      "github.com/prometheus/prometheus/cmd/promtool@$prometheus_module_version" \
+      "github.com/prometheus/prometheus/cmd/prometheus@$prometheus_module_version"
+    rm -rf "$dest" && mv "$dest.tmp" "$dest"
+  fi
+  ln -sf "$dest/promtool" "$out/promtool"
+  ln -sf "$dest/prometheus" "$out/prometheus"
+}
+
 build_module "$root/tests/testbed/tools/etcd"
 # Stamp the release into the binaries, as upstream's build does, so discovery
 # (kubectl version, helm's kubeVersion checks) reports the real version.
@@ -59,4 +78,5 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
 done
 build_module "$root/tests/testbed/tools/k8s" "$stamp"
 build_helm
+build_prometheus
 log "tools ready in $out"

@@ -35,6 +35,10 @@ if ! diff -u deploy/streamfleet.yaml "$rendered"; then
 fi
 "$root/target/tools/bin/helm" lint charts/streamfleet --strict
 
+step "alert rules: promtool check and unit tests"
+"$root/target/tools/bin/promtool" check rules charts/streamfleet/files/alerts.yaml
+"$root/target/tools/bin/promtool" test rules tests/monitoring/alerts.test.yaml
+
 step "benchmark tables match their figure files"
 bash scripts/docs-figures.sh --check
 

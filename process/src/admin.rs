@@ -3,7 +3,7 @@
 //! * `GET /healthz`: `200 ok` while the process serves at all (liveness).
 //! * `GET /readyz`: `200 ok` when the [`Readiness`] handle says so, else
 //!   `503 not ready`.
-//! * `GET /metrics`: the Prometheus text the caller renders, as
+//! * `GET /metrics`: the OpenMetrics text the caller renders, as
 //!   [`METRICS_CONTENT_TYPE`].
 //! * anything else: `404 not found`.
 //!
@@ -19,8 +19,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::net::TcpListener;
 
-/// The content type of the Prometheus text exposition format.
-pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+/// The content type of what `prometheus-client` renders: OpenMetrics text
+/// (counters end in `_total`, the exposition in `# EOF`).
+pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// What `/readyz` answers: a cheap, cloneable handle the process flips.
 #[derive(Clone, Debug, Default)]

@@ -207,11 +207,12 @@ pub struct Worker<H> {
 
 impl<H: Handler> Worker<H> {
     pub fn new(config: WorkerConfig, handler: H) -> Self {
+        let stats = Arc::new(Stats::for_group(&config.group));
         Self {
             config,
             handler: Arc::new(handler),
             guard: None,
-            stats: Arc::new(Stats::default()),
+            stats,
             at_most_once: false,
             stop: Arc::new(AtomicBool::new(false)),
         }
@@ -924,6 +925,7 @@ impl<H: Handler> Worker<H> {
             _ => {}
         }
         let started = Instant::now();
+        self.stats.delivered(entry.deliveries);
         let delivery = Delivery {
             consumer: self.config.consumer.clone(),
             stream: entry.stream.clone(),
@@ -1047,7 +1049,7 @@ impl<H: Handler> Worker<H> {
         let dead_letter_stream = self.config.dead_letter_stream_of(&entry.stream);
         match deadletter::dead_letter(conn, &dead_letter_stream, entry, &letter).await {
             Ok(id) => {
-                self.stats.add(&self.stats.dead_lettered, 1);
+                self.stats.dead_lettered_as(reason.as_str());
                 tracing::warn!(stream = %entry.stream, id = %entry.id, dead_letter = %id, reason = reason.as_str(), error, "dead-lettered");
             }
             // Nothing was acked (the script acks only after its XADD): the
