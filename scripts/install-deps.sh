@@ -2,7 +2,7 @@
 # Installs what the test bed, the checks and the demo need (idempotent).
 #   redis-server, redis-tools: real Redis 7.0 servers and redis-cli (cluster creation)
 #   cargo-machete: the unused-dependency check
-#   redis-py (in a venv): the Python producer example's test
+#   redis-py (in a venv): the Python producer and worker examples' tests
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
@@ -27,7 +27,8 @@ if ! cargo machete --version 2>/dev/null | grep -q "$machete_version"; then
   cargo install cargo-machete --version "$machete_version" --locked --quiet
 fi
 # redis-py in a venv of its own: the Python producer example is tested
-# against the shard test vectors and a real redis-server.
+# against the shard test vectors and a real redis-server, and the test bed
+# runs the Python worker example as the image streamfleet/python-worker.
 venv="${HOME}/.cache/streamfleet/venv"
 redis_py_version=8.1.0
 if ! "$venv/bin/python3" -c "import redis, sys; sys.exit(redis.__version__ != '$redis_py_version')" 2>/dev/null; then

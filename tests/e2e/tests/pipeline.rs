@@ -380,3 +380,64 @@ async fn sigterm_under_load_finishes_what_it_started_releases_the_rest_and_loses
     assert_eq!(duplicates, 0, "a graceful stop causes no redelivery");
     Ok(())
 }
+
+/// The Python example worker (`examples/python/streamfleet_worker.py`),
+/// which follows the env contract without the Rust library, run by the
+/// operator: 300 orders and 5 poison ones, one of two worker pods killed
+/// mid-run. Every order is charged exactly once, the poison is dead-lettered
+/// with its business key, and nothing stays pending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_worker_runs_under_the_operator_and_survives_a_killed_pod() -> Result<()> {
+    let f = Fixture::start("e2e-python", &[]).await?;
+    let (client, ns, mut conn) = (f.client.clone(), f.ns.name.clone(), f.conn.clone());
+    streamfleet_streams::ensure_group(&mut conn, "orders", "billing", "0").await?;
+    produce(&mut conn, 0, 300).await?;
+    for i in 0..5 {
+        let fields = [("order_id", format!("poison-{i}")), ("amount_cents", "1".into()), ("poison", "1".into())];
+        let _: String = conn.xadd("orders", "*", &fields).await?;
+    }
+    let spec = "  scaling: {minReplicas: 2, maxReplicas: 2, pollIntervalSeconds: 1}\n  recovery: {minIdleTimeMs: 5000, batchSize: 10}";
+    f.apply(&manifest("py", "orders", "billing", "streamfleet/python-worker", &[("EXAMPLE_HANDLER_MS", "20")], spec))
+        .await?;
+    let charged = || async {
+        let n: usize = f.redis.connection().await?.hlen("ledger").await?;
+        Ok::<_, anyhow::Error>(n)
+    };
+    eventually("the Python workers charging", T, || async { Ok((charged().await? >= 40).then_some(())) }).await?;
+    // Kill one worker pod mid-run.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let workers = pods.list(&ListParams::default()).await?;
+    let victim = workers
+        .items
+        .iter()
+        .filter_map(|p| p.metadata.name.clone())
+        .find(|n| n.starts_with("py-worker-"))
+        .expect("a worker pod");
+    pods.delete(&victim, &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
+    let at_kill = charged().await?;
+    assert!(at_kill < 300, "the kill must land mid-run: {at_kill} of 300 already charged");
+    println!("killed {victim} with {at_kill} of 300 orders charged");
+    let scgs: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), &ns);
+    eventually("all done: nothing pending, nothing left to read", T, || async {
+        let s = scgs.get("py").await?.status.unwrap_or_default();
+        Ok((s.lag == Some(0) && s.pending == Some(0) && charged().await? == 300).then_some(()))
+    })
+    .await?;
+    let ledger: std::collections::HashMap<String, String> = conn.hgetall("ledger").await?;
+    let expected: std::collections::BTreeSet<String> = (0..300).map(|i| i.to_string()).collect();
+    assert_eq!(ledger.keys().cloned().collect::<std::collections::BTreeSet<_>>(), expected, "each order charged");
+    let letters: redis::streams::StreamRangeReply = conn.xrange_all("{orders}:dead").await?;
+    let mut keys: Vec<String> = letters
+        .ids
+        .iter()
+        .map(|e| {
+            assert_eq!(e.get::<String>("streamfleet.reason").as_deref(), Some("permanent"), "{e:?}");
+            e.get::<String>("streamfleet.business-key").unwrap_or_default()
+        })
+        .collect();
+    keys.sort();
+    assert_eq!(keys, (0..5).map(|i| format!("poison-{i}")).collect::<Vec<_>>());
+    let pending: redis::streams::StreamPendingReply = conn.xpending("orders", "billing").await?;
+    assert_eq!(pending.count(), 0);
+    Ok(())
+}

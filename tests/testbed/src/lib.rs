@@ -144,8 +144,23 @@ impl Drop for TestNamespace {
     }
 }
 
+/// The `streamfleet/python-worker` image: the repository's Python example
+/// under the redis-py venv `scripts/install-deps.sh` makes.
+fn python_worker_entrypoint(dir: &Path) -> Result<PathBuf> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
+    let python = home.join(".cache/streamfleet/venv/bin/python3");
+    let script = tools::workspace_root().join("examples/python/streamfleet_worker.py");
+    let entry = dir.join("images/python-worker");
+    std::fs::create_dir_all(dir.join("images"))?;
+    std::fs::write(&entry, format!("#!/bin/sh\nexec {python:?} -u {script:?} \"$@\"\n"))?;
+    std::fs::set_permissions(&entry, std::fs::Permissions::from_mode(0o755))?;
+    Ok(entry)
+}
+
 async fn kubelet_for(plane: &ControlPlane, dir: &Path) -> Result<kubelet::Kubelet> {
-    let images = kubelet::ImageMap::with_bin_dir(tools::cargo_bin_dir()?);
+    let mut images = kubelet::ImageMap::with_bin_dir(tools::cargo_bin_dir()?);
+    images.insert("streamfleet/python-worker", python_worker_entrypoint(dir)?);
     Ok(kubelet::Kubelet::new(
         plane.client().await?,
         images,
