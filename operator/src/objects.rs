@@ -32,6 +32,12 @@ pub struct ObjectSettings {
     pub sweep_deadline_seconds: Option<i64>,
 }
 
+/// Name prefixes of the pods this resource's workloads run (workers and
+/// recovery Jobs): the pods whose consumers it may reap.
+pub fn pod_name_prefixes(scg: &StreamConsumerGroup) -> [String; 2] {
+    [format!("{}-", worker_deployment_name(scg)), format!("{}-", recovery_cronjob_name(scg))]
+}
+
 pub fn worker_deployment_name(scg: &StreamConsumerGroup) -> String {
     format!("{}-worker", scg.name_any())
 }

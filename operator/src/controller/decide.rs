@@ -373,8 +373,7 @@ pub fn conflict_message(scg: &StreamConsumerGroup, owner: &str) -> String {
 
 /// Consumers of this resource's workloads whose pods are gone (see `reaper`).
 fn reap_plan(scg: &StreamConsumerGroup, snapshot: &GroupSnapshot, observed: &Observation) -> Vec<Reap> {
-    let prefixes =
-        [format!("{}-", objects::worker_deployment_name(scg)), format!("{}-", objects::recovery_cronjob_name(scg))];
+    let prefixes = objects::pod_name_prefixes(scg);
     reaper::dead_consumers(&snapshot.consumers, &observed.live_pods, &prefixes)
         .into_iter()
         .map(|c| if c.pending > 0 { Reap::Release(c.name.clone()) } else { Reap::Delete(c.name.clone()) })
