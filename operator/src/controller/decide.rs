@@ -35,6 +35,9 @@ pub struct PolicyMemory {
     /// The time of the recovery run last announced: the cached status may
     /// not show it yet when a watch event brings the next reconcile first.
     pub recovery_announced: Option<Time>,
+    /// The health last announced, for the same reason: a transition is
+    /// announced once even when the next reconcile reads a stale status.
+    pub health_announced: Option<Health>,
 }
 
 /// What one reconcile will do.
@@ -173,7 +176,9 @@ pub fn decide(
     }
     events.extend(payload_loss_event(at.scg, &payload_lost, memory.payload_lost_announced));
     memory.payload_lost_announced = memory.payload_lost_announced.max(payload_lost.total);
-    events.extend(health_event(at.scg, health, &health_message));
+    let before = memory.health_announced.or_else(|| at.scg.status.as_ref().and_then(|s| s.health));
+    events.extend(health_event(before, health, &health_message));
+    memory.health_announced = Some(health);
     let (dead_letter_trims, cap_events, dead_letter_cap_reached) = dead_letter_cap(spec, observed);
     events.extend(cap_events);
     Ok(Plan::Converge(Box::new(Convergence {
@@ -456,8 +461,8 @@ fn payload_loss_event(scg: &StreamConsumerGroup, now: &PayloadLostStatus, announ
 
 /// A Warning on entering a bad health class, a Normal Event on getting back
 /// to Healthy.
-fn health_event(scg: &StreamConsumerGroup, health: Health, message: &str) -> Option<PlannedEvent> {
-    let before = scg.status.as_ref().and_then(|s| s.health);
+/// `before`: the health last announced (or, after a restart, the stored one).
+fn health_event(before: Option<Health>, health: Health, message: &str) -> Option<PlannedEvent> {
     if before == Some(health) || (before.is_none() && health == Health::Healthy) {
         return None;
     }
@@ -523,6 +528,24 @@ mod tests {
         let resumed_events: Vec<_> = plan.events.iter().filter(|e| e.reason == "Resumed").collect();
         assert_eq!(resumed_events.len(), 1, "{:?}", plan.events);
         assert_eq!(resumed_events[0].type_, EventType::Normal);
+    }
+
+    #[test]
+    fn a_health_transition_is_announced_once_even_before_the_cache_shows_the_status() {
+        let mut stale = scg();
+        stale.spec.suspend = true;
+        let settings = crate::objects::ObjectSettings::default();
+        let at = Situation { scg: &stale, settings: &settings, now: Duration::from_secs(100) };
+        let seen = observed(Some(snapshot(0, 0, &[])), Some(1));
+        let spec = super::super::validate::validate(&stale).unwrap();
+        let mut memory = PolicyMemory::default();
+        let suspended = |plan: Plan| converge(plan).events.iter().filter(|e| e.reason == "Suspended").count();
+        assert_eq!(suspended(decide(&spec, &seen, &mut memory, &at).unwrap()), 1);
+        assert_eq!(
+            suspended(decide(&spec, &seen, &mut memory, &at).unwrap()),
+            0,
+            "the cache is stale, the memory is not"
+        );
     }
 
     #[test]

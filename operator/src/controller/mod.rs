@@ -139,6 +139,12 @@ impl Context {
         }
     }
 
+    /// Health set outside `decide` (a failed pass, a conflict): the next
+    /// transition is announced from it.
+    fn health_written(&self, scg: &StreamConsumerGroup, health: streamfleet_crd::Health) {
+        let _ = self.with_policy(&key(scg), |memory| memory.health_announced = Some(health));
+    }
+
     /// Runs `f` on the policies' memory of `key`.
     fn with_policy<T>(&self, key: &str, f: impl FnOnce(&mut PolicyMemory) -> T) -> Result<T, Error> {
         let mut memory = self.memory.lock().map_err(|_| Error::Internal("poisoned memory lock".into()))?;
@@ -465,6 +471,7 @@ async fn reconcile_resource(scg: &StreamConsumerGroup, ctx: &Context) -> Result<
         Ok(Plan::Conflict(plan)) => {
             let refused = act::stand_down(ctx, scg, &plan).await;
             status::write(ctx, scg, status::conflicted(scg, &plan, &refused, &wall_now)).await?;
+            ctx.health_written(scg, streamfleet_crd::Health::Unknown);
             return match refused.into_iter().next() {
                 Some(e) => Err(e),
                 None => Ok(Action::requeue(spec.poll_interval)),
@@ -499,6 +506,7 @@ async fn report_failure(scg: &StreamConsumerGroup, ctx: &Context, e: Error) -> E
     if let Err(write) = status::write(ctx, scg, status::failed(scg, &e, &now())).await {
         tracing::warn!(error = %write, "writing the failure status");
     }
+    ctx.health_written(scg, streamfleet_crd::Health::Unknown);
     e
 }
 

@@ -413,10 +413,12 @@ async fn a_suspended_pipeline_runs_no_workers_nor_recovery_and_still_reports_the
         Ok((one && running && health != Some(streamfleet_crd::Health::Suspended)).then_some(()))
     })
     .await?;
-    eventually("one Resumed Event", T, || async {
-        Ok((event_count(&client, &ns, "p", "Resumed").await? == 1).then_some(()))
+    let resumed = eventually("a Resumed Event", T, || async {
+        let n = event_count(&client, &ns, "p", "Resumed").await?;
+        Ok((n > 0).then_some(n))
     })
     .await?;
+    assert_eq!(resumed, 1, "announced once: {:?}", event_reasons(&client, &ns, "p").await?);
     assert_eq!(event_count(&client, &ns, "p", "Suspended").await?, 1, "announced once");
     Ok(())
 }
