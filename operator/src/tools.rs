@@ -115,9 +115,37 @@ impl FilterArgs {
             to: self.to.clone(),
         })
     }
+}
 
-    fn is_empty(&self) -> bool {
-        self.filter().is_ok_and(|f| f == Filter::default())
+/// Which letters `replay` and `purge` act on: IDs, a filter, or all of them.
+#[derive(clap::Args, Clone)]
+struct ChosenArgs {
+    /// Dead-letter IDs (comma-separated).
+    #[arg(long, value_delimiter = ',', conflicts_with = "all")]
+    ids: Vec<String>,
+    #[command(flatten)]
+    filter: FilterArgs,
+    /// Every dead letter.
+    #[arg(long)]
+    all: bool,
+    /// Say what would happen, change nothing.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+impl ChosenArgs {
+    /// Never everything by default: the user says which.
+    fn selection(&self) -> Result<Selection> {
+        let filter = self.filter.filter()?;
+        Ok(if !self.ids.is_empty() {
+            Selection::Ids(self.ids.clone())
+        } else if filter != Filter::default() {
+            Selection::Matching(filter)
+        } else if self.all {
+            Selection::All
+        } else {
+            bail!("say which: --ids, a filter (--reason, --since, --until, --key, --from, --to), or --all");
+        })
     }
 }
 
@@ -148,31 +176,13 @@ enum DeadLetterCommand {
     /// Re-add dead letters to their source stream (for their own group) and
     /// remove them here; a business key completed since is not replayed.
     Replay {
-        /// Dead-letter IDs to replay (comma-separated).
-        #[arg(long, value_delimiter = ',', conflicts_with = "all")]
-        ids: Vec<String>,
         #[command(flatten)]
-        filter: FilterArgs,
-        /// Replay every dead letter.
-        #[arg(long)]
-        all: bool,
-        /// Say what would happen, change nothing.
-        #[arg(long)]
-        dry_run: bool,
+        chosen: ChosenArgs,
     },
     /// Delete dead letters for good.
     Purge {
-        /// Dead-letter IDs to delete (comma-separated).
-        #[arg(long, value_delimiter = ',', conflicts_with = "all")]
-        ids: Vec<String>,
         #[command(flatten)]
-        filter: FilterArgs,
-        /// Every dead letter.
-        #[arg(long)]
-        all: bool,
-        /// Say what would be deleted, delete nothing.
-        #[arg(long)]
-        dry_run: bool,
+        chosen: ChosenArgs,
         /// Required to delete: purged letters cannot be replayed.
         #[arg(long)]
         yes: bool,
@@ -376,16 +386,8 @@ pub async fn run_dead_letters(args: DeadLetterArgs) -> Result<()> {
                 }
             }
         }
-        DeadLetterCommand::Replay { ids, filter, all, dry_run } => {
-            let selection = if !ids.is_empty() {
-                Selection::Ids(ids.clone())
-            } else if !filter.is_empty() {
-                Selection::Matching(filter.filter()?)
-            } else if *all {
-                Selection::All
-            } else {
-                bail!("say which: --ids, a filter (--reason, --since, --until, --key, --from, --to), or --all");
-            };
+        DeadLetterCommand::Replay { chosen } => {
+            let (selection, dry_run) = (chosen.selection()?, &chosen.dry_run);
             let mut requeued = 0;
             for stream in &streams {
                 for r in replay(&mut conn, stream, &selection, *dry_run).await? {
@@ -415,20 +417,19 @@ pub async fn run_dead_letters(args: DeadLetterArgs) -> Result<()> {
             }
             eprintln!("{requeued} requeued{}", if *dry_run { " (dry run)" } else { "" });
         }
-        DeadLetterCommand::Purge { ids, filter, all, dry_run, yes } => {
-            if ids.is_empty() && filter.is_empty() && !*all {
-                bail!("say which: --ids, a filter (--reason, --since, --until, --key, --from, --to), or --all");
-            }
+        DeadLetterCommand::Purge { chosen, yes } => {
+            let (selection, dry_run) = (chosen.selection()?, &chosen.dry_run);
             if !*dry_run && !*yes {
                 bail!("purged dead letters are gone for good: add --yes (or --dry-run to see which)");
             }
-            let filter = filter.filter()?;
             let mut purged = 0;
             for stream in &streams {
-                let chosen: Vec<String> = if ids.is_empty() {
-                    dlq::all(&mut conn, stream, &filter).await?.into_iter().map(|l| l.id).collect()
-                } else {
-                    ids.clone()
+                let chosen: Vec<String> = match &selection {
+                    Selection::Ids(ids) => ids.clone(),
+                    Selection::Matching(filter) => {
+                        dlq::all(&mut conn, stream, filter).await?.into_iter().map(|l| l.id).collect()
+                    }
+                    _ => dlq::all(&mut conn, stream, &Filter::default()).await?.into_iter().map(|l| l.id).collect(),
                 };
                 let deleted =
                     if *dry_run { chosen.len() as u64 } else { dlq::purge(&mut conn, stream, &chosen).await? };

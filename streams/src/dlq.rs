@@ -174,6 +174,18 @@ async fn read<C: ConnectionLike + Send>(
     Ok(reply.ids.into_iter().map(|e| DeadLetter::parse(e.id, fields_from_map(e.map))).collect())
 }
 
+/// Trims `stream` to its newest `cap` letters (exactly, not `~`: the cap is
+/// what the user asked to keep); returns how many were dropped.
+pub async fn cap<C: ConnectionLike + Send>(conn: &mut C, stream: &str, cap: u64) -> Result<u64, StreamError> {
+    redis::cmd("XTRIM")
+        .arg(stream)
+        .arg("MAXLEN")
+        .arg(cap)
+        .query_async(conn)
+        .await
+        .map_err(|e| StreamError::new("capping the dead-letter stream", e))
+}
+
 /// Counts by reason and by hour.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stats {

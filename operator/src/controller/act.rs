@@ -133,9 +133,7 @@ pub async fn converge(
             .unwrap_or(0);
     }
     for (stream, cap) in &plan.dead_letter_trims {
-        // Exact (not `~`): the cap is what the user asked to keep.
-        let dropped: Result<u64, _> = redis::cmd("XTRIM").arg(stream).arg("MAXLEN").arg(*cap).query_async(conn).await;
-        match dropped {
+        match streamfleet_streams::dlq::cap(conn, stream, *cap).await {
             Ok(n) => {
                 tracing::warn!(stream, dropped = n, cap, "dead-letter stream over its cap: oldest letters dropped")
             }
