@@ -260,24 +260,16 @@ impl RedisCluster {
         bail!("the replicas did not sync in 30s")
     }
 
-    /// The port of the master serving `key` now.
+    /// The port of the master serving `key` now, as node 0 sees it.
     pub async fn master_of(&self, key: &str) -> Result<u16> {
         let mut conn = self.nodes[0].connection().await?;
         let slot: u16 = redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query_async(&mut conn).await?;
-        let slots: Vec<Vec<redis::Value>> = redis::cmd("CLUSTER").arg("SLOTS").query_async(&mut conn).await?;
-        for range in slots {
-            let (Some(redis::Value::Int(from)), Some(redis::Value::Int(to)), Some(redis::Value::Array(master))) =
-                (range.first(), range.get(1), range.get(2))
-            else {
-                continue;
-            };
-            if (*from..=*to).contains(&i64::from(slot))
-                && let Some(redis::Value::Int(port)) = master.get(1)
-            {
-                return Ok(u16::try_from(*port)?);
-            }
-        }
-        bail!("no master serves slot {slot}")
+        slot_masters(&mut conn)
+            .await?
+            .into_iter()
+            .find(|(from, to, _)| (*from..=*to).contains(&i64::from(slot)))
+            .map(|(.., port)| port)
+            .with_context(|| format!("no master serves slot {slot}"))
     }
 
     /// A coordinated failover (`CLUSTER FAILOVER` on its replica) of the
@@ -298,11 +290,29 @@ impl RedisCluster {
             let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut conn).await?;
             if matches!(role.first(), Some(redis::Value::BulkString(b)) if b == b"master") {
                 self.wait_ok().await?;
+                self.wait_serves_none(master_port).await?;
                 return Ok(replica);
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         bail!("the replica on {replica} did not become master in 30s")
+    }
+
+    /// Waits until no node's slot map names `port` as a master: `cluster_state:ok`
+    /// comes before the new epoch has reached every node by gossip.
+    async fn wait_serves_none(&self, port: u16) -> Result<()> {
+        for _ in 0..300 {
+            let mut stale = false;
+            for n in &self.nodes {
+                let mut conn = n.connection().await?;
+                stale |= slot_masters(&mut conn).await?.iter().any(|(.., p)| *p == port);
+            }
+            if !stale {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        bail!("a node still routes slots to {port} after 30s")
     }
 
     /// Seed URLs, one per node.
@@ -344,4 +354,19 @@ mod tests {
         let micros = super::parse_commandstats(info, "usec=");
         assert_eq!(micros.into_iter().collect::<Vec<_>>(), vec![("xinfo|groups".into(), 8), ("xlen".into(), 3)]);
     }
+}
+
+/// `CLUSTER SLOTS` as `(first slot, last slot, master port)` per range.
+async fn slot_masters(conn: &mut redis::aio::MultiplexedConnection) -> Result<Vec<(i64, i64, u16)>> {
+    let slots: Vec<Vec<redis::Value>> = redis::cmd("CLUSTER").arg("SLOTS").query_async(conn).await?;
+    let mut out = Vec::new();
+    for range in slots {
+        if let (Some(redis::Value::Int(from)), Some(redis::Value::Int(to)), Some(redis::Value::Array(master))) =
+            (range.first(), range.get(1), range.get(2))
+            && let Some(redis::Value::Int(port)) = master.get(1)
+        {
+            out.push((*from, *to, u16::try_from(*port)?));
+        }
+    }
+    Ok(out)
 }
