@@ -33,11 +33,12 @@ impl StreamId {
         }
     }
 
-    /// The smallest ID after this one.
+    /// The smallest ID after this one (the largest ID stays itself).
     pub fn next(self) -> Self {
-        match self.seq.checked_add(1) {
-            Some(seq) => Self { ms: self.ms, seq },
-            None => Self { ms: self.ms.saturating_add(1), seq: 0 },
+        match (self.seq.checked_add(1), self.ms.checked_add(1)) {
+            (Some(seq), _) => Self { ms: self.ms, seq },
+            (None, Some(ms)) => Self { ms, seq: 0 },
+            (None, None) => self,
         }
     }
 }
@@ -162,16 +163,25 @@ static TRIM_WITHIN_FLOOR: std::sync::LazyLock<redis::Script> = std::sync::LazyLo
             if am ~= bm then return num_less(am, bm) end
             return num_less(as, bs)
         end
-        local function after(id)
-            local ms, seq = parts(id)
+        local function plus_one(digits)
             local out, carry = '', 1
-            for i = #seq, 1, -1 do
-                local d = tonumber(string.sub(seq, i, i)) + carry
+            for i = #digits, 1, -1 do
+                local d = tonumber(string.sub(digits, i, i)) + carry
                 carry = d == 10 and 1 or 0
                 out = (d % 10) .. out
             end
             if carry == 1 then out = '1' .. out end
-            return ms .. '-' .. out
+            return out
+        end
+        -- A sequence number at its largest steps into the next millisecond
+        -- (its successor is no ID: XTRIM would refuse it, wedging every
+        -- trim); the largest ID of all is its own successor.
+        local largest = '18446744073709551615'
+        local function after(id)
+            local ms, seq = parts(id)
+            if seq ~= largest then return ms .. '-' .. plus_one(seq) end
+            if ms == largest then return id end
+            return plus_one(ms) .. '-0'
         end
         local point = ARGV[1]
         for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
@@ -234,6 +244,7 @@ mod tests {
         assert!(id(2, 0) > id(1, 99));
         assert_eq!(id(5, 1).next(), id(5, 2));
         assert_eq!(id(5, u64::MAX).next(), id(6, 0));
+        assert_eq!(id(u64::MAX, u64::MAX).next(), id(u64::MAX, u64::MAX));
         assert_eq!(id(6, 0).prev(), id(5, u64::MAX));
         assert_eq!(id(6, 3).prev(), id(6, 2));
         assert_eq!(id(0, 0).prev(), id(0, 0));

@@ -79,3 +79,31 @@ async fn trimming_is_held_at_the_floor_of_every_group() -> Result<()> {
     assert_eq!(first_id(&mut conn).await?, "97-0");
     Ok(())
 }
+
+/// Found by `retention_props`: a group whose last-delivered ID has the
+/// largest sequence number of its millisecond (`XGROUP CREATE`/`SETID` just
+/// before an `N-0` entry, or an entry added at `N-18446744073709551615`) made
+/// the trim script step to `N-18446744073709551616`, which `XTRIM` refuses:
+/// every later trim of the stream failed.
+#[tokio::test]
+async fn a_group_at_the_largest_sequence_number_does_not_wedge_trimming() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    for i in 1..=5 {
+        let _: String = conn.xadd("s", format!("{i}-0"), &[("i", i)]).await?;
+    }
+    // Everything from 3-0 on is undelivered to this group.
+    ensure_group(&mut conn, "s", "g", "2-18446744073709551615").await?;
+    let r = enforce(&mut conn, "s", Some(1), None, 0).await?;
+    assert_eq!((r.floor, r.blocked, r.trimmed), (Some(StreamId { ms: 3, seq: 0 }), true, 2));
+    assert_eq!(first_id(&mut conn).await?, "3-0");
+    // An entry at the largest sequence number, delivered and acked.
+    let _: String = conn.xadd("s", "6-18446744073709551615", &[("i", 6)]).await?;
+    let done = read(&mut conn, "g", 10).await?;
+    ack(&mut conn, "g", &done).await?;
+    let trimmed = streamfleet_streams::retention::trim_to(&mut conn, "s", StreamId { ms: 99, seq: 0 }).await?;
+    assert_eq!(trimmed, 4, "everything delivered and acked goes");
+    let len: usize = conn.xlen("s").await?;
+    assert_eq!(len, 0);
+    Ok(())
+}

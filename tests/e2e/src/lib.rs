@@ -238,3 +238,42 @@ pub async fn operator_http(client: &Client, namespace: &str, path: &str) -> Resu
     stream.read_to_string(&mut response).await?;
     Ok(response.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).unwrap_or_default())
 }
+
+/// SIGKILLs the process of the first container of pod `name` (no pod delete:
+/// the process dies as it would from the OOM killer or a node fault) and
+/// waits until the kubelet stand-in has seen it die: the restart count moved
+/// and the last state is `terminated` with exit code 137. Returns the killed pid.
+pub async fn sigkill_container(client: &Client, namespace: &str, name: &str) -> Result<u32> {
+    use k8s_openapi::api::core::v1::Pod;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let pod = pods.get(name).await?;
+    let container = pod.spec.as_ref().and_then(|s| s.containers.first()).map(|c| c.name.clone()).unwrap_or_default();
+    let restarts = |p: &Pod| {
+        p.status.as_ref().and_then(|s| s.container_statuses.as_ref()).and_then(|s| s.first()).map(|s| s.restart_count)
+    };
+    let before = restarts(&pod).unwrap_or(0);
+    let pid = streamfleet_testbed::kubelet::container_pid(&pod, &container)
+        .with_context(|| format!("{namespace}/{name} has no running process"))?;
+    streamfleet_testbed::process::signal(pid, streamfleet_testbed::process::Signal::SIGKILL);
+    streamfleet_testbed::eventually(
+        &format!("{name} (pid {pid}) seen dead of SIGKILL"),
+        Duration::from_secs(30),
+        || {
+            let pods = pods.clone();
+            async move {
+                let p = pods.get(name).await?;
+                let last = p
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.container_statuses.as_ref())
+                    .and_then(|s| s.first())
+                    .and_then(|s| s.last_state.as_ref())
+                    .and_then(|s| s.terminated.as_ref())
+                    .map(|t| t.exit_code);
+                Ok((restarts(&p).unwrap_or(0) > before && last == Some(137)).then_some(()))
+            }
+        },
+    )
+    .await?;
+    Ok(pid)
+}

@@ -252,6 +252,9 @@ async fn a_killed_workers_entries_are_handled_and_acked_within_seconds_and_live_
         let killed_at = Instant::now();
         // Consumer names are `<pod name>.<pod UID>`.
         let pod = victim.split_once('.').map_or(victim.as_str(), |(pod, _)| pod);
+        // A crash the pod does not survive (a lost node): the process dies
+        // of SIGKILL, then its pod is force-deleted.
+        sigkill_container(&client, &ns.name, pod).await?;
         pods.delete(pod, &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
         eventually("the killed worker's entries handled and acked", T, || async {
             Ok(all_done(&mut conn.clone(), &held).await?.then_some(()))
@@ -259,7 +262,7 @@ async fn a_killed_workers_entries_are_handled_and_acked_within_seconds_and_live_
         .await?;
         let took = killed_at.elapsed();
         println!(
-            "round {round}: {} entries of the killed worker handled and acked {took:?} after its deletion",
+            "round {round}: {} entries of the killed worker handled and acked {took:?} after its SIGKILL",
             held.len()
         );
         figures.push((took, held.len()));
@@ -277,7 +280,7 @@ async fn a_killed_workers_entries_are_handled_and_acked_within_seconds_and_live_
     streamfleet_testbed::write_figure(
         "reclaim",
         &serde_json::json!({
-            "what": "A force-deleted worker's entries: from the pod's deletion to the last of them handled (charged) and acked",
+            "what": "A crashed worker's entries (its process SIGKILLed, then its pod force-deleted): from the SIGKILL to the last of them handled (charged) and acked",
             "settings": {"minIdleTimeMs": 60000, "guard": true, "batchSize": 4, "handlerMs": 300, "workers": 3, "pollIntervalSeconds": 2},
             "columns": ["run", "entries held", "seconds"],
             "rows": figures.iter().enumerate().map(|(i, (t, n))| serde_json::json!([i + 1, n, format!("{:.2}", t.as_secs_f64())])).collect::<Vec<_>>(),
@@ -413,7 +416,7 @@ async fn the_python_worker_runs_under_the_operator_and_survives_a_killed_pod() -
         .filter_map(|p| p.metadata.name.clone())
         .find(|n| n.starts_with("py-worker-"))
         .expect("a worker pod");
-    pods.delete(&victim, &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
+    sigkill_container(&client, &ns, &victim).await?;
     let at_kill = charged().await?;
     assert!(at_kill < 300, "the kill must land mid-run: {at_kill} of 300 already charged");
     println!("killed {victim} with {at_kill} of 300 orders charged");

@@ -8,7 +8,7 @@
 
 use anyhow::Result;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{DeleteParams, ListParams};
+use kube::api::ListParams;
 use kube::{Api, ResourceExt as _};
 use redis::AsyncCommands as _;
 use std::time::Duration;
@@ -55,7 +55,7 @@ async fn example_workers_on_a_redis_cluster_charge_every_order_once() -> Result<
     .await?;
     // Consumer names are `<pod name>.<pod UID>`.
     let pod = victim.split_once('.').map_or(victim.as_str(), |(pod, _)| pod).to_string();
-    pods.delete(&pod, &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
+    sigkill_container(&client, &ns, &pod).await?;
 
     let expected = orders - poison;
     eventually("every order settled on the cluster", T, || async {

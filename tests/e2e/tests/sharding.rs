@@ -203,7 +203,7 @@ async fn a_sharded_pipeline_on_a_cluster_runs_every_shard_grows_under_load_and_n
 async fn six_shards_survive_a_master_failover_and_a_worker_kill_with_every_order_charged_once() -> Result<()> {
     use k8s_openapi::api::core::v1::Pod;
     use kube::ResourceExt as _;
-    use kube::api::{DeleteParams, ListParams};
+    use kube::api::ListParams;
     let orders: usize = std::env::var("SHARD_DRILL_ORDERS").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000);
     let f = Fixture::start("e2e-shard-drill", &[]).await?;
     let (client, ns) = (f.client.clone(), f.ns.name.clone());
@@ -236,7 +236,7 @@ async fn six_shards_survive_a_master_failover_and_a_worker_kill_with_every_order
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let workers = pods.list(&ListParams::default().labels("app.kubernetes.io/component=worker")).await?.items;
     let victim = workers.first().map(|p| p.name_any()).expect("a worker");
-    pods.delete(&victim, &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
+    sigkill_container(&client, &ns, &victim).await?;
     poison += produce(&mut conn, 2 * third..orders, 6).await?;
 
     let mut c = conn.clone();

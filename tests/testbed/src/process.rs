@@ -75,6 +75,8 @@ impl Drop for Daemon {
     }
 }
 
+pub use nix::sys::signal::Signal;
+
 /// Sends a signal to a process; a process that is already gone is not an error.
 pub fn signal(pid: u32, sig: nix::sys::signal::Signal) {
     if let Ok(pid) = i32::try_from(pid) {

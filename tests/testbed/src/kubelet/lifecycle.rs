@@ -1,6 +1,8 @@
-//! A pod's processes: starting and restarting containers (with crash-loop
-//! back-off), their exits under `restartPolicy`, deletion (SIGTERM, the grace
-//! period, SIGKILL) and the pod status reported for them.
+//! A pod's processes: starting and restarting containers (with the kubelet's
+//! crash-loop back-off, 10 s doubling to 5 minutes), their exits under
+//! `restartPolicy`, deletion (SIGTERM, the grace period but at least the
+//! kubelet's minimum of 2 s, SIGKILL), `activeDeadlineSeconds`, and the pod
+//! status reported for them.
 
 use super::network::HOST_IP;
 use super::{Kubelet, pod_ip};
@@ -16,8 +18,18 @@ use std::path::PathBuf;
 use std::time::Duration;
 use tokio::process::{Child, Command};
 
-/// The longest crash-loop back-off, and the longest wait between start attempts.
-pub(super) const MAX_BACKOFF: Duration = Duration::from_secs(20);
+/// The longest wait between attempts to start a pod whose config is missing.
+pub(super) const MAX_CONFIG_RETRY: Duration = Duration::from_secs(20);
+
+/// The kubelet's crash-loop back-off: 10 s, doubling, capped at 5 minutes.
+const CRASH_BACKOFF_FIRST: Duration = Duration::from_secs(10);
+const CRASH_BACKOFF_MAX: Duration = Duration::from_secs(300);
+/// A container that ran this long before exiting restarts with the first back-off again.
+const CRASH_BACKOFF_RESET: Duration = Duration::from_secs(600);
+
+/// The kubelet never gives a container less than this between SIGTERM and
+/// SIGKILL, even when the pod is deleted with a grace period of 0 (force).
+pub(super) const MIN_GRACE: Duration = Duration::from_secs(2);
 
 impl Kubelet {
     pub(super) async fn start(&self, pod: &Pod) -> Result<PodRuntime, StartError> {
@@ -46,11 +58,12 @@ impl Kubelet {
                 home: dir.clone(),
                 child: None,
                 restarts: 0,
+                crashes: 0,
                 last_exit: None,
                 started_at: None,
+                ran_since: None,
                 restart_at: None,
-                probe_ok: false,
-                next_probe: None,
+                probes: super::probes::ContainerProbes::default(),
             });
         }
         let mut rt = PodRuntime {
@@ -58,6 +71,11 @@ impl Kubelet {
             restart_policy: spec.restart_policy.clone().unwrap_or_else(|| "Always".into()),
             started: Time(k8s_openapi::jiff::Timestamp::now()),
             pod_ip: ip,
+            start_latency: self.start_latency,
+            deadline: spec
+                .active_deadline_seconds
+                .map(|s| tokio::time::Instant::now() + Duration::from_secs(u64::try_from(s).unwrap_or(0))),
+            failure: None,
         };
         for i in 0..rt.containers.len() {
             rt.restart(i).await.map_err(StartError::Other)?;
@@ -103,19 +121,21 @@ fn exit_reason(code: i32) -> &'static str {
     if code == 0 { "Completed" } else { "Error" }
 }
 
-/// 1s, 2s, 4s, ... capped at [`MAX_BACKOFF`], like the kubelet's crash-loop back-off.
-fn restart_backoff(restarts: i32) -> Duration {
-    let exp = u32::try_from(restarts.clamp(1, 16) - 1).unwrap_or(0);
-    (Duration::from_secs(1) * 2u32.pow(exp)).min(MAX_BACKOFF)
+/// The `n`th consecutive crash's back-off: 10 s, 20 s, 40 s, ... capped at 5 minutes.
+fn restart_backoff(crashes: u32) -> Duration {
+    let exp = crashes.clamp(1, 16) - 1;
+    (CRASH_BACKOFF_FIRST * 2u32.pow(exp)).min(CRASH_BACKOFF_MAX)
 }
 
+/// The pod's termination grace period (the deletion's, else the spec's,
+/// else 30 s), never below the kubelet's minimum.
 pub(super) fn grace_period(pod: &Pod) -> Duration {
     let secs = pod
         .metadata
         .deletion_grace_period_seconds
         .or_else(|| pod.spec.as_ref().and_then(|s| s.termination_grace_period_seconds))
         .unwrap_or(30);
-    Duration::from_secs(u64::try_from(secs).unwrap_or(0))
+    Duration::from_secs(u64::try_from(secs).unwrap_or(0)).max(MIN_GRACE)
 }
 
 pub(super) async fn patch_status(api: &Api<Pod>, name: &str, status: serde_json::Value) {
@@ -149,12 +169,13 @@ pub(super) struct ContainerRuntime {
     home: PathBuf,
     pub(super) child: Option<Child>,
     restarts: i32,
+    /// Crashes since the container last ran for [`CRASH_BACKOFF_RESET`].
+    crashes: u32,
     last_exit: Option<i32>,
     started_at: Option<Time>,
+    ran_since: Option<tokio::time::Instant>,
     restart_at: Option<tokio::time::Instant>,
-    /// Readiness: true without a readiness probe, else the last probe's result.
-    pub(super) probe_ok: bool,
-    pub(super) next_probe: Option<tokio::time::Instant>,
+    pub(super) probes: super::probes::ContainerProbes,
 }
 
 impl ContainerRuntime {
@@ -187,6 +208,12 @@ pub(super) struct PodRuntime {
     restart_policy: String,
     started: Time,
     pub(super) pod_ip: String,
+    /// How long creating a container takes (a warm image start).
+    start_latency: Duration,
+    /// `activeDeadlineSeconds`, from the pod's start.
+    pub(super) deadline: Option<tokio::time::Instant>,
+    /// Why the pod failed as a whole (`DeadlineExceeded`), with a message.
+    failure: Option<(&'static str, String)>,
 }
 
 pub(super) enum ExitAction {
@@ -195,21 +222,27 @@ pub(super) enum ExitAction {
     Finish(&'static str),
 }
 
+/// An exit status as the kubelet reports it: the code, or 128+n for signal n.
+fn exit_code(status: std::io::Result<std::process::ExitStatus>) -> i32 {
+    use std::os::unix::process::ExitStatusExt as _;
+    match status {
+        Ok(s) => s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(0)),
+        Err(_) => 255,
+    }
+}
+
 impl PodRuntime {
     pub(super) async fn restart(&mut self, index: usize) -> Result<()> {
+        tokio::time::sleep(self.start_latency).await;
         let c = self.containers.get_mut(index).context("no such container")?;
         let mut cmd = c.command()?;
         let std_cmd = cmd.as_std_mut();
         crate::process::die_with_parent(std_cmd);
         c.child = Some(cmd.spawn().with_context(|| format!("starting {}", c.binary.display()))?);
         c.started_at = Some(Time(k8s_openapi::jiff::Timestamp::now()));
+        c.ran_since = Some(tokio::time::Instant::now());
         c.restart_at = None;
-        let probe = c.spec.readiness_probe.as_ref();
-        c.probe_ok = probe.is_none();
-        c.next_probe = probe.map(|p| {
-            let delay = u64::try_from(p.initial_delay_seconds.unwrap_or(0)).unwrap_or(0);
-            tokio::time::Instant::now() + Duration::from_secs(delay)
-        });
+        c.probes = super::probes::ContainerProbes::new(&c.spec);
         Ok(())
     }
 
@@ -225,14 +258,7 @@ impl PodRuntime {
             return futures::future::pending().await;
         }
         let ((i, status), _, _) = futures::future::select_all(waits).await;
-        let code = match status {
-            Ok(s) => {
-                use std::os::unix::process::ExitStatusExt as _;
-                s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(0))
-            }
-            Err(_) => 255,
-        };
-        (i, code)
+        (i, exit_code(status))
     }
 
     pub(super) fn on_exit(&mut self, index: usize, code: i32) -> ExitAction {
@@ -245,21 +271,45 @@ impl PodRuntime {
             "OnFailure" => code != 0,
             _ => false,
         };
-        if restart {
-            let restarts = match self.containers.get_mut(index) {
-                Some(c) => {
-                    c.restarts += 1;
-                    c.restarts
-                }
-                None => 1,
-            };
-            return ExitAction::Restart(restart_backoff(restarts));
+        if restart && let Some(c) = self.containers.get_mut(index) {
+            c.restarts += 1;
+            let ran = c.ran_since.take().map(|t| t.elapsed()).unwrap_or_default();
+            c.crashes = if ran >= CRASH_BACKOFF_RESET { 1 } else { c.crashes + 1 };
+            return ExitAction::Restart(restart_backoff(c.crashes));
         }
         if self.containers.iter().any(|c| c.child.is_some()) {
             return ExitAction::Wait;
         }
         let failed = self.containers.iter().any(|c| c.last_exit.unwrap_or(0) != 0);
         ExitAction::Finish(if failed { "Failed" } else { "Succeeded" })
+    }
+
+    /// SIGTERM to one container, SIGKILL if it still runs after `grace`; its
+    /// exit code (a signal n as 128+n), as the kubelet kills a container whose
+    /// liveness or startup probe failed.
+    pub(super) async fn kill_container(&mut self, index: usize, grace: Duration) -> i32 {
+        let Some(child) = self.containers.get_mut(index).and_then(|c| c.child.as_mut()) else {
+            return 0;
+        };
+        if let Some(pid) = child.id() {
+            signal(pid, Signal::SIGTERM);
+        }
+        let status = match tokio::time::timeout(grace, child.wait()).await {
+            Ok(status) => status,
+            Err(_) => {
+                let _ = child.start_kill();
+                child.wait().await
+            }
+        };
+        exit_code(status)
+    }
+
+    /// Ends a pod past its `activeDeadlineSeconds`: its containers are
+    /// stopped and the pod fails with reason `DeadlineExceeded`.
+    pub(super) async fn exceed_deadline(&mut self, grace: Duration) {
+        self.terminate(grace).await;
+        self.failure =
+            Some(("DeadlineExceeded", "Pod was active on the node longer than the specified deadline".into()));
     }
 
     /// SIGTERM to every container, SIGKILL to those still running after `grace`.
@@ -271,19 +321,15 @@ impl PodRuntime {
         }
         let deadline = tokio::time::Instant::now() + grace;
         for c in &mut self.containers {
-            if let Some(child) = c.child.as_mut()
-                && tokio::time::timeout_at(deadline, child.wait()).await.is_err()
-            {
-                let _ = child.kill().await;
-            }
-            c.child = None;
-        }
-    }
-
-    pub(super) async fn kill_all(&mut self) {
-        for c in &mut self.containers {
             if let Some(child) = c.child.as_mut() {
-                let _ = child.kill().await;
+                let status = match tokio::time::timeout_at(deadline, child.wait()).await {
+                    Ok(status) => status,
+                    Err(_) => {
+                        let _ = child.start_kill();
+                        child.wait().await
+                    }
+                };
+                c.last_exit = Some(exit_code(status));
             }
             c.child = None;
         }
@@ -306,7 +352,7 @@ impl PodRuntime {
             .iter()
             .map(|c| {
                 let running = c.child.is_some();
-                let ready = running && c.probe_ok;
+                let ready = running && c.probes.ready;
                 let state = match (running, c.last_exit) {
                     (true, _) => json!({"running": {"startedAt": c.started_at}}),
                     (false, Some(code)) if finished.is_some() => json!({"terminated": {"exitCode": code, "reason": exit_reason(code), "startedAt": c.started_at, "finishedAt": Time(k8s_openapi::jiff::Timestamp::now())}}),
@@ -314,17 +360,17 @@ impl PodRuntime {
                 };
                 let mut s = json!({"name": c.spec.name, "image": c.spec.image, "imageID": format!("local://{}", c.binary.display()),
                                    "containerID": format!("local://{}", c.child.as_ref().and_then(Child::id).unwrap_or(0)),
-                                   "ready": ready, "started": running, "restartCount": c.restarts, "state": state});
+                                   "ready": ready, "started": running && c.probes.started, "restartCount": c.restarts, "state": state});
                 if let Some(code) = c.last_exit.filter(|_| finished.is_none()) {
                     s["lastState"] = json!({"terminated": {"exitCode": code, "reason": exit_reason(code)}});
                 }
                 s
             })
             .collect();
-        let all_ready = finished.is_none() && self.containers.iter().all(|c| c.child.is_some() && c.probe_ok);
+        let all_ready = finished.is_none() && self.containers.iter().all(|c| c.child.is_some() && c.probes.ready);
         let ready = if all_ready { "True" } else { "False" };
         let phase = finished.unwrap_or("Running");
-        json!({
+        let mut status = json!({
             "phase": phase, "hostIP": HOST_IP, "podIP": self.pod_ip, "podIPs": [{"ip": self.pod_ip}],
             "startTime": self.started,
             "conditions": [
@@ -334,7 +380,12 @@ impl PodRuntime {
                 {"type": "Ready", "status": ready},
             ],
             "containerStatuses": statuses,
-        })
+        });
+        if let Some((reason, message)) = &self.failure {
+            status["reason"] = json!(reason);
+            status["message"] = json!(message);
+        }
+        status
     }
 }
 
@@ -343,9 +394,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn restart_backoff_doubles_and_caps() {
-        assert_eq!(restart_backoff(1), Duration::from_secs(1));
-        assert_eq!(restart_backoff(3), Duration::from_secs(4));
-        assert_eq!(restart_backoff(100), MAX_BACKOFF);
+    fn crash_backoff_is_the_kubelets_10s_doubling_to_5_minutes() {
+        let secs: Vec<u64> = (1..=8).map(|n| restart_backoff(n).as_secs()).collect();
+        assert_eq!(secs, [10, 20, 40, 80, 160, 300, 300, 300]);
+        assert_eq!(restart_backoff(1000), CRASH_BACKOFF_MAX);
     }
 }

@@ -20,15 +20,23 @@
 //! * **Network.** Pods share the host's network, but each gets its own pod IP
 //!   in 127.0.0.0/8 (reported in status and `status.podIP`), so servers that
 //!   bind their pod IP do not collide.
-//! * **Readiness.** `httpGet` and `tcpSocket` readiness probes run against the
-//!   pod IP; a container without one is ready while running.
-//! * **Lifecycle.** Exits follow
-//!   `restartPolicy` (with back-off) and end the pod `Succeeded`/`Failed`.
-//!   On deletion: SIGTERM, the grace period, SIGKILL, then the pod object is
-//!   removed.
+//! * **Start.** Creating a container takes a while, as a warm image start
+//!   does: 1 s by default (`TESTBED_POD_START_MS`); the pod shows
+//!   `ContainerCreating` meanwhile.
+//! * **Probes.** Startup, liveness and readiness probes (`httpGet`,
+//!   `tcpSocket`) run against the pod IP with their delays, periods and
+//!   thresholds; a failed startup or liveness probe kills the container, which
+//!   restarts under `restartPolicy`; a container without a readiness probe is
+//!   ready once started.
+//! * **Lifecycle.** Exits follow `restartPolicy` with the kubelet's
+//!   CrashLoopBackOff (10 s doubling to 5 minutes) and end the pod
+//!   `Succeeded`/`Failed`. On deletion: SIGTERM, the grace period (never less
+//!   than the kubelet's minimum of 2 s, also for a force delete, when the
+//!   object is gone at once), SIGKILL, then the pod object is removed.
+//!   `activeDeadlineSeconds` ends the pod `Failed` with `DeadlineExceeded`.
 //!
-//! Liveness and startup probes, volumes, init containers, security contexts
-//! and resource limits are not emulated.
+//! Exec and gRPC probes, volumes, init containers, security contexts and
+//! resource limits are not emulated.
 
 mod env;
 mod identity;
@@ -49,7 +57,8 @@ use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::watcher;
 use kube::{Api, Client, ResourceExt as _};
 use lifecycle::{
-    ExitAction, MAX_BACKOFF, PodRuntime, StartError, grace_period, patch_status, sleep_until_restart, waiting_status,
+    ExitAction, MAX_CONFIG_RETRY, MIN_GRACE, PodRuntime, StartError, grace_period, patch_status, sleep_until_restart,
+    waiting_status,
 };
 use network::HOST_IP;
 use probes::sleep_until_opt;
@@ -65,6 +74,8 @@ pub const NODE_NAME: &str = "testbed-node";
 /// Shared settings of the stand-in.
 pub struct Kubelet {
     next_pod: std::sync::atomic::AtomicU32,
+    /// How long creating a container takes.
+    start_latency: Duration,
     client: Client,
     images: ImageMap,
     root: PathBuf,
@@ -74,7 +85,16 @@ pub struct Kubelet {
 
 impl Kubelet {
     pub fn new(client: Client, images: ImageMap, root: PathBuf, server: String, ca_pem: String) -> Self {
-        Self { next_pod: std::sync::atomic::AtomicU32::new(0), client, images, root, server, ca_pem }
+        let start_ms = std::env::var("TESTBED_POD_START_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
+        Self {
+            next_pod: std::sync::atomic::AtomicU32::new(0),
+            start_latency: Duration::from_millis(start_ms),
+            client,
+            images,
+            root,
+            server,
+            ca_pem,
+        }
     }
 
     /// Registers the node and runs pods until the future is dropped (which
@@ -166,9 +186,10 @@ impl Kubelet {
         let mut backoff = Duration::from_secs(1);
         loop {
             let Some(pod) = rx.borrow_and_update().clone() else {
-                // Gone from the API (force-deleted): stop at once.
+                // Gone from the API (force-deleted): the kubelet still gives
+                // the containers its minimum grace.
                 if let Some(rt) = runtime.as_mut() {
-                    rt.kill_all().await;
+                    rt.terminate(MIN_GRACE).await;
                 }
                 return Ok(());
             };
@@ -191,6 +212,7 @@ impl Kubelet {
                     }
                 }
                 Some(NODE_NAME) if runtime.is_none() && !pod_is_finished(&pod) => {
+                    patch_status(&api, &name, waiting_status(&pod, "ContainerCreating", "")).await;
                     match self.start(&pod).await {
                         Ok(rt) => {
                             patch_status(&api, &name, rt.status(None)).await;
@@ -203,7 +225,7 @@ impl Kubelet {
                                 _ = tokio::time::sleep(backoff) => {}
                                 r = rx.changed() => if r.is_err() { return Ok(()) },
                             }
-                            backoff = (backoff * 2).min(MAX_BACKOFF);
+                            backoff = (backoff * 2).min(MAX_CONFIG_RETRY);
                             continue;
                         }
                         Err(StartError::Other(e)) => return Err(e),
@@ -219,39 +241,64 @@ impl Kubelet {
             };
             let next_restart = rt.next_restart();
             let next_probe = rt.next_probe();
+            let deadline = rt.deadline;
             tokio::select! {
                 () = sleep_until_opt(next_probe) => {
-                    if rt.run_due_probes().await {
+                    let outcome = rt.run_due_probes().await;
+                    for index in outcome.kill {
+                        let code = rt.kill_container(index, grace_period(&pod)).await;
+                        if after_exit(rt, &api, &name, index, code).await {
+                            return Ok(());
+                        }
+                    }
+                    if outcome.changed {
                         patch_status(&api, &name, rt.status(None)).await;
                     }
                 }
+                () = sleep_until_opt(deadline) => {
+                    rt.exceed_deadline(grace_period(&pod)).await;
+                    patch_status(&api, &name, rt.status(Some("Failed"))).await;
+                    return Ok(());
+                }
                 changed = rx.changed() => {
                     if changed.is_err() {
-                        rt.kill_all().await;
+                        rt.terminate(MIN_GRACE).await;
                         return Ok(());
                     }
                 }
                 (index, code) = rt.wait_any() => {
-                    match rt.on_exit(index, code) {
-                        ExitAction::Restart(delay) => {
-                            rt.schedule_restart(index, delay);
-                            patch_status(&api, &name, rt.status(None)).await;
-                        }
-                        ExitAction::Wait => patch_status(&api, &name, rt.status(None)).await,
-                        ExitAction::Finish(phase) => {
-                            patch_status(&api, &name, rt.status(Some(phase))).await;
-                            return Ok(());
-                        }
+                    if after_exit(rt, &api, &name, index, code).await {
+                        return Ok(());
                     }
                 }
                 index = sleep_until_restart(next_restart) => {
                     if let Err(e) = rt.restart(index).await {
                         tracing::warn!("restarting {ns}/{name}: {e:#}");
-                        rt.schedule_restart(index, MAX_BACKOFF);
+                        rt.schedule_restart(index, MAX_CONFIG_RETRY);
                     }
                     patch_status(&api, &name, rt.status(None)).await;
                 }
             }
+        }
+    }
+}
+
+/// Applies `restartPolicy` to a container that exited with `code` and reports
+/// it; true when the pod has finished.
+async fn after_exit(rt: &mut PodRuntime, api: &Api<Pod>, name: &str, index: usize, code: i32) -> bool {
+    match rt.on_exit(index, code) {
+        ExitAction::Restart(delay) => {
+            rt.schedule_restart(index, delay);
+            patch_status(api, name, rt.status(None)).await;
+            false
+        }
+        ExitAction::Wait => {
+            patch_status(api, name, rt.status(None)).await;
+            false
+        }
+        ExitAction::Finish(phase) => {
+            patch_status(api, name, rt.status(Some(phase))).await;
+            true
         }
     }
 }
@@ -270,4 +317,11 @@ async fn bind(api: &Api<Pod>, name: &str) -> Result<()> {
         .await
         .context("binding pod")?;
     Ok(())
+}
+
+/// The process ID behind a container, from the `local://<pid>` container ID
+/// the stand-in reports; `None` while it is not running.
+pub fn container_pid(pod: &Pod, container: &str) -> Option<u32> {
+    let status = pod.status.as_ref()?.container_statuses.as_ref()?.iter().find(|s| s.name == container)?;
+    status.container_id.as_deref()?.strip_prefix("local://")?.parse().ok().filter(|pid| *pid != 0)
 }
