@@ -142,18 +142,25 @@ pub struct Fixture {
     pub ns: streamfleet_testbed::TestNamespace,
     pub redis: streamfleet_testbed::RedisServer,
     pub conn: redis::aio::MultiplexedConnection,
+    /// The operator's Helm release.
+    pub release: String,
 }
 
 impl Fixture {
     pub async fn start(prefix: &str, helm_args: &[&str]) -> Result<Self> {
+        Self::start_with_redis(prefix, helm_args, &[]).await
+    }
+
+    /// Like [`Fixture::start`], with extra `redis-server` arguments.
+    pub async fn start_with_redis(prefix: &str, helm_args: &[&str], redis_args: &[&str]) -> Result<Self> {
         let bed = TestBed::shared()?;
         let client = bed.client().await?;
         let ns = bed.namespace(&client, prefix).await?;
-        install_operator(bed, &ns.name, helm_args).await?;
-        let redis = streamfleet_testbed::RedisServer::start().await?;
+        let release = install_operator(bed, &ns.name, helm_args).await?;
+        let redis = streamfleet_testbed::RedisServer::start_with(redis_args).await?;
         let conn = redis.connection().await?;
         create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
-        Ok(Self { bed, client, ns, redis, conn })
+        Ok(Self { bed, client, ns, redis, conn, release })
     }
 
     /// `kubectl apply` of a manifest into the fixture's namespace.

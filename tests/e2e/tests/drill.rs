@@ -1,22 +1,28 @@
-//! The crash drill: 10,000 orders (DRILL_ORDERS) through the example
-//! pipeline while workers crash between charge and ack, are SIGKILLed from
-//! outside, hit transient gateway failures, and one slow but alive worker
-//! shares the group; 1% of orders are poison; and an outside `XTRIM` deletes
-//! the payloads of entries pending in a vanished consumer's hands. At the end
-//! every other order is charged exactly once, every entry is acked or
-//! dead-lettered, each poison order is a dead letter with its metadata, the
-//! status counts exactly the trimmed pending entries as lost, the PEL is
-//! empty, and every injected fault is shown to have happened.
+//! The fault drill: 10,000 orders (`DRILL_ORDERS`; the full-size drill is
+//! 100,000) produced over `DRILL_SECONDS` (60) through the example pipeline
+//! while worker processes are SIGKILLed (20, of which 5 aimed at, and shown
+//! to land, between a charge and its ack), 3% of charges hit a transient
+//! gateway timeout, 1% of orders are poison, one slow but alive worker
+//! shares the group, Redis crashes and restarts from its AOF (`appendfsync
+//! always`), the kube-apiserver restarts, the leading operator is SIGKILLed,
+//! and an outside `XTRIM` deletes the payloads of entries pending in a
+//! vanished consumer's hands. At the end the set of charged orders is the
+//! set produced minus the poison minus exactly the orders reported
+//! payload-lost; no order is charged twice and no repeat got past a live
+//! first charger; every entry is acked or dead-lettered; and every injected
+//! fault is shown to have happened.
 //!
-//! By hand: `cargo test -p streamfleet-e2e --test drill -- --nocapture`.
+//! By hand (the full-size drill):
+//! `DRILL_ORDERS=100000 DRILL_SECONDS=300 cargo test -p streamfleet-e2e --test drill -- --nocapture crash_drill_every`
 
 // A test fails by panicking.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use anyhow::Result;
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{DeleteParams, ListParams, PostParams};
+use kube::api::{ListParams, PostParams};
 use kube::{Api, ResourceExt as _};
 use rand::Rng as _;
 use redis::AsyncCommands as _;
@@ -30,9 +36,26 @@ const MIN_IDLE_MS: u64 = 3000;
 /// Pending entries whose payloads the outside trim deletes.
 const TRIMMED: usize = 25;
 
-fn pipeline(guard: bool) -> String {
+/// What a drill injects.
+struct Plan {
+    guard: bool,
+    workers: usize,
+    /// SIGKILLs of random running workers.
+    random_kills: usize,
+    /// SIGKILLs aimed between a charge and its ack, each shown to land there.
+    aimed_kills: usize,
+    /// A Redis crash and restart, a kube-apiserver restart and a SIGKILL of the leading operator.
+    infrastructure: bool,
+}
+
+/// The drills of this binary run one at a time: the full one restarts the
+/// API server both share.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn pipeline(plan: &Plan) -> String {
     let spec = format!(
-        "  startId: \"0\"\n  scaling: {{minReplicas: 3, maxReplicas: 3, pollIntervalSeconds: 2}}\n  recovery: {{minIdleTimeMs: {MIN_IDLE_MS}, maxDeliveries: 4, batchSize: 50}}"
+        "  startId: \"0\"\n  scaling: {{minReplicas: {n}, maxReplicas: {n}, pollIntervalSeconds: 2}}\n  recovery: {{minIdleTimeMs: {MIN_IDLE_MS}, maxDeliveries: 4, batchSize: 50}}",
+        n = plan.workers
     );
     manifest(
         "orders",
@@ -41,8 +64,10 @@ fn pipeline(guard: bool) -> String {
         "streamfleet/example-worker",
         &[
             ("EXAMPLE_TRANSIENT_PERCENT", "3"),
-            ("EXAMPLE_CRASH_PERCENT", "0.1"),
-            ("EXAMPLE_GUARD", if guard { "on" } else { "off" }),
+            // Stalls of 2 s after the charge, before the ack: the aimed kills' targets.
+            ("EXAMPLE_STALL_PERCENT", "0.3"),
+            ("EXAMPLE_STALL_MS", "2000"),
+            ("EXAMPLE_GUARD", if plan.guard { "on" } else { "off" }),
         ],
         &spec,
     )
@@ -83,103 +108,292 @@ fn slow_worker(redis_url: &str, guard: bool) -> Result<Deployment> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_drill_every_order_charged_exactly_once() -> Result<()> {
-    drill("e2e-drill", true).await
+    let plan = Plan { guard: true, workers: 5, random_kills: 15, aimed_kills: 5, infrastructure: true };
+    drill("e2e-drill", plan).await
 }
 
-/// The same drill without the idempotency guard: the ledger's own
+/// A smaller drill without the idempotency guard: the ledger's own
 /// idempotency (one charge per order) alone keeps every order charged once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_drill_without_the_guard_the_handlers_idempotency_holds_alone() -> Result<()> {
-    drill("e2e-drill-noguard", false).await
+    let plan = Plan { guard: false, workers: 3, random_kills: 3, aimed_kills: 2, infrastructure: false };
+    drill("e2e-drill-noguard", plan).await
 }
 
-async fn drill(namespace: &str, guard: bool) -> Result<()> {
-    let orders: usize = std::env::var("DRILL_ORDERS").ok().and_then(|v| v.parse().ok()).unwrap_or(10_000);
-    let f = Fixture::start(namespace, &[]).await?;
-    let (client, ns, mut conn) = (f.client.clone(), &f.ns, f.conn.clone());
-    streamfleet_streams::ensure_group(&mut conn, "orders", "billing", "0").await?;
-
-    // 1% poison, spread through the stream.
-    let started = Instant::now();
-    let mut poison = Vec::new();
-    let mut ids: Vec<String> = Vec::new();
-    for chunk in (0..orders).collect::<Vec<_>>().chunks(1000) {
-        let mut pipe = redis::pipe();
-        for &i in chunk {
-            pipe.cmd("XADD").arg("orders").arg("*").arg("order_id").arg(i).arg("amount_cents").arg(100 + i);
-            if i % 100 == 42 {
-                pipe.arg("poison").arg("1");
-                poison.push(i.to_string());
-            }
+/// Produces orders `range` (1% poison) in batches; returns (entry ID, order) per order.
+async fn produce(
+    conn: &mut redis::aio::MultiplexedConnection,
+    range: std::ops::Range<usize>,
+) -> Result<Vec<(String, usize)>> {
+    let mut pipe = redis::pipe();
+    for i in range.clone() {
+        pipe.cmd("XADD").arg("orders").arg("*").arg("order_id").arg(i).arg("amount_cents").arg(100 + i);
+        if i % 100 == 42 {
+            pipe.arg("poison").arg("1");
         }
-        ids.extend(pipe.query_async::<Vec<String>>(&mut conn).await?);
     }
-    // A consumer outside the pipeline takes the first orders and vanishes;
-    // then an outside trim deletes exactly those pending entries' payloads.
-    let opts = redis::streams::StreamReadOptions::default().group("billing", "vanished").count(TRIMMED);
-    let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
-    let trimmed: u64 = redis::cmd("XTRIM").arg("orders").arg("MINID").arg(&ids[TRIMMED]).query_async(&mut conn).await?;
-    assert_eq!(trimmed, TRIMMED as u64, "the trim deleted exactly the vanished consumer's pending entries");
-    let lost_orders: Vec<String> = (0..TRIMMED).map(|i| i.to_string()).collect();
+    let ids: Vec<String> = pipe.query_async(conn).await?;
+    Ok(ids.into_iter().zip(range).collect())
+}
 
-    f.apply(&pipeline(guard)).await?;
-    Api::<Deployment>::namespaced(client.clone(), &ns.name)
-        .create(&PostParams::default(), &slow_worker(&f.redis.url(), guard)?)
-        .await?;
-    wait_condition(&client, &ns.name, "orders", "Ready", "True", None, Duration::from_secs(120)).await?;
+/// What the faults did, as observed.
+#[derive(Default, Debug)]
+struct Observed {
+    random_kills: usize,
+    /// Aimed kills that landed with the order charged and its entry still
+    /// pending in the dead process's hands.
+    aimed_landed: Vec<(String, String)>,
+    /// Aimed kills that missed (the ack came first); not counted.
+    aimed_missed: usize,
+    killed_consumers: Vec<String>,
+    redis_restart: Option<(String, String)>,
+    apiserver_restart: Option<(u32, u32)>,
+    leader_killed: Option<String>,
+}
 
-    // SIGKILL random workers from outside while they work; note what each
-    // held and how much of it was charged but not yet acked.
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
-    let (mut kills, mut held_at_kill, mut charged_unacked_at_kill) = (0, 0, 0);
-    let mut killed_consumers: Vec<String> = Vec::new();
-    for _ in 0..5 {
-        tokio::time::sleep(Duration::from_millis(1500)).await;
-        let workers = pods.list(&ListParams::default().labels("app.kubernetes.io/component=worker")).await?.items;
-        // Consumer names are `<pod name>.<pod UID>`.
-        let running: Vec<(String, String)> = workers
-            .iter()
-            .filter(|p| p.metadata.deletion_timestamp.is_none())
-            .map(|p| (p.name_any(), format!("{}.{}", p.name_any(), p.metadata.uid.clone().unwrap_or_default())))
-            .collect();
-        if running.is_empty() {
+/// SIGKILLs a running worker, the least killed so far; returns its consumer name.
+async fn kill_a_worker(client: &kube::Client, ns: &str, kills: &mut HashMap<String, usize>) -> Result<Option<String>> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let workers = pods.list(&ListParams::default().labels("app.kubernetes.io/component=worker")).await?.items;
+    let ready = workers.iter().filter(|p| {
+        p.metadata.deletion_timestamp.is_none()
+            && p.status
+                .as_ref()
+                .and_then(|s| s.container_statuses.as_ref())
+                .and_then(|s| s.first())
+                .is_some_and(|s| s.ready && s.state.as_ref().is_some_and(|st| st.running.is_some()))
+    });
+    let Some(victim) =
+        ready.min_by_key(|p| (kills.get(&p.name_any()).copied().unwrap_or(0), rand::rng().random::<u32>()))
+    else {
+        return Ok(None);
+    };
+    let name = victim.name_any();
+    sigkill_container(client, ns, &name).await?;
+    *kills.entry(name.clone()).or_default() += 1;
+    // Consumer names are `<pod name>.<pod UID>`.
+    Ok(Some(format!("{name}.{}", victim.metadata.uid.clone().unwrap_or_default())))
+}
+
+/// One look, in one script: is `id` pending with `consumer`, and is `order` charged?
+async fn charged_and_held(
+    conn: &mut redis::aio::MultiplexedConnection,
+    id: &str,
+    consumer: &str,
+    order: &str,
+) -> Result<bool> {
+    let (held, charged): (i64, i64) = redis::Script::new(
+        r"
+        local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+        local held = (#p == 1 and p[1][2] == ARGV[3]) and 1 or 0
+        return {held, redis.call('HEXISTS', KEYS[2], ARGV[4])}",
+    )
+    .key("orders")
+    .key("{ledger}:charges")
+    .arg("billing")
+    .arg(id)
+    .arg(consumer)
+    .arg(order)
+    .invoke_async(conn)
+    .await?;
+    Ok(held == 1 && charged == 1)
+}
+
+/// SIGKILLs a worker stalled between a charge and its ack; true when it is
+/// shown to have landed there: charged and held before, still held (by a
+/// process that is now dead) after.
+async fn aimed_kill(
+    client: &kube::Client,
+    ns: &str,
+    conn: &mut redis::aio::MultiplexedConnection,
+    seen: &mut usize,
+) -> Result<Option<(String, String, bool)>> {
+    let stalls: Vec<String> = conn.lrange("{ledger}:stalls", 0, -1).await?;
+    let fresh = stalls.get(*seen..).unwrap_or_default().to_vec();
+    *seen = stalls.len();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    // The newest stall first: the one most likely still stalled.
+    for stall in fresh.iter().rev() {
+        let parts: Vec<&str> = stall.split(' ').collect();
+        let [pid, consumer, id, order] = parts[..] else { continue };
+        let pod = consumer.split_once('.').map_or(consumer, |(pod, _)| pod);
+        let Some(p) = pods.get_opt(pod).await? else { continue };
+        let container = streamfleet_testbed::kubelet::container_pid(&p, "worker");
+        if container.map(|c| c.to_string()).as_deref() != Some(pid)
+            || !charged_and_held(conn, id, consumer, order).await?
+        {
             continue;
         }
-        let (victim, victim_consumer) = &running[rand::rng().random_range(0..running.len())];
-        // One atomic look right before the kill: what it holds, and how much
-        // of that is already charged but not acked.
-        let (held, charged_unacked): (usize, usize) = redis::Script::new(
-            r"
-            local held = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1000, ARGV[2])
-            local charged = 0
-            for _, p in ipairs(held) do
-                local e = redis.call('XRANGE', KEYS[1], p[1], p[1])[1]
-                if e then
-                    for i = 1, #e[2], 2 do
-                        if e[2][i] == 'order_id' and redis.call('HEXISTS', KEYS[2], e[2][i + 1]) == 1 then
-                            charged = charged + 1
-                        end
-                    end
-                end
-            end
-            return {#held, charged}",
-        )
-        .key("orders")
-        .key("{ledger}:charges")
-        .arg("billing")
-        .arg(victim_consumer)
-        .invoke_async(&mut conn)
-        .await?;
-        charged_unacked_at_kill += charged_unacked;
-        pods.delete(victim, &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
-        kills += 1;
-        held_at_kill += held;
-        killed_consumers.push(victim_consumer.clone());
+        sigkill_container(client, ns, pod).await?;
+        let landed = charged_and_held(conn, id, consumer, order).await?;
+        return Ok(Some((consumer.to_string(), order.to_string(), landed)));
     }
+    Ok(None)
+}
+
+/// `INFO server` run_id: a new one means a new process.
+async fn run_id(conn: &mut redis::aio::MultiplexedConnection) -> Result<String> {
+    let info: String = redis::cmd("INFO").arg("server").query_async(conn).await?;
+    Ok(info.lines().find_map(|l| l.strip_prefix("run_id:")).unwrap_or_default().trim().to_string())
+}
+
+async fn drill(namespace: &str, plan: Plan) -> Result<()> {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let orders: usize = std::env::var("DRILL_ORDERS").ok().and_then(|v| v.parse().ok()).unwrap_or(10_000);
+    let seconds: u64 = std::env::var("DRILL_SECONDS").ok().and_then(|v| v.parse().ok()).unwrap_or(60);
+    let helm: &[&str] = if plan.infrastructure { &["--set", "replicaCount=2"] } else { &[] };
+    let mut f = Fixture::start_with_redis(namespace, helm, &["--appendonly", "yes", "--appendfsync", "always"]).await?;
+    let (client, ns) = (f.client.clone(), f.ns.name.clone());
+    let mut conn = f.conn.clone();
+    streamfleet_streams::ensure_group(&mut conn, "orders", "billing", "0").await?;
+
+    // A consumer outside the pipeline takes the first orders and vanishes;
+    // then an outside trim deletes exactly those pending entries' payloads.
+    let started = Instant::now();
+    let first = orders.min(1000);
+    let mut produced = produce(&mut conn, 0..first).await?;
+    let opts = redis::streams::StreamReadOptions::default().group("billing", "vanished").count(TRIMMED);
+    let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
+    let trimmed: u64 =
+        redis::cmd("XTRIM").arg("orders").arg("MINID").arg(&produced[TRIMMED].0).query_async(&mut conn).await?;
+    assert_eq!(trimmed, TRIMMED as u64, "the trim deleted exactly the vanished consumer's pending entries");
+    let lost: HashMap<String, usize> = produced[..TRIMMED].iter().cloned().collect();
+
+    f.apply(&pipeline(&plan)).await?;
+    Api::<Deployment>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &slow_worker(&f.redis.url(), plan.guard)?)
+        .await?;
+    wait_condition(&client, &ns, "orders", "Ready", "True", None, Duration::from_secs(120)).await?;
+
+    // The rest of the orders, produced at an even pace over the drill while
+    // the faults are injected; a Redis restart waits for the batch in flight.
+    let producing = std::sync::Arc::new(tokio::sync::Mutex::new(()));
+    let producer = {
+        let producing = producing.clone();
+        let url = f.redis.url();
+        tokio::spawn(async move {
+            let batches = (orders - first).div_ceil(100).max(1);
+            let pause = Duration::from_millis(seconds * 1000 / batches as u64);
+            let mut out = Vec::new();
+            let mut next = first;
+            while next < orders {
+                let end = (next + 100).min(orders);
+                let _producing = producing.lock().await;
+                let mut c = redis::Client::open(url.as_str())?.get_multiplexed_async_connection().await?;
+                out.extend(produce(&mut c, next..end).await?);
+                drop(_producing);
+                next = end;
+                tokio::time::sleep(pause).await;
+            }
+            anyhow::Ok(out)
+        })
+    };
+
+    // The faults, spread over the production window.
+    let steps = plan.random_kills + plan.aimed_kills + if plan.infrastructure { 3 } else { 0 };
+    let gap = Duration::from_millis(seconds * 1000 / (steps as u64 + 1));
+    let mut schedule: Vec<&str> = std::iter::repeat_n("kill", plan.random_kills).collect();
+    if plan.infrastructure {
+        for (at, fault) in [(steps / 4, "redis"), (steps / 2, "apiserver"), (3 * steps / 4, "leader")] {
+            schedule.insert(at.min(schedule.len()), fault);
+        }
+    }
+    let mut observed = Observed::default();
+    let mut kills_per_pod = HashMap::new();
+    let mut stalls_seen = 0;
+    let mut aim_every = (schedule.len() / plan.aimed_kills.max(1)).max(1);
+    let mut step = 0;
+    while step < schedule.len() || observed.aimed_landed.len() < plan.aimed_kills {
+        tokio::time::sleep(gap).await;
+        // Aimed kills go between the scheduled faults until enough have landed.
+        if observed.aimed_landed.len() < plan.aimed_kills && (step % aim_every == 0 || step >= schedule.len()) {
+            if let Some((consumer, order, landed)) = aimed_kill(&client, &ns, &mut conn, &mut stalls_seen).await? {
+                observed.killed_consumers.push(consumer.clone());
+                if landed {
+                    observed.aimed_landed.push((consumer, order));
+                } else {
+                    observed.aimed_missed += 1;
+                }
+            }
+            if step >= schedule.len() {
+                anyhow::ensure!(
+                    started.elapsed() < Duration::from_secs(seconds * 3 + 120),
+                    "aimed kills: {observed:?}"
+                );
+                aim_every = 1;
+                continue;
+            }
+        }
+        match schedule[step] {
+            "kill" => match kill_a_worker(&client, &ns, &mut kills_per_pod).await? {
+                Some(consumer) => {
+                    observed.killed_consumers.push(consumer);
+                    observed.random_kills += 1;
+                }
+                // Every worker is restarting: try again next step.
+                None => continue,
+            },
+            "redis" => {
+                let _quiet = producing.lock().await;
+                let before = run_id(&mut conn).await?;
+                let last: Vec<(String, HashMap<String, String>)> = {
+                    let r: redis::streams::StreamRangeReply = conn.xrevrange_count("orders", "+", "-", 1).await?;
+                    r.ids.into_iter().map(|e| (e.id, HashMap::new())).collect()
+                };
+                let charged_before: usize = conn.hlen("{ledger}:charges").await?;
+                f.redis.crash_and_restart().await?;
+                conn = eventually("Redis back from its AOF", Duration::from_secs(60), || async {
+                    let mut c = f.redis.connection().await?;
+                    let _: () = redis::cmd("PING").query_async(&mut c).await?;
+                    Ok(Some(c))
+                })
+                .await?;
+                let after = run_id(&mut conn).await?;
+                assert_ne!(before, after, "Redis did not restart");
+                // Nothing acknowledged before the crash was lost: the last entry and every charge survive.
+                let kept: redis::streams::StreamRangeReply = conn.xrange("orders", &last[0].0, &last[0].0).await?;
+                assert_eq!(kept.ids.len(), 1, "the last entry before the crash is gone");
+                let charged_after: usize = conn.hlen("{ledger}:charges").await?;
+                assert!(
+                    charged_after >= charged_before,
+                    "charges lost in the crash: {charged_before} -> {charged_after}"
+                );
+                observed.redis_restart = Some((before, after));
+            }
+            "apiserver" => {
+                let (before, after) = f.bed.restart_apiserver().await?;
+                assert_ne!(before, after);
+                observed.apiserver_restart = Some((before, after));
+            }
+            "leader" => {
+                let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
+                let lease_name = format!("{}-streamfleet-leader", f.release);
+                let lease = eventually("a leader", Duration::from_secs(60), || async {
+                    Ok(leases.get_opt(&lease_name).await.ok().flatten().and_then(|l| l.spec))
+                })
+                .await?;
+                let leader = lease.holder_identity.clone().unwrap_or_default();
+                let killed_at = k8s_openapi::jiff::Timestamp::now();
+                sigkill_container(&client, &ns, &leader).await?;
+                // Leadership goes on: a live operator renews the Lease after the kill.
+                eventually("the Lease renewed after the leader's SIGKILL", Duration::from_secs(90), || async {
+                    let spec = leases.get(&lease_name).await?.spec;
+                    Ok(spec.and_then(|s| s.renew_time).filter(|t| t.0 > killed_at).map(|_| ()))
+                })
+                .await?;
+                observed.leader_killed = Some(leader);
+            }
+            _ => unreachable!(),
+        }
+        step += 1;
+    }
+    produced.extend(producer.await??);
+    assert_eq!(produced.len(), orders);
+    let poison: Vec<String> = produced.iter().filter(|(_, i)| i % 100 == 42).map(|(_, i)| i.to_string()).collect();
 
     let expected = orders - poison.len() - TRIMMED;
-    let settled = eventually("every order settled", Duration::from_secs(600), || async {
-        let mut c = conn.clone();
+    let settled = eventually("every order settled", Duration::from_secs(900), || async {
+        let mut c = f.redis.connection().await?;
         let charged: usize = c.hlen("{ledger}:charges").await?;
         let dead: usize = c.xlen("{orders}:dead").await?;
         let dead = dead.saturating_sub(TRIMMED);
@@ -187,29 +401,20 @@ async fn drill(namespace: &str, guard: bool) -> Result<()> {
         Ok((charged == expected && dead == poison.len() && pending.count() == 0).then_some(()))
     })
     .await;
+    let mut conn = f.redis.connection().await?;
     let charged: usize = conn.hlen("{ledger}:charges").await?;
     let dead: usize = conn.xlen("{orders}:dead").await?;
-    let dead = dead.saturating_sub(TRIMMED);
     let pending: redis::streams::StreamPendingReply = conn.xpending("orders", "billing").await?;
-    settled
-        .map_err(|e| e.context(format!("charged {charged}/{expected}, dead {dead}, pending {}", pending.count())))?;
+    settled.map_err(|e| {
+        e.context(format!("charged {charged}/{expected}, dead {dead}, pending {}; {observed:?}", pending.count()))
+    })?;
 
-    // Exactly once in the ledger: every order, the right amount, no extras.
+    // The charged set is exactly: produced, minus poison, minus the orders
+    // reported payload-lost (by business key, through the producer's IDs).
     let ledger: HashMap<String, u64> = conn.hgetall("{ledger}:charges").await?;
-    for i in (TRIMMED..orders).filter(|i| i % 100 != 42) {
-        assert_eq!(ledger.get(&i.to_string()), Some(&(100 + u64::try_from(i)?)), "order {i}");
-    }
-    for order in &lost_orders {
-        assert!(!ledger.contains_key(order), "order {order} had no payload left to charge");
-    }
-    assert_eq!(ledger.len(), expected);
-    // Every entry acked or dead-lettered: nothing pending, nothing undelivered.
-    let info: redis::streams::StreamInfoGroupsReply = conn.xinfo_groups("orders").await?;
-    assert_eq!((info.groups[0].pending, info.groups[0].lag), (0, Some(0)));
-    // Each poison order is a dead letter with its metadata.
     let letters: redis::streams::StreamRangeReply = conn.xrange_all("{orders}:dead").await?;
     let mut dead_keys = Vec::new();
-    let mut payload_missing = Vec::new();
+    let mut lost_keys = Vec::new();
     for e in letters.ids {
         let f: HashMap<String, String> = streamfleet_streams::entry::fields_from_map(e.map)
             .into_iter()
@@ -219,7 +424,8 @@ async fn drill(namespace: &str, guard: bool) -> Result<()> {
         assert_eq!(f[dl::F_GROUP], "billing");
         assert!(!f[dl::F_SOURCE_ID].is_empty() && !f[dl::F_CONSUMER].is_empty() && !f[dl::F_AT].is_empty());
         if f[dl::F_REASON] == "payload-missing" {
-            payload_missing.push(f[dl::F_SOURCE_ID].clone());
+            let order = lost.get(&f[dl::F_SOURCE_ID]).unwrap_or_else(|| panic!("{f:?} reported lost, never trimmed"));
+            lost_keys.push(order.to_string());
             continue;
         }
         assert_eq!(f[dl::F_REASON], "permanent", "{f:?}");
@@ -228,12 +434,26 @@ async fn drill(namespace: &str, guard: bool) -> Result<()> {
         assert_eq!(f[dl::F_BUSINESS_KEY], f["order_id"]);
         dead_keys.push(f["order_id"].clone());
     }
-    payload_missing.sort();
-    let mut trimmed_ids = ids[..TRIMMED].to_vec();
-    trimmed_ids.sort();
-    assert_eq!(payload_missing, trimmed_ids, "each trimmed pending entry is on record as payload-missing");
+    lost_keys.sort();
+    let mut trimmed_orders: Vec<String> = lost.values().map(usize::to_string).collect();
+    trimmed_orders.sort();
+    assert_eq!(lost_keys, trimmed_orders, "each trimmed pending entry is on record as payload-missing");
+    let mut poison_sorted = poison.clone();
+    poison_sorted.sort();
+    dead_keys.sort();
+    assert_eq!(dead_keys, poison_sorted, "each poison order is a dead letter, once");
+    let expected_set: std::collections::BTreeSet<String> =
+        produced.iter().map(|(_, i)| i.to_string()).filter(|o| !poison.contains(o) && !lost_keys.contains(o)).collect();
+    let charged_set: std::collections::BTreeSet<String> = ledger.keys().cloned().collect();
+    assert_eq!(charged_set, expected_set, "charged = produced - poison - payload-lost");
+    for (_, i) in produced.iter().filter(|(_, i)| expected_set.contains(&i.to_string())) {
+        assert_eq!(ledger[&i.to_string()], 100 + u64::try_from(*i)?, "order {i} charged the wrong amount");
+    }
+    // Every entry acked or dead-lettered: nothing pending, nothing undelivered.
+    let info: redis::streams::StreamInfoGroupsReply = conn.xinfo_groups("orders").await?;
+    assert_eq!((info.groups[0].pending, info.groups[0].lag), (0, Some(0)));
     // The resource says exactly how much was lost.
-    let scgs: Api<streamfleet_crd::StreamConsumerGroup> = Api::namespaced(client.clone(), &ns.name);
+    let scgs: Api<streamfleet_crd::StreamConsumerGroup> = Api::namespaced(client.clone(), &ns);
     let status = eventually("payloadLost in status", Duration::from_secs(60), || async {
         let s = scgs.get("orders").await?.status.unwrap_or_default();
         Ok(s.payload_lost.clone().filter(|p| p.total > 0).map(|p| (p, s.health)))
@@ -241,51 +461,63 @@ async fn drill(namespace: &str, guard: bool) -> Result<()> {
     .await?;
     assert_eq!(status.0.total, TRIMMED as i64, "payload-lost total is exactly the trimmed pending entries");
     assert_eq!(status.1, Some(streamfleet_crd::Health::PayloadLost));
-    dead_keys.sort();
-    poison.sort();
-    assert_eq!(dead_keys, poison);
 
-    // Every injected fault happened, and redeliveries were absorbed: by the
-    // guard (suppressed) or refused by the ledger as a second charge.
+    // Duplicates: deliveries absorbed (the guard suppressed them, or the
+    // ledger refused a second charge) versus duplicate effects: a repeat that
+    // got past a first charger still alive, other than that charger's own
+    // retry of a charge whose reply it lost. The latter must be none.
     let faults: HashMap<String, u64> = conn.hgetall("{ledger}:faults").await?;
     let by_consumer: HashMap<String, u64> = conn.hgetall("{ledger}:by-consumer").await?;
     let slow_charges: u64 = by_consumer.iter().filter(|(c, _)| c.starts_with("slow-worker-")).map(|(_, n)| n).sum();
     let suppressed: Option<u64> = conn.get(streamfleet_worker::guard::suppressed_key("orders", "billing")).await?;
     let refused: HashMap<String, u64> = conn.hgetall("{ledger}:duplicates").await?;
-    // Each repeated charge attempt is explained by a death between the first
-    // charge and its ack (the first charger was SIGKILLed or crashed), or it
-    // is a second effect that got through the guard while the first holder
-    // lived: those must be none.
+    let own_retries: HashMap<String, u64> = conn.hgetall("{ledger}:own-retries").await?;
     let charged_by: HashMap<String, String> = conn.hgetall("{ledger}:charged-by").await?;
-    let crashed: Vec<String> = conn.smembers("{ledger}:crashed-consumers").await?;
-    let died = |consumer: &str| killed_consumers.iter().chain(&crashed).any(|c| c == consumer);
-    let second_effects: Vec<(&String, Option<&String>)> = refused
-        .keys()
-        .map(|order| (order, charged_by.get(order)))
+    let died = |consumer: &str| observed.killed_consumers.iter().any(|c| c == consumer);
+    let duplicate_effects: Vec<(&String, Option<&String>)> = refused
+        .iter()
+        .filter(|(order, n)| **n > own_retries.get(*order).copied().unwrap_or(0))
+        .map(|(order, _)| (order, charged_by.get(order)))
         .filter(|(_, by)| !by.is_some_and(|c| died(c)))
         .collect();
+    let absorbed = suppressed.unwrap_or(0) + refused.values().sum::<u64>();
     println!(
-        "drill (guard {}): {orders} orders ({} poison, {TRIMMED} trimmed while pending) settled in {:?}; {kills} workers SIGKILLed \
-         holding {held_at_kill} entries ({charged_unacked_at_kill} charged, not acked); crashes after the charge: {}; \
-         transient failures: {}; charged by the slow worker: {slow_charges}; duplicates suppressed by the guard: {}; \
-         duplicate deliveries absorbed by the ledger: {} (all after their first charger died); repeats while the first \
-         charger lived (second effects): {}",
-        if guard { "on" } else { "off" },
+        "drill (guard {}): {orders} orders over {seconds} s ({} poison, {} payload-lost: {}) settled in {:?}; \
+         worker SIGKILLs: {} random + {} aimed between effect and ack (shown: charged and still held by the dead \
+         process; {} aimed missed, the ack came first); Redis crash-restarts from AOF: {}; kube-apiserver restarts: {}; \
+         leading operator SIGKILLed: {}; transient failures: {}; charged by the slow worker: {slow_charges}; duplicate \
+         deliveries absorbed: {absorbed} (guard suppressed {}, ledger refused {}, of which own retries after a lost \
+         reply {}); duplicate effects: {}",
+        if plan.guard { "on" } else { "off" },
         poison.len(),
+        lost_keys.len(),
+        lost_keys.join(","),
         started.elapsed(),
-        faults.get("crash").copied().unwrap_or(0),
+        observed.random_kills,
+        observed.aimed_landed.len(),
+        observed.aimed_missed,
+        usize::from(observed.redis_restart.is_some()),
+        usize::from(observed.apiserver_restart.is_some()),
+        observed.leader_killed.as_deref().unwrap_or("no"),
         faults.get("transient").copied().unwrap_or(0),
         suppressed.unwrap_or(0),
         refused.values().sum::<u64>(),
-        second_effects.len()
+        own_retries.values().sum::<u64>(),
+        duplicate_effects.len()
     );
-    assert!(second_effects.is_empty(), "charged again while the first charger lived: {second_effects:?}");
-    assert_eq!(kills, 5, "every SIGKILL landed on a running worker");
-    assert!(held_at_kill > 0, "no SIGKILL caught a worker holding entries");
-    assert!(charged_unacked_at_kill > 0, "no SIGKILL landed between a charge and its ack");
-    assert!(faults.get("crash").copied().unwrap_or(0) > 0, "no crash between charge and ack happened");
-    assert!(faults.get("transient").copied().unwrap_or(0) > 0, "no transient failure happened");
+    // Every fault happened.
+    assert!(duplicate_effects.is_empty(), "charged again while the first charger lived: {duplicate_effects:?}");
+    assert_eq!(observed.random_kills, plan.random_kills, "every random SIGKILL landed on a running worker");
+    assert!(observed.aimed_landed.len() >= plan.aimed_kills, "aimed SIGKILLs that landed: {:?}", observed.aimed_landed);
+    for (consumer, order) in &observed.aimed_landed {
+        assert!(ledger.contains_key(order), "{order}, charged when {consumer} was killed, is not in the ledger");
+    }
+    assert_eq!(observed.redis_restart.is_some(), plan.infrastructure, "the Redis restart");
+    assert_eq!(observed.apiserver_restart.is_some(), plan.infrastructure, "the kube-apiserver restart");
+    assert_eq!(observed.leader_killed.is_some(), plan.infrastructure, "the leader's SIGKILL");
+    let transient = faults.get("transient").copied().unwrap_or(0);
+    assert!(transient * 100 >= expected as u64, "transient failures {transient} for {expected} charges: under 1%");
     assert!(slow_charges > 0, "the slow worker took no part");
-    assert!(suppressed.unwrap_or(0) + refused.values().sum::<u64>() > 0, "the drill caused no redelivery at all");
+    assert!(absorbed > 0, "the drill caused no redelivery at all");
     Ok(())
 }

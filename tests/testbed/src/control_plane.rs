@@ -30,6 +30,9 @@ pub struct ControlPlane {
     controller_manager: Daemon,
     apiserver: Daemon,
     etcd: Daemon,
+    /// How the API server was started, to start it again the same way.
+    apiserver_args: Vec<String>,
+    logs: PathBuf,
 }
 
 impl ControlPlane {
@@ -44,7 +47,8 @@ impl ControlPlane {
 
         let etcd = start_etcd(dir, &logs).await?;
         let audit_log = logs.join("audit.log");
-        let (mut apiserver, server) = start_apiserver(dir, &logs, &pki, &tokens, etcd.1, &audit_log).await?;
+        let (mut apiserver, server, apiserver_args) =
+            start_apiserver(dir, &logs, &pki, &tokens, etcd.1, &audit_log).await?;
         let etcd = etcd.0;
 
         let kubeconfig = dir.join("kubeconfig");
@@ -53,7 +57,8 @@ impl ControlPlane {
         wait_ready(&client, &mut apiserver).await?;
 
         let controller_manager = start_controller_manager(&logs, &pki, &kubeconfig)?;
-        let mut plane = Self { server, kubeconfig, audit_log, pki, controller_manager, apiserver, etcd };
+        let mut plane =
+            Self { server, kubeconfig, audit_log, pki, controller_manager, apiserver, etcd, apiserver_args, logs };
         plane.wait_controllers(&client).await?;
         Ok(plane)
     }
@@ -68,6 +73,20 @@ impl ControlPlane {
         self.etcd.check_alive()?;
         self.apiserver.check_alive()?;
         self.controller_manager.check_alive()
+    }
+
+    /// Stops the API server (SIGTERM, then SIGKILL after 5 s) and starts it
+    /// again on the same port with the same state in etcd; returns the old and
+    /// new process IDs once it is ready. Its clients see connection errors
+    /// meanwhile, as in an upgrade of a single control-plane node.
+    pub async fn restart_apiserver(&mut self) -> Result<(u32, u32)> {
+        let before = self.apiserver.pid();
+        self.apiserver.stop(Duration::from_secs(5));
+        let bin = tools::tool("kube-apiserver")?;
+        self.apiserver = Daemon::spawn("kube-apiserver", &bin, &self.apiserver_args, &self.logs)?;
+        let client = self.client().await?;
+        wait_ready(&client, &mut self.apiserver).await?;
+        Ok((before, self.apiserver.pid()))
     }
 
     pub fn log_dir(&self) -> Option<&Path> {
@@ -120,7 +139,7 @@ async fn start_apiserver(
     tokens: &Path,
     etcd_port: u16,
     audit_log: &Path,
-) -> Result<(Daemon, String)> {
+) -> Result<(Daemon, String, Vec<String>)> {
     let bin = tools::tool("kube-apiserver")?;
     let port = free_port()?;
     let policy = dir.join("audit-policy.yaml");
@@ -151,7 +170,7 @@ async fn start_apiserver(
         "--v=1".into(),
     ];
     let daemon = Daemon::spawn("kube-apiserver", &bin, &args, logs)?;
-    Ok((daemon, format!("https://127.0.0.1:{port}")))
+    Ok((daemon, format!("https://127.0.0.1:{port}"), args))
 }
 
 fn start_controller_manager(logs: &Path, pki: &Pki, kubeconfig: &Path) -> Result<Daemon> {

@@ -35,6 +35,7 @@ pub struct TestBed {
     /// The API server's audit log of service-account requests.
     pub audit_log: PathBuf,
     runtime: tokio::runtime::Handle,
+    plane: std::sync::Arc<tokio::sync::Mutex<ControlPlane>>,
 }
 
 static SHARED: OnceLock<std::result::Result<TestBed, String>> = OnceLock::new();
@@ -85,22 +86,34 @@ impl TestBed {
                         return;
                     }
                 };
+                let (kubeconfig, server, audit_log) =
+                    (plane.kubeconfig.clone(), plane.server.clone(), plane.audit_log.clone());
+                // Kept alive here with the process.
+                let plane = std::sync::Arc::new(tokio::sync::Mutex::new(plane));
                 let _ = tx.send(Ok(TestBed {
                     dir: thread_dir.clone(),
-                    kubeconfig: plane.kubeconfig.clone(),
-                    server: plane.server.clone(),
-                    audit_log: plane.audit_log.clone(),
+                    kubeconfig,
+                    server,
+                    audit_log,
                     runtime: handle,
+                    plane: plane.clone(),
                 }));
                 if let Err(e) = kubelet.run().await {
                     tracing::error!("kubelet stand-in stopped: {e:#}");
                 }
-                // Keep the control plane (owned here) alive with the process.
-                let _plane = plane;
                 futures::future::pending::<()>().await;
             });
         })?;
         rx.recv_timeout(Duration::from_secs(300)).context("test bed did not start within 300s")?
+    }
+
+    /// Restarts the kube-apiserver (see [`ControlPlane::restart_apiserver`]):
+    /// (old pid, new pid). It runs on the test bed's own runtime, whose
+    /// threads live with the process: the new server dies with its spawning
+    /// thread (`PR_SET_PDEATHSIG`), and a test's threads end with the test.
+    pub async fn restart_apiserver(&self) -> Result<(u32, u32)> {
+        let plane = self.plane.clone();
+        self.runtime.spawn(async move { plane.lock().await.restart_apiserver().await }).await?
     }
 
     /// A new admin client for the calling runtime.

@@ -21,9 +21,15 @@ pub struct RedisServer {
 impl RedisServer {
     /// A fresh server in its own temporary folder.
     pub async fn start() -> Result<Self> {
+        Self::start_with(&[]).await
+    }
+
+    /// A fresh server in its own temporary folder, with extra `redis-server`
+    /// arguments (e.g. `--appendonly yes --appendfsync always`).
+    pub async fn start_with(extra: &[&str]) -> Result<Self> {
         let dir = tempfile::Builder::new().prefix("streamfleet-redis-").tempdir()?;
         let path = dir.path().to_path_buf();
-        let mut server = Self::start_in(&path, &[]).await?;
+        let mut server = Self::start_in(&path, extra).await?;
         server._dir = Some(dir);
         Ok(server)
     }
@@ -105,8 +111,16 @@ impl RedisServer {
         self.daemon.stop(Duration::from_secs(2));
     }
 
-    /// Starts a stopped server again on the same port, with an empty dataset
-    /// (nothing is persisted).
+    /// SIGKILLs the server (a crash: no shutdown, no final save) and starts it
+    /// again on the same port with what it persisted (nothing, unless started
+    /// with `--appendonly yes`).
+    pub async fn crash_and_restart(&mut self) -> Result<()> {
+        crate::process::signal(self.pid(), crate::process::Signal::SIGKILL);
+        self.restart().await
+    }
+
+    /// Starts a stopped server again on the same port, with what it persisted
+    /// (nothing, unless started with `--appendonly yes`).
     pub async fn restart(&mut self) -> Result<()> {
         self.stop();
         let bin = tools::system("redis-server")?;

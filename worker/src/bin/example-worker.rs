@@ -10,6 +10,8 @@
 //! one that got through the guard while the first holder lived (a leak).
 //! The guard's fencing token goes with each charge (`{ledger}:fences`): a
 //! holder older than one already seen for the order is refused.
+//! A refusal of the first charger's own retry (its charge happened, the reply
+//! was lost, e.g. to a Redis crash) is also counted per order in `{ledger}:own-retries`.
 //! Injected faults are counted in `{ledger}:faults` (`transient`, `crash`) and
 //! charges per consumer in `{ledger}:by-consumer`, so a drill can prove that
 //! what it injected happened.
@@ -18,6 +20,10 @@
 //! * `EXAMPLE_LEDGER_URL`: the ledger's Redis (default: the pipeline's);
 //! * `EXAMPLE_TRANSIENT_PERCENT`: chance of a simulated gateway timeout;
 //! * `EXAMPLE_CRASH_PERCENT`: chance of aborting after the charge, before the ack;
+//! * `EXAMPLE_STALL_PERCENT`, `EXAMPLE_STALL_MS`: chance of stalling that
+//!   long after the charge, before the ack, announced first in the list
+//!   `{ledger}:stalls` as `<pid> <consumer> <entry ID> <order>`, so a drill
+//!   can aim a SIGKILL between the effect and the ack;
 //! * `EXAMPLE_HANDLER_MS`: time each charge takes;
 //! * `EXAMPLE_GUARD=off`: no idempotency guard (the ledger's own idempotency alone).
 //!
@@ -33,8 +39,9 @@ use streamfleet_worker::{Entry, Handler, Outcome, Worker, WorkerConfig};
 /// whose fencing token is older than one already seen for the order (a
 /// stale holder), charges once per order (`HSETNX`), and keeps the books a
 /// drill reads: who charged each order first, charges per consumer, and
-/// every refused second charge. KEYS: charges, charged-by, by-consumer,
-/// duplicates, fences, faults. ARGV: order, amount, consumer, fence (0: none).
+/// every refused second charge (and which were the first charger's own).
+/// KEYS: charges, charged-by, by-consumer, duplicates, fences, faults,
+/// own-retries. ARGV: order, amount, consumer, fence (0: none).
 /// Returns 1 charged, 0 already charged, -1 stale fence.
 static CHARGE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
@@ -54,6 +61,9 @@ static CHARGE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
             return 1
         end
         redis.call('HINCRBY', KEYS[4], ARGV[1], 1)
+        if redis.call('HGET', KEYS[2], ARGV[1]) == ARGV[3] then
+            redis.call('HINCRBY', KEYS[7], ARGV[1], 1)
+        end
         return 0",
     )
 });
@@ -63,6 +73,8 @@ struct Orders {
     consumer: String,
     transient_percent: f64,
     crash_percent: f64,
+    stall_percent: f64,
+    stall_time: Duration,
     handler_time: Duration,
 }
 
@@ -113,6 +125,7 @@ impl Handler for Orders {
             .key("{ledger}:duplicates")
             .key("{ledger}:fences")
             .key("{ledger}:faults")
+            .key("{ledger}:own-retries")
             .arg(order)
             .arg(amount)
             .arg(&self.consumer)
@@ -127,6 +140,12 @@ impl Handler for Orders {
             // here, or their own failure would be suppressed).
             Ok(_) => return Outcome::Transient(format!("order {order}: a newer holder has it (stale fence {fence})")),
             Err(e) => return Outcome::Transient(format!("ledger: {e}")),
+        }
+        if self.stall_percent > 0.0 && rand::rng().random_range(0.0..100.0) < self.stall_percent {
+            let stall = format!("{} {} {} {order}", std::process::id(), self.consumer, entry.id);
+            let _: redis::RedisResult<i64> =
+                redis::cmd("RPUSH").arg("{ledger}:stalls").arg(stall).query_async(&mut ledger).await;
+            tokio::time::sleep(self.stall_time).await;
         }
         if rand::rng().random_range(0.0..100.0) < self.crash_percent {
             // The worst moment to die: charged, not yet acked.
@@ -168,6 +187,10 @@ async fn main() -> std::process::ExitCode {
         consumer: config.consumer.clone(),
         transient_percent: percent("EXAMPLE_TRANSIENT_PERCENT"),
         crash_percent: percent("EXAMPLE_CRASH_PERCENT"),
+        stall_percent: percent("EXAMPLE_STALL_PERCENT"),
+        stall_time: Duration::from_millis(
+            std::env::var("EXAMPLE_STALL_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(2000),
+        ),
         handler_time: Duration::from_millis(
             std::env::var("EXAMPLE_HANDLER_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
         ),
