@@ -486,8 +486,8 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
          worker SIGKILLs: {} random + {} aimed between effect and ack (shown: charged and still held by the dead \
          process; {} aimed missed, the ack came first); Redis crash-restarts from AOF: {}; kube-apiserver restarts: {}; \
          leading operator SIGKILLed: {}; transient failures: {}; charged by the slow worker: {slow_charges}; duplicate \
-         deliveries absorbed: {absorbed} (guard suppressed {}, ledger refused {}, of which own retries after a lost \
-         reply {}); duplicate effects: {}",
+         deliveries absorbed: {absorbed} (guard suppressed {}, ledger refused {}, of which by the first charger's own consumer \
+         name, a retry after a lost reply or its restarted process: {}); duplicate effects: {}",
         if plan.guard { "on" } else { "off" },
         poison.len(),
         lost_keys.len(),
