@@ -358,18 +358,6 @@ impl RedisCluster {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn command_calls_are_read_from_commandstats_without_info() {
-        let info = "# Commandstats\r\ncmdstat_xlen:calls=4,usec=3,usec_per_call=0.75,rejected_calls=0,failed_calls=0\r\ncmdstat_info:calls=9,usec=1\r\ncmdstat_xinfo|groups:calls=2,usec=8\r\n";
-        let calls = super::parse_commandstats(info, "calls=");
-        assert_eq!(calls.into_iter().collect::<Vec<_>>(), vec![("xinfo|groups".into(), 2), ("xlen".into(), 4)]);
-        let micros = super::parse_commandstats(info, "usec=");
-        assert_eq!(micros.into_iter().collect::<Vec<_>>(), vec![("xinfo|groups".into(), 8), ("xlen".into(), 3)]);
-    }
-}
-
 /// `CLUSTER SLOTS` as `(first slot, last slot, master port)` per range.
 async fn slot_masters(conn: &mut redis::aio::MultiplexedConnection) -> Result<Vec<(i64, i64, u16)>> {
     let slots: Vec<Vec<redis::Value>> = redis::cmd("CLUSTER").arg("SLOTS").query_async(conn).await?;
@@ -383,4 +371,16 @@ async fn slot_masters(conn: &mut redis::aio::MultiplexedConnection) -> Result<Ve
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn command_calls_are_read_from_commandstats_without_info() {
+        let info = "# Commandstats\r\ncmdstat_xlen:calls=4,usec=3,usec_per_call=0.75,rejected_calls=0,failed_calls=0\r\ncmdstat_info:calls=9,usec=1\r\ncmdstat_xinfo|groups:calls=2,usec=8\r\n";
+        let calls = super::parse_commandstats(info, "calls=");
+        assert_eq!(calls.into_iter().collect::<Vec<_>>(), vec![("xinfo|groups".into(), 2), ("xlen".into(), 4)]);
+        let micros = super::parse_commandstats(info, "usec=");
+        assert_eq!(micros.into_iter().collect::<Vec<_>>(), vec![("xinfo|groups".into(), 8), ("xlen".into(), 3)]);
+    }
 }
