@@ -94,17 +94,19 @@ impl GroupSnapshot {
                 None => consumers.push(c.clone()),
             }
         }
+        // Saturating: the counts are what the servers reported, whatever they are.
+        let total = |count: fn(&GroupSnapshot) -> u64| parts.iter().map(count).fold(0, u64::saturating_add);
         Some(GroupSnapshot {
             lag: Lag::sum(parts.iter().map(|p| p.lag)),
-            pending: parts.iter().map(|p| p.pending).sum(),
-            entries_read: parts.iter().map(|p| p.entries_read).sum(),
+            pending: total(|p| p.pending),
+            entries_read: parts.iter().try_fold(0, |sum: u64, p| p.entries_read.map(|n| sum.saturating_add(n))),
             last_delivered_id: first.last_delivered_id.clone(),
             oldest_pending_idle_ms: parts.iter().filter_map(|p| p.oldest_pending_idle_ms).max(),
             max_delivery_count: parts.iter().filter_map(|p| p.max_delivery_count).max(),
             consumers,
             before_oldest_pending: first.before_oldest_pending.clone(),
-            stream_length: parts.iter().map(|p| p.stream_length).sum(),
-            dead_letter_length: parts.iter().map(|p| p.dead_letter_length).sum(),
+            stream_length: total(|p| p.stream_length),
+            dead_letter_length: total(|p| p.dead_letter_length),
         })
     }
 }
