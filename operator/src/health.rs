@@ -80,7 +80,7 @@ pub fn classify(i: &Inputs<'_>) -> (Health, String) {
             ),
         );
     }
-    let work = lag + s.pending;
+    let work = lag.saturating_add(s.pending);
     let stuck_ms = u64::try_from(i.min_idle.as_millis()).unwrap_or(u64::MAX).saturating_mul(2);
     if let Some(idle) = s.oldest_pending_idle_ms.filter(|idle| *idle > stuck_ms) {
         return (Health::Stalled, format!("the oldest pending entry has been idle {}s", idle / 1000));

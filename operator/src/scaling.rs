@@ -65,7 +65,7 @@ pub fn decide(
             format!("lag unknown, pending={pending}: never scaling down"),
         ),
         Some(lag_n) => {
-            let work = lag_n + pending;
+            let work = lag_n.saturating_add(pending);
             let lag_text = match lag {
                 Lag::AtLeast(_) => format!(">={lag_n}"),
                 _ => lag_n.to_string(),
