@@ -299,6 +299,7 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
         }
     }
     let mut observed = Observed::default();
+    let mut crashed_at_ms: Option<u64> = None;
     let mut kills_per_pod = HashMap::new();
     let mut stalls_seen = 0;
     let mut aim_every = (schedule.len() / plan.aimed_kills.max(1)).max(1);
@@ -341,6 +342,8 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
                     r.ids.into_iter().map(|e| (e.id, HashMap::new())).collect()
                 };
                 let charged_before: usize = conn.hlen("{ledger}:charges").await?;
+                let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await?;
+                crashed_at_ms = Some(secs * 1000 + micros / 1000);
                 f.redis.crash_and_restart().await?;
                 conn = eventually("Redis back from its AOF", Duration::from_secs(60), || async {
                     let mut c = f.redis.connection().await?;
@@ -402,6 +405,8 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
     })
     .await;
     let mut conn = f.redis.connection().await?;
+    // Whole ledgers of 100,000 orders come back in one reply.
+    conn.set_response_timeout(Duration::from_secs(120));
     let charged: usize = conn.hlen("{ledger}:charges").await?;
     let dead: usize = conn.xlen("{orders}:dead").await?;
     let pending: redis::streams::StreamPendingReply = conn.xpending("orders", "billing").await?;
@@ -473,13 +478,23 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
     let refused: HashMap<String, u64> = conn.hgetall("{ledger}:duplicates").await?;
     let own_retries: HashMap<String, u64> = conn.hgetall("{ledger}:own-retries").await?;
     let charged_by: HashMap<String, String> = conn.hgetall("{ledger}:charged-by").await?;
+    let charged_at: HashMap<String, u64> = conn.hgetall("{ledger}:charged-at").await?;
     let died = |consumer: &str| observed.killed_consumers.iter().any(|c| c == consumer);
-    let duplicate_effects: Vec<(&String, Option<&String>)> = refused
+    // A charge made in the seconds before the Redis crash may have lost its
+    // ack (never persisted, never confirmed): its repeat is the protocol
+    // working, whoever charged first.
+    let in_flight_at_crash = |order: &str| {
+        crashed_at_ms.zip(charged_at.get(order)).is_some_and(|(crash, at)| *at <= crash && crash - at < 5000)
+    };
+    let repeats: Vec<(&String, Option<&String>)> = refused
         .iter()
         .filter(|(order, n)| **n > own_retries.get(*order).copied().unwrap_or(0))
         .map(|(order, _)| (order, charged_by.get(order)))
         .filter(|(_, by)| !by.is_some_and(|c| died(c)))
         .collect();
+    let crash_repeats = repeats.iter().filter(|(order, _)| in_flight_at_crash(order)).count();
+    let duplicate_effects: Vec<(&String, Option<&String>)> =
+        repeats.into_iter().filter(|(order, _)| !in_flight_at_crash(order)).collect();
     let absorbed = suppressed.unwrap_or(0) + refused.values().sum::<u64>();
     println!(
         "drill (guard {}): {orders} orders over {seconds} s ({} poison, {} payload-lost: {}) settled in {:?}; \
@@ -487,7 +502,8 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
          process; {} aimed missed, the ack came first); Redis crash-restarts from AOF: {}; kube-apiserver restarts: {}; \
          leading operator SIGKILLed: {}; transient failures: {}; charged by the slow worker: {slow_charges}; duplicate \
          deliveries absorbed: {absorbed} (guard suppressed {}, ledger refused {}, of which by the first charger's own consumer \
-         name, a retry after a lost reply or its restarted process: {}); duplicate effects: {}",
+         name, a retry after a lost reply or its restarted process: {}; of charges in flight at the Redis crash: {crash_repeats}); \
+         duplicate effects: {}",
         if plan.guard { "on" } else { "off" },
         poison.len(),
         lost_keys.len(),

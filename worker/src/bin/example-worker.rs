@@ -41,7 +41,7 @@ use streamfleet_worker::{Entry, Handler, Outcome, Worker, WorkerConfig};
 /// drill reads: who charged each order first, charges per consumer, and
 /// every refused second charge (and which were the first charger's own).
 /// KEYS: charges, charged-by, by-consumer, duplicates, fences, faults,
-/// own-retries. ARGV: order, amount, consumer, fence (0: none).
+/// own-retries, charged-at (Unix ms of the first charge). ARGV: order, amount, consumer, fence (0: none).
 /// Returns 1 charged, 0 already charged, -1 stale fence.
 static CHARGE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
@@ -56,6 +56,8 @@ static CHARGE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
             redis.call('HSET', KEYS[5], ARGV[1], fence)
         end
         if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+            local now = redis.call('TIME')
+            redis.call('HSET', KEYS[8], ARGV[1], now[1] * 1000 + math.floor(now[2] / 1000))
             redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
             redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
             return 1
@@ -126,6 +128,7 @@ impl Handler for Orders {
             .key("{ledger}:fences")
             .key("{ledger}:faults")
             .key("{ledger}:own-retries")
+            .key("{ledger}:charged-at")
             .arg(order)
             .arg(amount)
             .arg(&self.consumer)
