@@ -6,6 +6,9 @@
 #   prometheus, promtool                              (github.com/prometheus/prometheus, go install):
 #                                                     alert rules are checked and unit-tested with
 #                                                     promtool, and an e2e test scrapes with Prometheus
+#   crane                                             (github.com/google/go-containerregistry, go install):
+#                                                     pushes the OCI images scripts/build-images.sh
+#                                                     writes; an e2e test validates them in its registry
 # Each build is cached under $STREAMFLEET_CACHE (default ~/.cache/streamfleet),
 # keyed by a hash of the Go module that produces it, so a rerun builds nothing.
 set -euo pipefail
@@ -16,6 +19,7 @@ out=$root/target/tools/bin
 helm_version=v3.20.2
 # Prometheus 3.x is published as Go module versions v0.3xx.
 prometheus_module_version=v0.316.0
+crane_version=v0.22.1
 mkdir -p "$cache/tools" "$out"
 export GOFLAGS="-mod=mod -buildvcs=false"
 
@@ -67,6 +71,18 @@ build_prometheus() {
   ln -sf "$dest/prometheus" "$out/prometheus"
 }
 
+build_crane() {
+  local dest=$cache/tools/crane-$crane_version
+  if [ ! -x "$dest/crane" ]; then
+    log "building crane $crane_version (cold; cached afterwards in $dest)"
+    rm -rf "$dest.tmp" && mkdir -p "$dest.tmp"
+    GOBIN=$dest.tmp go install -trimpath -ldflags="-s -w" \
+      "github.com/google/go-containerregistry/cmd/crane@$crane_version"
+    rm -rf "$dest" && mv "$dest.tmp" "$dest"
+  fi
+  ln -sf "$dest/crane" "$out/crane"
+}
+
 build_module "$root/tests/testbed/tools/etcd"
 # Stamp the release into the binaries, as upstream's build does, so discovery
 # (kubectl version, helm's kubeVersion checks) reports the real version.
@@ -79,4 +95,5 @@ done
 build_module "$root/tests/testbed/tools/k8s" "$stamp"
 build_helm
 build_prometheus
+build_crane
 log "tools ready in $out"

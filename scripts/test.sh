@@ -44,6 +44,8 @@ bash scripts/docs-figures.sh --check
 
 step "build binaries (the kubelet stand-in runs them as pods)"
 cargo build --workspace --bins --locked
+step "build the images (OCI layouts in target/images; tests/e2e/tests/images.rs checks and runs them)"
+STREAMFLEET_IMAGE_REGISTRY=testbed.local bash scripts/build-images.sh
 step "tests"
 # Tests mostly wait on the control plane and Redis: run more than one per core.
 RUST_TEST_THREADS=${RUST_TEST_THREADS:-4} cargo test --workspace --locked

@@ -172,7 +172,8 @@ fn python_worker_entrypoint(dir: &Path) -> Result<PathBuf> {
 }
 
 async fn kubelet_for(plane: &ControlPlane, dir: &Path) -> Result<kubelet::Kubelet> {
-    let mut images = kubelet::ImageMap::with_bin_dir(tools::cargo_bin_dir()?);
+    let mut images = kubelet::ImageMap::with_bin_dir(tools::cargo_bin_dir()?)
+        .with_store(tools::workspace_root().join("target/images"));
     images.insert("streamfleet/python-worker", python_worker_entrypoint(dir)?);
     Ok(kubelet::Kubelet::new(
         plane.client().await?,

@@ -42,16 +42,21 @@ impl Kubelet {
         let ip = pod_ip(self.next_pod.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
         let mut containers = Vec::new();
         for c in &spec.containers {
-            let binary = c.image.as_deref().and_then(|image| self.images.resolve(image)).ok_or_else(|| {
+            let resolved = c.image.as_deref().and_then(|image| self.images.resolve(image)).ok_or_else(|| {
                 StartError::Config(
                     "ErrImagePull".into(),
                     format!("image {:?} is not mapped to a local binary", c.image),
                 )
             })?;
             let env = self.resolve_env(pod, &ip, c).await?;
+            if let Some((uid, gid)) = resolved.user {
+                // The image's user must read its kubeconfig and write its home.
+                chown_tree(&dir, uid, gid).map_err(StartError::Other)?;
+            }
             containers.push(ContainerRuntime {
                 spec: c.clone(),
-                binary,
+                binary: resolved.binary,
+                user: resolved.user,
                 env,
                 kubeconfig: kubeconfig.clone(),
                 log: dir.join(format!("{}.log", c.name)),
@@ -163,6 +168,8 @@ pub(super) fn waiting_status(pod: &Pod, reason: &str, message: &str) -> serde_js
 pub(super) struct ContainerRuntime {
     pub(super) spec: Container,
     binary: PathBuf,
+    /// Runs as this (uid, gid): the user of an image from the OCI store.
+    user: Option<(u32, u32)>,
     env: Vec<(String, String)>,
     kubeconfig: Option<PathBuf>,
     log: PathBuf,
@@ -198,6 +205,9 @@ impl ContainerRuntime {
         }
         let log = std::fs::File::options().create(true).append(true).open(&self.log)?;
         cmd.stdout(log.try_clone()?).stderr(log).stdin(std::process::Stdio::null());
+        if let Some((uid, gid)) = self.user {
+            cmd.uid(uid).gid(gid);
+        }
         cmd.kill_on_drop(true);
         Ok(cmd)
     }
@@ -220,6 +230,21 @@ pub(super) enum ExitAction {
     Restart(Duration),
     Wait,
     Finish(&'static str),
+}
+
+/// Hands `dir` and everything in it to `uid:gid`.
+fn chown_tree(dir: &std::path::Path, uid: u32, gid: u32) -> Result<()> {
+    let owner = (Some(nix::unistd::Uid::from_raw(uid)), Some(nix::unistd::Gid::from_raw(gid)));
+    nix::unistd::chown(dir, owner.0, owner.1).with_context(|| format!("chown {}", dir.display()))?;
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_dir() {
+            chown_tree(&path, uid, gid)?;
+        } else {
+            nix::unistd::chown(&path, owner.0, owner.1).with_context(|| format!("chown {}", path.display()))?;
+        }
+    }
+    Ok(())
 }
 
 /// An exit status as the kubelet reports it: the code, or 128+n for signal n.

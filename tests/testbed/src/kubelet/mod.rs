@@ -46,7 +46,7 @@ mod network;
 mod probes;
 
 pub use env::field_value;
-pub use images::{ImageMap, image_repository};
+pub use images::{ImageMap, Resolved, image_repository};
 pub use network::pod_ip;
 
 use anyhow::{Context as _, Result};
