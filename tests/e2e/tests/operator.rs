@@ -751,3 +751,59 @@ async fn dead_letters_are_listed_inspected_counted_replayed_and_purged_through_t
     assert!(note.contains("holds 3") && note.contains("oldest 2"), "{note}");
     Ok(())
 }
+
+/// The documents of a YAML file of the repository.
+fn yaml_docs(rel: &str) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(repo_path(rel)).unwrap();
+    serde_yaml::Deserializer::from_str(&text).map(|d| serde::Deserialize::deserialize(d).unwrap()).collect()
+}
+
+/// `kubectl create --dry-run=server` of a pod with `spec` in `ns`: (accepted, stderr).
+async fn pod_admitted(bed: &TestBed, ns: &str, name: &str, spec: &serde_json::Value) -> Result<(bool, String)> {
+    let pod = serde_json::json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec});
+    let out =
+        run_tool(bed, "kubectl", &["create", "--dry-run=server", "-n", ns, "-f", "-"], Some(&pod.to_string())).await?;
+    Ok((out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quick_start_manifests_are_accepted_under_restricted_pod_security() -> Result<()> {
+    let bed = TestBed::shared()?;
+    let client = bed.client().await?;
+    ensure_crd(bed).await?;
+    let ns = bed.namespace(&client, "e2e-quickstart").await?;
+    run_ok(bed, "kubectl", &["label", "namespace", &ns.name, "pod-security.kubernetes.io/enforce=restricted"], None)
+        .await?;
+    for file in
+        ["deploy/examples/redis.yaml", "deploy/examples/redis-secret.yaml", "deploy/examples/order-pipeline.yaml"]
+    {
+        let path = repo_path(file).display().to_string();
+        run_ok(bed, "kubectl", &["apply", "--dry-run=server", "-n", &ns.name, "-f", &path], None).await?;
+    }
+    // Pod Security is enforced on pods: the Redis pod, and a worker pod of
+    // the example pipeline's template, are admitted as they are.
+    let redis = yaml_docs("deploy/examples/redis.yaml");
+    let sts = redis.iter().find(|d| d["kind"] == "StatefulSet").unwrap();
+    let mut redis_pod = sts["spec"]["template"]["spec"].clone();
+    // The claim the StatefulSet controller would make for the template's volume.
+    redis_pod["volumes"].as_array_mut().unwrap().push(serde_json::json!({"name": "data", "emptyDir": {}}));
+    let (ok, err) = pod_admitted(bed, &ns.name, "redis-0", &redis_pod).await?;
+    assert!(ok, "the Redis pod is refused: {err}");
+    let pipeline = yaml_docs("deploy/examples/order-pipeline.yaml");
+    let worker_pod = pipeline[0]["spec"]["worker"]["template"]["spec"].clone();
+    let (ok, err) = pod_admitted(bed, &ns.name, "orders-worker", &worker_pod).await?;
+    assert!(ok, "the example worker pod is refused: {err}");
+    // The check bites: the same Redis pod without its security context is refused.
+    let mut lax = redis_pod.clone();
+    lax["securityContext"] = serde_json::json!({});
+    lax["containers"][0]["securityContext"] = serde_json::json!({});
+    let (ok, err) = pod_admitted(bed, &ns.name, "lax", &lax).await?;
+    assert!(!ok && err.contains("PodSecurity"), "a pod breaking the restricted standard was admitted: {err}");
+    // The Secret the pipeline reads names the Redis of the quick start, as its user.
+    let secret = yaml_docs("deploy/examples/redis-secret.yaml");
+    let url = secret[0]["stringData"]["url"].as_str().unwrap();
+    assert!(url.starts_with("redis://streamfleet:") && url.contains("@redis.shop.svc:6379"), "{url}");
+    let users = redis.iter().find(|d| d["kind"] == "Secret").unwrap()["stringData"]["users.acl"].as_str().unwrap();
+    assert!(users.contains("user default off") && users.contains("user streamfleet on >"), "{users}");
+    Ok(())
+}
