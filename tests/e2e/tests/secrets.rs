@@ -1,8 +1,11 @@
-//! The Redis password never leaks. A pipeline on a password-protected
-//! redis-server runs end to end: workers charge and dead-letter, the recovery
-//! sweep runs, and the operator reports a wrong password when the Secret
-//! changes. Then every pod log, Event, status and owned object of the
-//! namespace is searched for the password, and none holds it.
+//! The Redis password never leaks, and the least-privilege ACL user is
+//! enough. A pipeline runs end to end as the `streamfleet` user of
+//! `docs/redis-acl.txt` (the default user off): the operator creates the
+//! group and polls, workers charge and dead-letter, the recovery sweep runs,
+//! and Redis's ACL log shows no command or key refused. The operator reports
+//! a wrong password when the Secret changes. Then every pod log, Event,
+//! status and owned object of the namespace is searched for the password,
+//! and none holds it.
 
 // A test fails by panicking.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -37,10 +40,33 @@ async fn the_redis_password_appears_in_no_log_event_status_or_object() -> Result
     let dir = tempfile::tempdir()?;
     let password = format!("pw-{:016x}", rand::rng().random::<u64>());
     let wrong = format!("pw-{:016x}", rand::rng().random::<u64>());
-    let server = RedisServer::start_in(dir.path(), &["--requirepass", &password]).await?;
-    let url = |pw: &str| format!("redis://:{pw}@127.0.0.1:{}/", server.port);
+    let server = RedisServer::start_in(dir.path(), &[]).await?;
+    // The documented ACL line as it is, an admin for this test, the example's
+    // ledger its own user (its commands are the example's, not streamfleet's),
+    // and the default user off.
+    let acl = std::fs::read_to_string(repo_path("docs/redis-acl.txt"))?;
+    let line = acl
+        .lines()
+        .find(|l| l.starts_with("ACL SETUSER"))
+        .expect("the ACL line")
+        .replace(">PASSWORD", &format!(">{password}"));
+    let mut admin = server.connection().await?;
+    let mut setuser = redis::cmd("ACL");
+    for word in line.split_whitespace().skip(1) {
+        setuser.arg(word);
+    }
+    let () = setuser.query_async(&mut admin).await?;
+    for user in [
+        "SETUSER admin on >admin-pw ~* &* +@all",
+        "SETUSER ledger on >ledger-pw ~{ledger}:* resetchannels +@all",
+        "SETUSER default off",
+    ] {
+        let () = redis::cmd("ACL").arg(user.split(' ').collect::<Vec<_>>()).query_async(&mut admin).await?;
+    }
+    let url = |pw: &str| format!("redis://streamfleet:{pw}@127.0.0.1:{}/", server.port);
     create_redis_secret(&client, &ns, "redis", &url(&password)).await?;
-    let mut conn = redis::Client::open(url(&password).as_str())?.get_multiplexed_async_connection().await?;
+    let admin_url = format!("redis://admin:admin-pw@127.0.0.1:{}/", server.port);
+    let mut conn = redis::Client::open(admin_url.as_str())?.get_multiplexed_async_connection().await?;
     for i in 0..50 {
         let mut cmd = redis::cmd("XADD");
         cmd.arg("orders").arg("*").arg("order_id").arg(i).arg("amount_cents").arg(100 + i);
@@ -50,7 +76,16 @@ async fn the_redis_password_appears_in_no_log_event_status_or_object() -> Result
         let _: String = cmd.query_async(&mut conn).await?;
     }
     let spec = "  startId: \"0\"\n  scaling: {minReplicas: 1, maxReplicas: 1, pollIntervalSeconds: 2}\n  recovery: {schedule: \"* * * * *\", minIdleTimeMs: 1000}";
-    f.apply(&manifest("p", "orders", "billing", "streamfleet/example-worker", &[], spec)).await?;
+    let ledger = format!("redis://ledger:ledger-pw@127.0.0.1:{}/", server.port);
+    f.apply(&manifest(
+        "p",
+        "orders",
+        "billing",
+        "streamfleet/example-worker",
+        &[("EXAMPLE_LEDGER_URL", &ledger)],
+        spec,
+    ))
+    .await?;
     eventually("orders charged and poison dead-lettered", T, || async {
         let mut c = conn.clone();
         let charged: usize = redis::cmd("HLEN").arg("{ledger}:charges").query_async(&mut c).await?;
@@ -63,6 +98,17 @@ async fn the_redis_password_appears_in_no_log_event_status_or_object() -> Result
         Ok(scgs.get("p").await?.status.and_then(|s| s.last_recovery).map(|_| ()))
     })
     .await?;
+
+    // Nothing the operator, the workers or the sweep sent was refused.
+    let log: Vec<std::collections::HashMap<String, redis::Value>> =
+        redis::cmd("ACL").arg("LOG").query_async(&mut conn).await?;
+    let refused: Vec<_> = log
+        .iter()
+        .filter(|e| matches!(e.get("username"), Some(redis::Value::BulkString(u)) if u == b"streamfleet"))
+        .collect();
+    assert!(refused.is_empty(), "the ACL line refused the pipeline: {refused:?}");
+    let groups: Vec<redis::Value> = redis::cmd("XINFO").arg("GROUPS").arg("orders").query_async(&mut conn).await?;
+    assert_eq!(groups.len(), 1, "the operator created the group as the ACL user");
 
     // A wrong password: the operator says the group is unknown, and why,
     // without echoing the URL.
