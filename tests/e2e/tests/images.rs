@@ -133,11 +133,16 @@ async fn the_operator_and_a_worker_run_from_their_images_as_non_root() -> Result
     let set_tag = format!("image.tag={}", env!("CARGO_PKG_VERSION"));
     let f = Fixture::start("e2e-images", &["--set", &set_repository, "--set", &set_tag]).await?;
     let (client, ns) = (f.client.clone(), f.ns.name.clone());
-    let rootfs_of = |name: &str| repo_path(&format!("target/images/{name}"));
+    // The process runs the image's own entrypoint: byte for byte the binary in its layer.
+    let from_image = |exe: &std::path::Path, name: &str| -> Result<bool> {
+        let rootfs = tempfile::tempdir()?;
+        streamfleet_images::unpack(&image(name)?, rootfs.path())?;
+        Ok(std::fs::read(exe)? == std::fs::read(rootfs.path().join(name))?)
+    };
 
     let operator = running_pod(&client, &ns, "app.kubernetes.io/name=streamfleet-operator").await?;
     let (exe, uid) = process_of(&operator)?;
-    assert!(exe.starts_with(rootfs_of("streamfleet")), "the operator runs {}, not the image's", exe.display());
+    assert!(from_image(&exe, "streamfleet")?, "the operator runs {}, not the image's binary", exe.display());
     assert_eq!(uid, USER, "the operator runs as uid {uid}");
 
     let mut conn = f.conn.clone();
@@ -149,7 +154,7 @@ async fn the_operator_and_a_worker_run_from_their_images_as_non_root() -> Result
     f.apply(&manifest("orders", "orders", "billing", &reference("example-worker"), &[], spec)).await?;
     let worker = running_pod(&client, &ns, "app.kubernetes.io/component=worker").await?;
     let (exe, uid) = process_of(&worker)?;
-    assert!(exe.starts_with(rootfs_of("example-worker")), "the worker runs {}, not the image's", exe.display());
+    assert!(from_image(&exe, "example-worker")?, "the worker runs {}, not the image's binary", exe.display());
     assert_eq!(uid, USER, "the worker runs as uid {uid}");
     eventually("every order charged by the image's worker", T, || async {
         let charged: usize = f.redis.connection().await?.hlen("{ledger}:charges").await?;

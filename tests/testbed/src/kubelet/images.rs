@@ -55,8 +55,13 @@ impl ImageMap {
 }
 
 /// Finds `image` (its full reference) in the layouts under `store`, unpacks
-/// it once into `<layout>/rootfs-<digest>` and returns its entrypoint there.
+/// it once into `<tmp>/streamfleet-images/rootfs-<digest>` (which the image's
+/// user can reach, wherever the checkout is) and returns its entrypoint there.
 fn from_store(store: &Path, image: &str) -> Option<Resolved> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let unpacked = std::env::temp_dir().join("streamfleet-images");
+    std::fs::create_dir_all(&unpacked).ok()?;
+    std::fs::set_permissions(&unpacked, std::fs::Permissions::from_mode(0o755)).ok()?;
     for layout in std::fs::read_dir(store).ok()?.flatten().map(|e| e.path()) {
         let Ok(images) = streamfleet_images::read_layout(&layout) else {
             continue;
@@ -65,12 +70,14 @@ fn from_store(store: &Path, image: &str) -> Option<Resolved> {
             continue;
         };
         let hex = found.manifest_digest.trim_start_matches("sha256:");
-        let rootfs = layout.join(format!("rootfs-{}", &hex[..hex.len().min(12)]));
+        let rootfs = unpacked.join(format!("rootfs-{}", &hex[..hex.len().min(12)]));
         if !rootfs.exists() {
             // Unpacked aside, then renamed: two pods starting at once never
             // see half a filesystem.
-            let tmp = layout.join(format!(".unpack-{}", rand::random::<u64>()));
-            if let Err(e) = streamfleet_images::unpack(&found, &tmp) {
+            let tmp = unpacked.join(format!(".unpack-{}", rand::random::<u64>()));
+            let made = streamfleet_images::unpack(&found, &tmp)
+                .and_then(|()| Ok(std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))?));
+            if let Err(e) = made {
                 tracing::warn!("unpacking {image}: {e:#}");
                 return None;
             }

@@ -38,21 +38,30 @@ impl Kubelet {
         let spec = pod.spec.as_ref().ok_or_else(|| StartError::Other(anyhow!("pod has no spec")))?;
         let dir = self.root.join(&ns).join(&name);
         std::fs::create_dir_all(&dir).map_err(|e| StartError::Other(e.into()))?;
-        let kubeconfig = self.identity(pod, &dir).await?;
-        let ip = pod_ip(self.next_pod.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
-        let mut containers = Vec::new();
+        let mut resolved = Vec::new();
         for c in &spec.containers {
-            let resolved = c.image.as_deref().and_then(|image| self.images.resolve(image)).ok_or_else(|| {
+            resolved.push(c.image.as_deref().and_then(|image| self.images.resolve(image)).ok_or_else(|| {
                 StartError::Config(
                     "ErrImagePull".into(),
                     format!("image {:?} is not mapped to a local binary", c.image),
                 )
-            })?;
+            })?);
+        }
+        // A pod that runs as an image's user gets a home that user can reach
+        // (the checkout holding `dir` may be closed to others); its logs stay in `dir`.
+        let user = resolved.iter().find_map(|r| r.user);
+        let home = match user {
+            Some(_) => user_home(&ns, &name).map_err(StartError::Other)?,
+            None => dir.clone(),
+        };
+        let kubeconfig = self.identity(pod, &home).await?;
+        if let Some((uid, gid)) = user {
+            chown_tree(&home, uid, gid).map_err(StartError::Other)?;
+        }
+        let ip = pod_ip(self.next_pod.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        let mut containers = Vec::new();
+        for (c, resolved) in spec.containers.iter().zip(resolved) {
             let env = self.resolve_env(pod, &ip, c).await?;
-            if let Some((uid, gid)) = resolved.user {
-                // The image's user must read its kubeconfig and write its home.
-                chown_tree(&dir, uid, gid).map_err(StartError::Other)?;
-            }
             containers.push(ContainerRuntime {
                 spec: c.clone(),
                 binary: resolved.binary,
@@ -60,7 +69,7 @@ impl Kubelet {
                 env,
                 kubeconfig: kubeconfig.clone(),
                 log: dir.join(format!("{}.log", c.name)),
-                home: dir.clone(),
+                home: home.clone(),
                 child: None,
                 restarts: 0,
                 crashes: 0,
@@ -230,6 +239,19 @@ pub(super) enum ExitAction {
     Restart(Duration),
     Wait,
     Finish(&'static str),
+}
+
+/// A pod's home under the system's temporary folder, which every user can
+/// traverse: `<tmp>/streamfleet-pods-<pid>/<namespace>/<pod>`.
+fn user_home(ns: &str, name: &str) -> Result<PathBuf> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let base = std::env::temp_dir().join(format!("streamfleet-pods-{}", std::process::id()));
+    let home = base.join(ns).join(name);
+    std::fs::create_dir_all(&home)?;
+    for dir in [&base, &base.join(ns)] {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
+    }
+    Ok(home)
 }
 
 /// Hands `dir` and everything in it to `uid:gid`.
