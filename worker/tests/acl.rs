@@ -18,7 +18,6 @@ use redis::aio::MultiplexedConnection;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use streamfleet_contract as env;
 use streamfleet_streams::deadletter as dl;
 use streamfleet_streams::dlq::{self, Filter};
 use streamfleet_streams::health::{self, Lag};
@@ -30,10 +29,10 @@ use streamfleet_streams::{
 };
 use streamfleet_testbed::redis_server::{calls_between, command_calls};
 use streamfleet_testbed::{RedisServer, eventually};
-use streamfleet_worker::{Stats, Worker, WorkerConfig};
+use streamfleet_worker::{Stats, Worker};
 
 mod common;
-use common::{Scripted, T, spawn};
+use common::{Scripted, T, config_at as config, spawn};
 
 const PASSWORD: &str = "s3cr3t-acl-test";
 const DEAD: &str = "{orders}:dead";
@@ -159,20 +158,6 @@ fn every_command_the_code_sends_is_in_the_acl_line_and_nothing_else() {
         .filter(|a| !sent.contains_key(*a) && !LIBRARY.contains(&a.as_str()) && !CLUSTER_ONLY.contains(&a.as_str()))
         .collect();
     assert!(unused.is_empty(), "allowed by docs/redis-acl.txt but sent by no code: {unused:?}");
-}
-
-fn config(url: &str, consumer: &str, min_idle_ms: u64, max_deliveries: u64) -> WorkerConfig {
-    let vars: HashMap<&str, String> = HashMap::from([
-        (env::REDIS_URL, url.to_string()),
-        (env::STREAMS, "orders".into()),
-        (env::GROUP, "g".into()),
-        (env::CONSUMER, consumer.into()),
-        (env::MIN_IDLE_MS, min_idle_ms.to_string()),
-        (env::MAX_DELIVERIES, max_deliveries.to_string()),
-    ]);
-    let mut c = WorkerConfig::from_lookup(|k| vars.get(k).cloned()).unwrap();
-    c.block = Duration::from_millis(200);
-    c
 }
 
 /// Everything streamfleet does with Redis, as the user of `url`.

@@ -82,8 +82,13 @@ impl Handler for Scripted {
 }
 
 pub fn config(server: &RedisServer, consumer: &str, min_idle_ms: u64, max_deliveries: u64) -> WorkerConfig {
+    config_at(&server.url(), consumer, min_idle_ms, max_deliveries)
+}
+
+/// [`config`] for a Redis URL (e.g. one naming an ACL user).
+pub fn config_at(url: &str, consumer: &str, min_idle_ms: u64, max_deliveries: u64) -> WorkerConfig {
     let vars: HashMap<&str, String> = HashMap::from([
-        (env::REDIS_URL, server.url()),
+        (env::REDIS_URL, url.to_string()),
         (env::STREAMS, "orders".into()),
         (env::GROUP, "g".into()),
         (env::CONSUMER, consumer.into()),
