@@ -42,24 +42,50 @@ if p[1] == nil or p[1][2] ~= ARGV[2] then return 0 end
 return redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 """
 
-# KEYS: stream, dead-letter stream, payload-lost count, payload-lost IDs.
-# ARGV: group, consumer, min idle ms, cursor, count, now ms. Claims idle
-# entries; an ID whose payload is gone becomes a payload-missing dead letter
-# and a loss record in the same script, before anything else can happen.
+# KEYS: stream, dead-letter stream, payload-lost count, payload-lost IDs,
+# server epoch. ARGV: group, consumer, min idle ms, start ('-' or '(ID'),
+# count, now ms. Claims entries idle past min-idle-time; one of those whose
+# payload is gone becomes a payload-missing dead letter (naming its last
+# holder) and a loss record in the same script. Not XAUTOCLAIM: it drops
+# deleted IDs whatever their idle time (a live worker's trimmed entry). A
+# new server epoch (a restart, a failover) starts a wait of min-idle-time
+# with no claims: live holders renew their holds first.
 CLAIM = """
-local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5])
-for _, id in ipairs(r[3] or {}) do
-  redis.call('XADD', KEYS[2], '*',
-    'streamfleet.source-stream', KEYS[1], 'streamfleet.source-id', id,
-    'streamfleet.group', ARGV[1], 'streamfleet.consumer', ARGV[2], 'streamfleet.deliveries', 0,
-    'streamfleet.reason', 'payload-missing', 'streamfleet.error', 'payload trimmed or deleted while pending',
-    'streamfleet.dead-lettered-at', ARGV[6])
-  redis.call('XACK', KEYS[1], ARGV[1], id)
-  redis.call('HINCRBY', KEYS[3], 'count', 1)
-  redis.call('LPUSH', KEYS[4], id)
-  redis.call('LTRIM', KEYS[4], 0, 19)
+local run = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)') or ''
+local repl = string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)') or ''
+local epoch = run .. ':' .. repl
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local seen = redis.call('HMGET', KEYS[5], 'epoch', 'since')
+if seen[1] ~= epoch then
+  redis.call('HSET', KEYS[5], 'epoch', epoch, 'since', now)
+  return {'0-0', {}}
 end
-return r
+if now - tonumber(seen[2]) < tonumber(ARGV[3]) then return {'0-0', {}} end
+local page = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[3], ARGV[4], '+', ARGV[5])
+local existing = {}
+for _, p in ipairs(page) do
+  if #redis.call('XRANGE', KEYS[1], p[1], p[1]) > 0 then
+    existing[#existing + 1] = p[1]
+  else
+    redis.call('XADD', KEYS[2], '*',
+      'streamfleet.source-stream', KEYS[1], 'streamfleet.source-id', p[1],
+      'streamfleet.group', ARGV[1], 'streamfleet.consumer', p[2], 'streamfleet.deliveries', 0,
+      'streamfleet.reason', 'payload-missing', 'streamfleet.error', 'payload trimmed or deleted while pending',
+      'streamfleet.dead-lettered-at', ARGV[6])
+    redis.call('XACK', KEYS[1], ARGV[1], p[1])
+    redis.call('HINCRBY', KEYS[3], 'count', 1)
+    redis.call('LPUSH', KEYS[4], p[1])
+    redis.call('LTRIM', KEYS[4], 0, 19)
+  end
+end
+local claimed = {}
+if #existing > 0 then
+  claimed = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], unpack(existing))
+end
+local next = '0-0'
+if #page >= tonumber(ARGV[5]) then next = '(' .. page[#page][1] end
+return {next, claimed}
 """
 
 # KEYS: stream. ARGV: group, consumer, ID, idle ms, retry count. Hands an
@@ -179,11 +205,11 @@ class Worker:
             self.settle(stream, entry_id, fields, deliveries_of(entry_id))
 
     def claim_idle(self, stream):
-        """Rule 4: entries of crashed consumers, cursor until 0-0."""
-        cursor = "0-0"
+        """Rule 4: entries of crashed consumers, page after page until 0-0."""
+        cursor = "-"
         while not self.stopping:
             keys = [stream, self.dead_letter_stream[stream], companion(stream, f"payload-lost:{self.group}"),
-                    companion(stream, f"payload-lost-ids:{self.group}")]
+                    companion(stream, f"payload-lost-ids:{self.group}"), companion(stream, "server-epoch")]
             args = [self.group, self.consumer, self.min_idle_ms, cursor, self.batch, int(time.time() * 1000)]
             cursor, claimed = self.claim(keys=keys, args=args)[:2]
             cursor = cursor.decode() if isinstance(cursor, bytes) else cursor

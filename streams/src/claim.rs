@@ -1,13 +1,12 @@
-//! Claiming idle pending entries (XAUTOCLAIM) and learning their delivery counts.
+//! Claiming idle pending entries and learning their delivery counts.
 
 use crate::entry::{Entry, fields_from_map};
 use crate::error::StreamError;
 use redis::aio::ConnectionLike;
-use redis::streams::StreamAutoClaimReply;
 use std::collections::HashMap;
 use std::time::Duration;
 
-/// One XAUTOCLAIM step.
+/// One claim step.
 pub struct Claimed {
     /// Entries now owned by the claiming consumer, delivery counts included.
     pub entries: Vec<Entry>,
@@ -17,32 +16,38 @@ pub struct Claimed {
     pub deleted: Vec<String>,
     /// Cursor for the next step; `0-0` once the whole PEL was scanned.
     pub next: String,
+    /// Some idle entries were left because the server restarted or failed
+    /// over less than min-idle-time ago and their holders may still renew
+    /// (`claim_rules_lua`). Try again later.
+    pub deferred: bool,
 }
 
 /// Where a claim records the pending IDs it finds without a payload: the
 /// dead-letter stream and the group's payload-loss record, written by the
 /// same script that drops the ID from the PEL (never after it: a crash in
-/// between would lose it without a word).
+/// between would lose it without a word). The dead letter names the
+/// consumer that last held the entry.
 pub struct LossRecord<'a> {
     pub dead_letter_stream: &'a str,
-    /// Named in the dead letter as the consumer that met the loss.
+    /// Named in the dead letter as the consumer that met the loss when the
+    /// script does not know the last holder.
     pub consumer: &'a str,
     pub why: &'a str,
 }
 
-/// Lua shared by the claim scripts: `lost(id)` writes the payload-missing
-/// dead letter and the loss record, then acks the ID. KEYS: stream,
-/// dead-letter stream, loss count, loss IDs. ARGV[1] group, ARGV[2] the
-/// consumer recorded, ARGV[3] why.
+/// Lua shared by the claim scripts: `lost(id, holder)` writes the
+/// payload-missing dead letter (naming `holder`, the consumer that last held
+/// the entry) and the loss record, then acks the ID. KEYS: stream,
+/// dead-letter stream, loss count, loss IDs. ARGV[1] group, ARGV[3] why.
 fn lost_lua() -> String {
     use crate::deadletter::*;
     format!(
         r"
-        local function lost(id)
+        local function lost(id, holder)
             local t = redis.call('TIME')
             local at = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
             redis.call('XADD', KEYS[2], '*', '{F_SOURCE_STREAM}', KEYS[1], '{F_SOURCE_ID}', id,
-                '{F_GROUP}', ARGV[1], '{F_CONSUMER}', ARGV[2], '{F_DELIVERIES}', '0',
+                '{F_GROUP}', ARGV[1], '{F_CONSUMER}', holder, '{F_DELIVERIES}', '0',
                 '{F_REASON}', 'payload-missing', '{F_ERROR}', ARGV[3], '{F_AT}', at)
             redis.call('HINCRBY', KEYS[3], 'count', 1)
             redis.call('LPUSH', KEYS[4], id)
@@ -54,15 +59,204 @@ fn lost_lua() -> String {
     )
 }
 
-/// XAUTOCLAIM, with the IDs it dropped recorded in the same script.
-/// ARGV[4] claimer, ARGV[5] min idle, ARGV[6] start, ARGV[7] count.
-static AUTOCLAIM: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+/// Lua shared by every script that takes entries other consumers held:
+/// `claim_rules(epoch_key, dead_key, min_idle_ms)` returns
+/// `claimable(idle, owner)`. A restart or a failover stops every hold: the
+/// idle times kept in the PEL (in the AOF, or replicated to the promoted
+/// replica) went on counting while no holder could reach the server, so an
+/// entry a live worker holds can look abandoned the moment the server is
+/// back. So an entry idle past min-idle-time is claimable only when
+///
+/// * its idle time was measured wholly by this server as master (its last
+///   delivery or renewal came after the server started, and for a promoted
+///   replica after claims first saw it promoted), or
+/// * the server's epoch (its `run_id` and replication ID, recorded beside
+///   the stream with when claims first saw it) is min-idle-time old: every
+///   live holder, renewing every third of min-idle-time, has re-asserted
+///   its hold by then, or
+/// * its owner was declared dead (the operator saw its pod gone).
+///
+/// A server seen for the first time that was never promoted dates its
+/// epoch from its start (`uptime_in_seconds`), so a long-running server
+/// claims at once; an epoch that changed since claims last looked (a
+/// restart, a failover) dates from that first look, never earlier.
+pub fn claim_rules_lua() -> &'static str {
+    r"
+        local function claim_rules(epoch_key, dead_key, min_idle)
+            local server = redis.call('INFO', 'server')
+            local run = string.match(server, 'run_id:(%w+)') or ''
+            local uptime = tonumber(string.match(server, 'uptime_in_seconds:(%d+)') or '0') or 0
+            local repl = redis.call('INFO', 'replication')
+            local replid = string.match(repl, 'master_replid:(%w+)') or ''
+            local replid2 = string.match(repl, 'master_replid2:(%w+)') or ''
+            local promoted = replid2 ~= '' and string.match(replid2, '^0+$') == nil
+            local epoch = run .. ':' .. replid
+            local t = redis.call('TIME')
+            local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+            local started = now - uptime * 1000
+            local seen = redis.call('HMGET', epoch_key, 'epoch', 'since')
+            local since = tonumber(seen[2])
+            if seen[1] ~= epoch or since == nil then
+                since = now
+                -- Never seen, never promoted: from its start (the uptime is
+                -- whole seconds: a second earlier, so a fresh server's
+                -- first entries count as tracked).
+                if not seen[1] and not promoted then since = started - 1000 end
+                redis.call('HSET', epoch_key, 'epoch', epoch, 'since', string.format('%.0f', since))
+            end
+            local tracked = promoted and since or math.min(started, since)
+            local open = now - since >= min_idle
+            local dead = {}
+            return function(idle, owner)
+                idle = tonumber(idle) or 0
+                if idle < min_idle then return false end
+                if open or now - idle >= tracked then return true end
+                if dead[owner] == nil then dead[owner] = redis.call('ZSCORE', dead_key, owner) ~= false end
+                return dead[owner]
+            end
+        end
+        "
+}
+
+/// Which of a page's entries are claimable ([`claim_rules_lua`]). KEYS:
+/// server epoch, dead-consumer registry. ARGV: min idle ms, then per entry
+/// its idle ms and owner. Returns `1`/`0` per entry.
+static CLAIMABLE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(&format!(
         r"{}
-        local reply = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[4], ARGV[5], ARGV[6], 'COUNT', ARGV[7])
-        for _, id in ipairs(reply[3] or {{}}) do lost(id) end
-        return reply",
-        lost_lua()
+        local claimable = claim_rules(KEYS[1], KEYS[2], tonumber(ARGV[1]))
+        local out = {{}}
+        for j = 2, #ARGV, 2 do out[#out + 1] = claimable(ARGV[j], ARGV[j + 1]) and '1' or '0' end
+        return table.concat(out)",
+        claim_rules_lua()
+    ))
+});
+
+/// Of `entries` (`(idle ms, owner)`), which are claimable now
+/// ([`claim_rules_lua`]): one round trip.
+pub async fn claimable<C: ConnectionLike + Send>(
+    conn: &mut C,
+    stream: &str,
+    group: &str,
+    min_idle_ms: u64,
+    entries: &[(u64, &str)],
+) -> Result<Vec<bool>, StreamError> {
+    if entries.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut script = CLAIMABLE.prepare_invoke();
+    script
+        .key(crate::keys::server_epoch_key(stream))
+        .key(crate::keys::dead_consumers_key(stream, group))
+        .arg(min_idle_ms);
+    for (idle, owner) in entries {
+        script.arg(*idle).arg(*owner);
+    }
+    let flags: String =
+        script.invoke_async(conn).await.map_err(|e| StreamError::new("checking claimable entries", e))?;
+    Ok(flags.bytes().map(|b| b == b'1').chain(std::iter::repeat(false)).take(entries.len()).collect())
+}
+
+/// `XCLAIM … JUSTID` of the given entries that are claimable
+/// ([`claim_rules_lua`], checked again here, atomically with the claim).
+/// KEYS: stream, server epoch, dead-consumer registry. ARGV: group,
+/// claimer, min idle ms, then per entry its ID, idle ms and owner. Returns
+/// the IDs claimed. Sent with `EVAL` in a pipeline
+/// ([`claim_justid_command`]), as the dead-letter script is.
+static CLAIM_JUSTID: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        r"{}
+        local claimable = claim_rules(KEYS[2], KEYS[3], tonumber(ARGV[3]))
+        local ids = {{}}
+        for j = 4, #ARGV, 3 do
+            if claimable(ARGV[j + 1], ARGV[j + 2]) then ids[#ids + 1] = ARGV[j] end
+        end
+        local claimed = {{}}
+        for from = 1, #ids, 500 do
+            local args = {{'XCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3]}}
+            for i = from, math.min(from + 499, #ids) do args[#args + 1] = ids[i] end
+            args[#args + 1] = 'JUSTID'
+            for _, id in ipairs(redis.call(unpack(args))) do claimed[#claimed + 1] = id end
+        end
+        return claimed",
+        claim_rules_lua()
+    )
+});
+
+/// The command that claims `entries` (`(ID, idle ms, owner)`; `XCLAIM …
+/// JUSTID`, idle at least `min_idle_ms`) that are claimable, for a
+/// pipeline; replies with the IDs claimed.
+pub fn claim_justid_command(
+    stream: &str,
+    group: &str,
+    claimer: &str,
+    min_idle_ms: u64,
+    entries: &[(&str, u64, &str)],
+) -> redis::Cmd {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(CLAIM_JUSTID.as_str())
+        .arg(3)
+        .arg(stream)
+        .arg(crate::keys::server_epoch_key(stream))
+        .arg(crate::keys::dead_consumers_key(stream, group));
+    cmd.arg(group).arg(claimer).arg(min_idle_ms);
+    for (id, idle, owner) in entries {
+        cmd.arg(*id).arg(*idle).arg(*owner);
+    }
+    cmd
+}
+
+/// One claim step over the PEL, with what it meets recorded in the same
+/// script. KEYS: stream, dead-letter stream, loss count, loss IDs, server
+/// epoch, dead-consumer registry. ARGV[4] claimer, ARGV[5] min idle, ARGV[6] start (inclusive, or
+/// `(ID`), ARGV[7] count.
+///
+/// Not `XAUTOCLAIM`: it drops a deleted ID from the PEL whatever its idle
+/// time, so an entry a producer's `MAXLEN` trimmed while a live worker
+/// handles it would be recorded lost, and that worker's finished work
+/// redone by whoever reads the runbook. Here only entries idle past
+/// min-idle-time are looked at (`XPENDING … IDLE`); of those, the ones
+/// without a payload are recorded lost naming their last holder, the rest
+/// claimed (`XCLAIM` with the same min idle: atomic here anyway). Entries
+/// not claimable yet after a restart or failover ([`claim_rules_lua`]) are
+/// neither claimed nor checked for their payload.
+/// Returns: next cursor (`0-0` when done), the claimed entries, the lost
+/// IDs, each claimed entry's delivery count (this claim included), and how
+/// many idle entries were deferred.
+static CLAIM_IDLE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(&format!(
+        r"{}{}
+        local claimable = claim_rules(KEYS[5], KEYS[6], tonumber(ARGV[5]))
+        local n = tonumber(ARGV[7])
+        local page = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[5], ARGV[6], '+', n)
+        local existing, counts, gone, deferred = {{}}, {{}}, {{}}, 0
+        for _, p in ipairs(page) do
+            if not claimable(p[3], p[2]) then
+                deferred = deferred + 1
+            elseif #redis.call('XRANGE', KEYS[1], p[1], p[1]) > 0 then
+                existing[#existing + 1] = p[1]
+                counts[p[1]] = p[4] + 1
+            else
+                lost(p[1], p[2])
+                gone[#gone + 1] = p[1]
+            end
+        end
+        local claimed, delivered = {{}}, {{}}
+        for from = 1, #existing, 500 do
+            local args = {{'XCLAIM', KEYS[1], ARGV[1], ARGV[4], ARGV[5]}}
+            for i = from, math.min(from + 499, #existing) do args[#args + 1] = existing[i] end
+            for _, c in ipairs(redis.call(unpack(args))) do
+                if c then
+                    claimed[#claimed + 1] = c
+                    delivered[#delivered + 1] = counts[c[1]]
+                end
+            end
+        end
+        local next = '0-0'
+        if #page >= n and n > 0 then next = '(' .. page[#page][1] end
+        return {{next, claimed, gone, delivered, deferred}}",
+        lost_lua(),
+        claim_rules_lua()
     ))
 });
 
@@ -85,7 +279,7 @@ static CLAIM_IDS: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(
                 if #redis.call('XRANGE', KEYS[1], id, id) > 0 then
                     existing[#existing + 1] = id
                 else
-                    lost(id)
+                    lost(id, p[2])
                     gone[#gone + 1] = id
                 end
             end
@@ -125,8 +319,11 @@ fn prepare<'a>(
 }
 
 /// Claims up to `count` entries idle for at least `min_idle`, scanning from
-/// `start`. IDs whose payload is gone are recorded in `loss` by the same
-/// script and returned as `deleted`.
+/// `start` (`0-0` or a returned cursor). IDs idle that long whose payload is
+/// gone are recorded in `loss` by the same script (naming their last
+/// holder) and returned as `deleted`; an entry a live holder still renews
+/// is never looked at, payload or not; nor is one whose holder may still
+/// renew after a restart or failover ([`claim_rules_lua`]).
 #[allow(clippy::too_many_arguments)]
 pub async fn autoclaim<C: ConnectionLike + Send>(
     conn: &mut C,
@@ -139,23 +336,31 @@ pub async fn autoclaim<C: ConnectionLike + Send>(
     count: usize,
 ) -> Result<Claimed, StreamError> {
     let min_idle_ms = u64::try_from(min_idle.as_millis()).unwrap_or(u64::MAX);
-    let mut script = prepare(&AUTOCLAIM, stream, group, loss);
-    script.arg(consumer).arg(min_idle_ms).arg(start).arg(count);
-    let reply: StreamAutoClaimReply =
+    let start = if start == "0-0" { "-" } else { start };
+    let mut script = prepare(&CLAIM_IDLE, stream, group, loss);
+    script
+        .key(crate::keys::server_epoch_key(stream))
+        .key(crate::keys::dead_consumers_key(stream, group))
+        .arg(consumer)
+        .arg(min_idle_ms)
+        .arg(start)
+        .arg(count);
+    let (next, claimed, deleted, delivered, deferred): (String, redis::Value, Vec<String>, Vec<u64>, u64) =
         script.invoke_async(conn).await.map_err(|e| StreamError::new("claiming idle entries", e))?;
-    let ids: Vec<String> = reply.claimed.iter().map(|e| e.id.clone()).collect();
-    let counts = delivery_counts(conn, stream, group, &ids).await?;
-    let entries = reply
-        .claimed
+    let claimed: redis::streams::StreamClaimReply = redis::FromRedisValue::from_redis_value(claimed)
+        .map_err(|e| StreamError::new("claiming idle entries", e.into()))?;
+    let entries = claimed
+        .ids
         .into_iter()
-        .map(|e| Entry {
-            deliveries: counts.get(&e.id).copied().unwrap_or(1),
+        .zip(delivered)
+        .map(|(e, deliveries)| Entry {
+            deliveries,
             stream: stream.to_string(),
             id: e.id,
             fields: fields_from_map(e.map),
         })
         .collect();
-    Ok(Claimed { entries, deleted: reply.deleted_ids, next: reply.next_stream_id })
+    Ok(Claimed { entries, deleted, next, deferred: deferred > 0 })
 }
 
 /// How [`claim_ids`] claims.
@@ -207,7 +412,7 @@ pub async fn claim_own<C: ConnectionLike + Send>(
     let start = if after == "-" { after.to_string() } else { format!("({after}") };
     let pending = crate::consumers::pending_of(conn, stream, group, consumer, &start, count).await?;
     let Some((last, ..)) = pending.last() else {
-        return Ok(Claimed { entries: Vec::new(), deleted: Vec::new(), next: "0-0".into() });
+        return Ok(Claimed { entries: Vec::new(), deleted: Vec::new(), next: "0-0".into(), deferred: false });
     };
     let next = if pending.len() < count { "0-0".to_string() } else { last.clone() };
     let ids: Vec<&str> = pending.iter().map(|(id, ..)| id.as_str()).collect();
@@ -232,25 +437,5 @@ pub async fn claim_own<C: ConnectionLike + Send>(
             })
         })
         .collect();
-    Ok(Claimed { entries, deleted, next })
-}
-
-/// Delivery counts of `ids`: one pipelined round trip of single-entry
-/// extended XPENDING calls, bounded by the batch size.
-pub async fn delivery_counts<C: ConnectionLike + Send>(
-    conn: &mut C,
-    stream: &str,
-    group: &str,
-    ids: &[String],
-) -> Result<HashMap<String, u64>, StreamError> {
-    if ids.is_empty() {
-        return Ok(HashMap::new());
-    }
-    let mut pipe = redis::pipe();
-    for id in ids {
-        pipe.cmd("XPENDING").arg(stream).arg(group).arg(id).arg(id).arg(1);
-    }
-    let rows: Vec<Vec<(String, String, u64, u64)>> =
-        pipe.query_async(conn).await.map_err(|e| StreamError::new("reading delivery counts", e))?;
-    Ok(rows.into_iter().flatten().map(|(id, _, _, count)| (id, count)).collect())
+    Ok(Claimed { entries, deleted, next, deferred: false })
 }

@@ -2,6 +2,11 @@
 
 use redis::Value;
 
+/// The field that names an entry's event when one event may be added more
+/// than once (a producer's retry, a replay): its idempotency token. Without
+/// it the entry ID is the event.
+pub const F_EVENT_ID: &str = "streamfleet.event-id";
+
 /// One stream entry with its binary-safe fields and delivery count.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Entry {
@@ -20,6 +25,14 @@ impl Entry {
     /// A field as UTF-8 text, if it is present and valid.
     pub fn field_str(&self, name: &str) -> Option<&str> {
         self.field(name).and_then(|v| std::str::from_utf8(v).ok())
+    }
+
+    /// The event this entry carries, its idempotency token: the
+    /// [`F_EVENT_ID`] field when set (not empty), else the entry ID. Not the
+    /// business key: two events of one order ("charged", then "refunded")
+    /// share a key and are two events.
+    pub fn event_id(&self) -> &str {
+        self.field_str(F_EVENT_ID).filter(|e| !e.is_empty()).unwrap_or(&self.id)
     }
 }
 

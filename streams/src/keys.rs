@@ -42,9 +42,28 @@ pub fn suppressed_key(stream: &str, group: &str) -> String {
     companion_key(stream, &format!("suppressed:{group}"))
 }
 
-/// The idempotency guard's record of one business key (or entry ID) of `group`.
+/// The idempotency guard's lock on one business key (or, for an entry
+/// without one, its event) in `group`: `processing:<consumer>:<fence>`
+/// while a delivery holds it, so two handlers never run one key at once.
 pub fn guard_key(stream: &str, group: &str, token: &str) -> String {
     companion_key(stream, &format!("idem:{group}:{token}"))
+}
+
+/// The idempotency guard's record that one event (`Entry::event_id`) of
+/// `group` completed: a redelivery of that event is acked unrun, another
+/// event of the same business key still runs.
+pub fn completion_key(stream: &str, group: &str, event: &str) -> String {
+    companion_key(stream, &format!("done:{group}:{event}"))
+}
+
+/// The server epoch the claims on `stream` last saw (a hash: `epoch` is
+/// the server's `run_id` and replication ID, `since` when it began as far
+/// as claims know, in the server's ms). A new epoch is a restart or a
+/// failover: no hold could be renewed while it happened, so entries last
+/// renewed before it wait min-idle-time of the new epoch before anyone
+/// claims them (`claim::claim_rules_lua`).
+pub fn server_epoch_key(stream: &str) -> String {
+    companion_key(stream, "server-epoch")
 }
 
 /// The text Redis Cluster hashes to place `key`: its hash tag, or the whole key.

@@ -2,11 +2,12 @@
 //! fields (business key included), addressed to the letter's group only
 //! (`streamfleet.replay-for`; workers of other groups ack it unrun), and
 //! remove them from the dead-letter stream, each in one script that first
-//! checks the group's idempotency guard: a key completed since (by another
-//! delivery) is not replayed, a dead consumer's `processing` mark is cleared.
+//! checks the group's idempotency guard: an event completed since (by
+//! another delivery) is not replayed, a dead consumer's `processing` lock is
+//! cleared. The replay carries its event (`streamfleet.event-id`).
 
 use crate::deadletter::{F_BUSINESS_KEY, F_GROUP, F_REASON, F_SOURCE_ID, F_SOURCE_STREAM, PREFIX};
-use crate::entry::fields_from_map;
+use crate::entry::{F_EVENT_ID, fields_from_map};
 use crate::error::StreamError;
 use redis::aio::ConnectionLike;
 
@@ -47,17 +48,18 @@ pub const F_REPLAY_FOR: &str = "streamfleet.replay-for";
 /// The dead letter a replayed entry came from.
 pub const F_REPLAY_OF: &str = "streamfleet.replay-of";
 
-/// KEYS: source stream, dead-letter stream, guard mark, dead-consumer
-/// registry. ARGV: dead letter ID, '1' to check the guard, then the new
-/// entry's fields and values. A `processing` mark is cleared only when its
-/// owner was declared dead: a live holder's mark stands (the replay waits).
-/// Returns {1, new ID}, or {0, why}.
+/// KEYS: source stream, dead-letter stream, guard lock, dead-consumer
+/// registry, the event's completion record. ARGV: dead letter ID, '1' to
+/// check the guard, then the new entry's fields and values. An event
+/// completed since is not replayed. A `processing` lock is cleared only when
+/// its owner was declared dead: a live holder's lock stands (the replay
+/// waits). Returns {1, new ID}, or {0, why}.
 static REPLAY: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         r"
         if ARGV[2] == '1' then
+            if redis.call('GET', KEYS[5]) == 'completed' then return {0, 'completed'} end
             local mark = redis.call('GET', KEYS[3])
-            if mark == 'completed' then return {0, 'completed'} end
             local owner = mark and string.match(mark, '^processing:([^:]+)')
             if owner and redis.call('ZSCORE', KEYS[4], owner) then redis.call('DEL', KEYS[3]) end
         end
@@ -112,22 +114,33 @@ pub async fn replay<C: ConnectionLike + Send>(
             continue;
         }
         let group = text(F_GROUP);
-        // The guard token the worker used: the business key, or the entry ID.
-        let token = business_key.clone().or_else(|| text(F_SOURCE_ID));
-        let mark = match (&group, &token) {
-            (Some(group), Some(token)) => Some(crate::keys::guard_key(&source, group, token)),
-            _ => None,
+        // The event the letter carried: its own event-ID field, or its source
+        // entry ID. The replay carries it, so the worker knows it is that
+        // event again, and completing either completes both.
+        let event = text(F_EVENT_ID).filter(|e| !e.is_empty()).or_else(|| text(F_SOURCE_ID));
+        // The guard lock the worker used: the business key, or the event.
+        let token = business_key.clone().or_else(|| event.clone());
+        let (lock, record) = match (&group, &token, &event) {
+            (Some(group), Some(token), Some(event)) => (
+                Some(crate::keys::guard_key(&source, group, token)),
+                Some(crate::keys::completion_key(&source, group, event)),
+            ),
+            _ => (None, None),
         };
         let mut script = REPLAY.prepare_invoke();
         script
             .key(&source)
             .key(dead_letter_stream)
-            .key(mark.clone().unwrap_or_else(|| source.clone()))
+            .key(lock.clone().unwrap_or_else(|| source.clone()))
             .key(crate::keys::dead_consumers_key(&source, group.as_deref().unwrap_or_default()))
+            .key(record.unwrap_or_else(|| source.clone()))
             .arg(&id)
-            .arg(if mark.is_some() { "1" } else { "0" });
+            .arg(if lock.is_some() { "1" } else { "0" });
         for (k, v) in original {
             script.arg(k).arg(v.as_slice());
+        }
+        if let Some(event) = &event {
+            script.arg(F_EVENT_ID).arg(event);
         }
         if let Some(group) = &group {
             script.arg(F_REPLAY_FOR).arg(group).arg(F_REPLAY_OF).arg(&id);
@@ -138,7 +151,7 @@ pub async fn replay<C: ConnectionLike + Send>(
             out.push(Replayed::Skipped {
                 dead_letter_id: id,
                 why: format!(
-                    "its business key is {detail} in group {:?}: another delivery did it after it was dead-lettered, \
+                    "its event is {detail} in group {:?}: another delivery did it after it was dead-lettered, \
                      so replaying would apply it twice",
                     group.unwrap_or_default()
                 ),

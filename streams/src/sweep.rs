@@ -61,12 +61,24 @@ pub async fn sweep<C: ConnectionLike + Send>(
         let Some((last, ..)) = page.last() else { break };
         start = format!("({last}");
         report.scanned += u64::try_from(page.len()).unwrap_or(u64::MAX);
+        let full_page = page.len() >= s.batch;
+        // After a restart or a failover an entry whose holder may still renew
+        // is left alone, payload or not (`claim::claim_rules_lua`).
+        let rows: Vec<(u64, &str)> = page.iter().map(|(_, owner, idle, _)| (*idle, owner.as_str())).collect();
+        let claimable = crate::claim::claimable(conn, s.stream, s.group, min_idle_ms, &rows).await?;
+        let page: Vec<(String, String, u64, u64)> =
+            page.iter().zip(claimable).filter(|(_, ok)| *ok).map(|(row, _)| row.clone()).collect();
+        let (Some((first, ..)), Some((last, ..))) = (page.first(), page.last()) else {
+            if full_page {
+                continue;
+            }
+            break;
+        };
 
         // Which payloads still exist. Pending entries mostly sit together, so
         // one bounded XRANGE over the page's span answers for the IDs it
         // covers; IDs past where it stopped (a span full of acked entries)
         // are checked one by one on the server by a script.
-        let first = page.first().map(|(id, ..)| id.as_str()).unwrap_or("-");
         let bound = s.batch.saturating_mul(2).max(1);
         let span: Vec<(String, redis::Value)> = redis::cmd("XRANGE")
             .arg(s.stream)
@@ -97,6 +109,8 @@ pub async fn sweep<C: ConnectionLike + Send>(
         };
         let mut lost = Vec::new();
         let mut poison = Vec::new();
+        let idle_of: std::collections::HashMap<&str, u64> =
+            page.iter().map(|(id, _, idle, _)| (id.as_str(), *idle)).collect();
         for (id, owner, _, deliveries) in &page {
             let entry = Entry { stream: s.stream.into(), id: id.clone(), fields: Vec::new(), deliveries: *deliveries };
             if !existing.contains(id.as_str()) && !beyond_present.contains(id) {
@@ -127,11 +141,11 @@ pub async fn sweep<C: ConnectionLike + Send>(
             pipe.add_command(deadletter::command(s.dead_letter_stream, &letters)).ignore();
         }
         if !poison.is_empty() {
-            let claim = pipe.cmd("XCLAIM").arg(s.stream).arg(s.group).arg(s.consumer).arg(min_idle_ms);
-            for (entry, _) in &poison {
-                claim.arg(&entry.id);
-            }
-            claim.arg("JUSTID");
+            let rows: Vec<(&str, u64, &str)> = poison
+                .iter()
+                .map(|(entry, owner)| (entry.id.as_str(), idle_of.get(entry.id.as_str()).copied().unwrap_or(0), *owner))
+                .collect();
+            pipe.add_command(crate::claim::claim_justid_command(s.stream, s.group, s.consumer, min_idle_ms, &rows));
             let errors = pipe.cmd("HMGET").arg(keys::last_error_key(s.stream, s.group));
             for (entry, _) in &poison {
                 errors.arg(&entry.id);
@@ -192,7 +206,7 @@ pub async fn sweep<C: ConnectionLike + Send>(
         let moved = u64::try_from(taken.len()).unwrap_or(u64::MAX);
         report.claimed += moved;
         report.dead_lettered += moved;
-        if page.len() < s.batch {
+        if !full_page {
             break;
         }
     }

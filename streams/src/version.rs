@@ -13,6 +13,15 @@ pub struct Version {
 }
 
 impl Version {
+    /// The oldest server streamfleet runs on.
+    pub const OLDEST_SUPPORTED: Version = Version { major: 7, minor: 0, patch: 0 };
+
+    /// 7.0 and later: the guard's `SET … NX GET`, `XPENDING … IDLE` and the
+    /// claims' reports of deleted entries need it; older servers are refused.
+    pub fn is_supported(self) -> bool {
+        self >= Self::OLDEST_SUPPORTED
+    }
+
     /// `XREADGROUP ... CLAIM min-idle-time` (8.4): new and idle entries in one read.
     pub fn has_readgroup_claim(self) -> bool {
         self >= Version { major: 8, minor: 4, patch: 0 }

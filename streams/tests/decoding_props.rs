@@ -249,7 +249,7 @@ enum Shape {
     Summary,
     /// A list of IDs.
     Ids,
-    /// XAUTOCLAIM.
+    /// The idle-claim script: cursor, claimed entries, lost IDs, delivery counts, deferred.
     Autoclaim,
     /// The sweep's presence script: `1`/`0` per ID.
     Presence,
@@ -270,9 +270,8 @@ const SHAPED: &[(&str, &[Shape])] = {
         ("retention::target", &[Int, Entries]),
         ("retention::trim_to", &[Int]),
         ("retention::enforce", &[Int, Entries, Groups, Summary, Int, Int]),
-        ("sweep::sweep", &[Pending, Entries, Presence, Any, Ids, Any, Entries, Entries, Any, Pending, Int]),
-        ("claim::autoclaim", &[Autoclaim, Pending, Pending, Pending]),
-        ("claim::delivery_counts", &[Pending, Pending]),
+        ("sweep::sweep", &[Pending, Presence, Entries, Presence, Any, Ids, Any, Entries, Entries, Any, Pending, Int]),
+        ("claim::autoclaim", &[Autoclaim]),
         ("consumers::pending_of", &[Pending]),
         ("consumers::delete_if_empty", &[Int]),
         ("dlq::cap", &[Int]),
@@ -337,8 +336,16 @@ fn shaped(shape: Shape) -> BoxedStrategy<Value> {
         Shape::Pending => pending_rows().boxed(),
         Shape::Summary => pending_summary().boxed(),
         Shape::Ids => prop::collection::vec(entry_id(), 0..3).prop_map(Value::Array).boxed(),
-        Shape::Autoclaim => (entry_id(), entries(), prop::collection::vec(entry_id(), 0..3))
-            .prop_map(|(next, claimed, deleted)| Value::Array(vec![next, claimed, Value::Array(deleted)]))
+        Shape::Autoclaim => (
+            entry_id(),
+            entries(),
+            prop::collection::vec(entry_id(), 0..3),
+            prop::collection::vec(maybe_int(), 0..3),
+            maybe_int(),
+        )
+            .prop_map(|(next, claimed, deleted, counts, deferred)| {
+                Value::Array(vec![next, claimed, Value::Array(deleted), Value::Array(counts), deferred])
+            })
             .boxed(),
         Shape::Presence => prop::collection::vec(any::<bool>(), 0..4)
             .prop_map(|bits| bulk(&bits.iter().map(|b| if *b { '1' } else { '0' }).collect::<String>()))
@@ -446,10 +453,6 @@ async fn every_reader(replies: impl Fn(&str) -> Vec<Value>) -> Vec<(&'static str
     seen.push((
         "claim::claim_ids",
         claim::claim_ids(&mut conn("claim::claim_ids"), "s", "g", &loss, &how, &["1-0", "2-0"]).await.is_ok(),
-    ));
-    seen.push((
-        "claim::delivery_counts",
-        claim::delivery_counts(&mut conn("claim::delivery_counts"), "s", "g", &ids).await.is_ok(),
     ));
     seen.push((
         "consumers::pending_of",

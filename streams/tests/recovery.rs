@@ -144,11 +144,12 @@ async fn replay_requeues_original_fields_and_removes_the_dead_letter() -> Result
     let server = RedisServer::start().await?;
     let mut conn = server.connection().await?;
     ensure_group(&mut conn, "orders", "g", "0").await?;
-    let mut dead = Vec::new();
+    let (mut dead, mut source_ids) = (Vec::new(), Vec::new());
     for (i, reason) in
         [dl::Reason::Permanent, dl::Reason::Permanent, dl::Reason::PayloadMissing].into_iter().enumerate()
     {
         let id = conn.xadd::<_, _, _, _, String>("orders", "*", &[("order_id", format!("o{i}"))]).await?;
+        source_ids.push(id.clone());
         let opts = redis::streams::StreamReadOptions::default().group("g", "w").count(1);
         let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
         let fields = if reason == dl::Reason::PayloadMissing {
@@ -177,6 +178,7 @@ async fn replay_requeues_original_fields_and_removes_the_dead_letter() -> Result
         fields,
         vec![
             ("order_id".to_string(), b"o0".to_vec()),
+            (streamfleet_streams::entry::F_EVENT_ID.to_string(), source_ids[0].clone().into_bytes()),
             (streamfleet_streams::replay::F_REPLAY_FOR.to_string(), b"g".to_vec()),
             (streamfleet_streams::replay::F_REPLAY_OF.to_string(), dead[0].clone().into_bytes()),
         ],

@@ -4,7 +4,7 @@
 //! crashed consumers left idle; drain on shutdown.
 
 use crate::guard::{Acquisition, Guard, GuardState, IdempotencyStore};
-use crate::lease::{Held, Lease};
+use crate::lease::{Completion, Held, Lease};
 use crate::stats::Stats;
 use futures::{FutureExt as _, StreamExt as _};
 use rand::Rng as _;
@@ -48,8 +48,8 @@ struct Reader {
 
 /// What the consume loop has learned so far.
 struct ConsumeState {
-    /// Whether reads claim idle entries themselves (Redis 8.4); `None` until known.
-    claim_in_read: Option<bool>,
+    /// Whether the server's version was checked (7.0 or later).
+    server_checked: bool,
     /// Whether this consumer's own pending entries were taken back.
     taken_back: bool,
     next_claim: Instant,
@@ -58,7 +58,15 @@ struct ConsumeState {
 /// Where an entry of a batch stands.
 const WAITING: u8 = 0;
 const RUNNING: u8 = 1;
+/// Its effect is done and its commit (completion mark and ack) not yet
+/// written: held and retried, never handed back (that would re-run it).
+const DONE: u8 = 3;
 const SETTLED: u8 = 2;
+
+/// How long a batch keeps retrying the commit of done entries (Redis down,
+/// a failover): at least this, and at least twice min-idle-time, so a
+/// restarted server's claim wait (`claim::claim_rules_lua`) is covered.
+const COMMIT_RETRY_FOR: Duration = Duration::from_secs(10);
 
 /// A batch in hand.
 struct Batch {
@@ -67,7 +75,7 @@ struct Batch {
     /// Each entry's guard token: its business key, or its ID.
     tokens: Vec<String>,
     acquisitions: Vec<Acquisition>,
-    /// `WAITING`, `RUNNING` or `SETTLED` (committed, or left for redelivery).
+    /// `WAITING`, `RUNNING`, `DONE` or `SETTLED` (committed, or left for redelivery).
     phase: Vec<std::sync::atomic::AtomicU8>,
     /// Notified when a failpoint stops the batch where it stands (tests).
     crash: tokio::sync::Notify,
@@ -163,8 +171,12 @@ pub enum Outcome {
 /// The user's code. `handle` must be idempotent: an entry can be delivered
 /// again after a crash between its effect and its ack.
 pub trait Handler: Send + Sync + 'static {
-    /// The business key (an order ID, say): the idempotency token and the
-    /// dead letter's `business-key`. `None` uses the entry ID.
+    /// The business key (an order ID, say): the ordering key (with the
+    /// guard, never two handlers of one key at once) and the dead letter's
+    /// `business-key`. Not the idempotency token: that is the event
+    /// (`Entry::event_id`: the entry ID, or its `streamfleet.event-id`
+    /// field), so a second event of one key ("refunded" after "charged")
+    /// runs. `None`: the event is the key.
     fn business_key(&self, _entry: &Entry) -> Option<String> {
         None
     }
@@ -178,6 +190,9 @@ pub enum WorkerError {
     Redis(#[from] StreamError),
     #[error("idempotency store: {0}")]
     Store(String),
+    /// The server cannot run the protocol (older than 7.0).
+    #[error("{0}")]
+    Unsupported(String),
     /// A failpoint (tests only) stopped the worker where it stood, as a crash would.
     #[error("stopped at failpoint {0}")]
     Failpoint(&'static str),
@@ -277,7 +292,8 @@ impl<H: Handler> Worker<H> {
     /// a worker that exits would only crash-loop until Redis is back.
     async fn consume(&self, conn: &mut StreamConnection, stop: &AtomicBool) -> Result<(), WorkerError> {
         let mut readers = self.readers().await?;
-        let mut state = ConsumeState { claim_in_read: None, taken_back: self.at_most_once, next_claim: Instant::now() };
+        let mut state =
+            ConsumeState { server_checked: false, taken_back: self.at_most_once, next_claim: Instant::now() };
         let mut delay = RETRY_FIRST;
         while !stopping(stop) {
             match self.consume_step(conn, &mut readers, stop, &mut state).await {
@@ -305,19 +321,17 @@ impl<H: Handler> Worker<H> {
         stop: &AtomicBool,
         state: &mut ConsumeState,
     ) -> Result<(), WorkerError> {
-        let claim_in_read = match state.claim_in_read {
-            Some(known) => known,
-            None => {
-                // Redis 8.4 can hand idle entries out with the read itself
-                // (XREADGROUP ... CLAIM); older servers get the XAUTOCLAIM
-                // cycle. The cycle runs in both cases: it also reports
-                // payloads lost while pending.
-                let version = streamfleet_streams::version::server_version(conn).await?;
-                let known = !self.at_most_once && version.is_some_and(|v| v.has_readgroup_claim());
-                tracing::info!(?version, claim_in_read = known, at_most_once = self.at_most_once, "consuming");
-                *state.claim_in_read.insert(known)
+        if !state.server_checked {
+            let version = streamfleet_streams::version::server_version(conn).await?;
+            if let Some(v) = version.filter(|v| !v.is_supported()) {
+                return Err(WorkerError::Unsupported(format!(
+                    "Redis {}.{}.{} is older than 7.0, which streamfleet needs",
+                    v.major, v.minor, v.patch
+                )));
             }
-        };
+            tracing::info!(?version, at_most_once = self.at_most_once, "consuming");
+            state.server_checked = true;
+        }
         if !state.taken_back {
             // A restart under the same name (same pod): what this consumer read
             // before and never settled is handled first, at once.
@@ -326,14 +340,14 @@ impl<H: Handler> Worker<H> {
         }
         if !self.at_most_once && Instant::now() >= state.next_claim {
             // Often enough that entries released from a dead consumer move
-            // within a second or two; XAUTOCLAIM over a fresh PEL is cheap.
+            // within a second or two; a claim step over a fresh PEL is cheap.
             // Set first: a failing cycle must not keep the loop from reading.
             state.next_claim = Instant::now() + (self.config.min_idle / 2).min(Duration::from_secs(1));
             self.claim_cycle(conn, stop).await?;
         }
         // Never cancel a read in flight: entries it delivered would sit in our
         // PEL unseen until claimed. The short BLOCK bounds the drain instead.
-        let entries = self.read(readers, claim_in_read).await?;
+        let entries = self.read(readers).await?;
         self.process(conn, entries).await
     }
 
@@ -342,10 +356,13 @@ impl<H: Handler> Worker<H> {
     async fn recover(&self, conn: &mut StreamConnection, stop: &AtomicBool) -> Result<(), WorkerError> {
         let mut claimed = 0;
         while !stopping(stop) {
-            let n = self.claim_cycle(conn, stop).await?;
+            let (n, deferred) = self.claim_cycle(conn, stop).await?;
             claimed += n;
-            if n == 0 {
+            if n == 0 && !deferred {
                 break;
+            }
+            if n == 0 {
+                tokio::time::sleep((self.config.min_idle / 4).clamp(Duration::from_millis(10), RETRY_MAX)).await;
             }
         }
         // The same report a sweep writes: the operator shows it as lastRecovery.
@@ -421,10 +438,13 @@ impl<H: Handler> Worker<H> {
         }
     }
 
-    /// One pass of XAUTOCLAIM over each stream's PEL, from `0-0` until the
-    /// cursor returns to `0-0`. Returns how many entries were claimed.
-    async fn claim_cycle(&self, conn: &mut StreamConnection, stop: &AtomicBool) -> Result<usize, WorkerError> {
-        let mut total = 0;
+    /// One pass of idle claims over each stream's PEL, from `0-0` until the
+    /// cursor returns to `0-0` (`claim::autoclaim`). Returns how many
+    /// entries were claimed, and whether idle entries were deferred (after
+    /// a restart or failover their holders renew first: a consumer tries
+    /// again next cycle, a recovery run waits).
+    async fn claim_cycle(&self, conn: &mut StreamConnection, stop: &AtomicBool) -> Result<(usize, bool), WorkerError> {
+        let (mut total, mut deferred) = (0, false);
         for stream in &self.config.streams {
             let dead_letter_stream = self.config.dead_letter_stream_of(stream);
             let mut cursor = "0-0".to_string();
@@ -451,6 +471,11 @@ impl<H: Handler> Worker<H> {
                     }
                     Err(e) => return Err(e.into()),
                 };
+                // Idle entries deferred (the server restarted or failed over
+                // less than min-idle-time ago: their holders renew first):
+                // a consumer takes them in a later cycle; a recovery run
+                // passes again (it stops only on a pass that claims nothing).
+                deferred |= claimed.deferred;
                 total += claimed.entries.len();
                 self.stats.add(&self.stats.claimed, claimed.entries.len());
                 self.settle_claimed(conn, stream, claimed.deleted, claimed.entries).await?;
@@ -460,7 +485,7 @@ impl<H: Handler> Worker<H> {
                 }
             }
         }
-        Ok(total)
+        Ok((total, deferred))
     }
 
     /// The blocking readers: one for every stream on a standalone server; on
@@ -493,19 +518,19 @@ impl<H: Handler> Worker<H> {
     /// an idle slot's block. Entries any reader delivered are returned even
     /// when another failed (they are in our PEL now); the error only when
     /// none delivered anything.
-    async fn read(&self, readers: &mut [Reader], claim_idle: bool) -> Result<Vec<Entry>, StreamError> {
+    async fn read(&self, readers: &mut [Reader]) -> Result<Vec<Entry>, StreamError> {
         if readers.len() > 1 {
-            let entries = self.read_all(readers, claim_idle, false).await?;
+            let entries = self.read_all(readers, false).await?;
             if !entries.is_empty() {
                 return Ok(entries);
             }
         }
-        self.read_all(readers, claim_idle, true).await
+        self.read_all(readers, true).await
     }
 
-    async fn read_all(&self, readers: &mut [Reader], claim_idle: bool, block: bool) -> Result<Vec<Entry>, StreamError> {
+    async fn read_all(&self, readers: &mut [Reader], block: bool) -> Result<Vec<Entry>, StreamError> {
         let readers_count = readers.len();
-        let results = futures::future::join_all(readers.iter_mut().map(|r| self.read_from(r, claim_idle, block))).await;
+        let results = futures::future::join_all(readers.iter_mut().map(|r| self.read_from(r, block))).await;
         let (mut entries, mut failure, mut failed) = (Vec::new(), None, 0);
         for result in results {
             match result {
@@ -525,7 +550,10 @@ impl<H: Handler> Worker<H> {
         }
     }
 
-    async fn read_from(&self, reader: &mut Reader, claim_idle: bool, block: bool) -> Result<Vec<Entry>, StreamError> {
+    /// New entries only: idle ones are taken by the claim cycle, never by
+    /// `XREADGROUP … CLAIM` (8.4), which would bypass what the claim script
+    /// checks (a young server epoch, a live holder's trimmed entry).
+    async fn read_from(&self, reader: &mut Reader, block: bool) -> Result<Vec<Entry>, StreamError> {
         let mut opts =
             StreamReadOptions::default().group(&self.config.group, &self.config.consumer).count(self.config.batch_size);
         if block {
@@ -537,9 +565,6 @@ impl<H: Handler> Worker<H> {
         let ids: Vec<&str> = reader.streams.iter().map(|_| ">").collect();
         let mut cmd = redis::cmd("XREADGROUP");
         cmd.arg(&opts);
-        if claim_idle {
-            cmd.arg("CLAIM").arg(u64::try_from(self.config.min_idle.as_millis()).unwrap_or(u64::MAX));
-        }
         let reply: Option<StreamReadReply> = cmd
             .arg("STREAMS")
             .arg(&reader.streams)
@@ -555,8 +580,7 @@ impl<H: Handler> Worker<H> {
                         let stream = k.key;
                         k.ids.into_iter().map(move |e| Entry {
                             stream: stream.clone(),
-                            // A claimed entry (8.4 CLAIM) carries its count.
-                            deliveries: e.delivered_count.and_then(|n| u64::try_from(n).ok()).unwrap_or(1),
+                            deliveries: 1,
                             id: e.id,
                             fields: fields_from_map(e.map),
                         })
@@ -591,16 +615,21 @@ impl<H: Handler> Worker<H> {
             .zip(&keys)
             .map(|(e, k)| match k {
                 KeyOf::Key(key) => key.clone(),
-                _ => e.id.clone(),
+                _ => e.event_id().to_string(),
             })
             .collect();
         let items: Vec<(&str, &str)> =
             entries.iter().zip(&tokens).map(|(e, t)| (e.stream.as_str(), t.as_str())).collect();
         let acquired = |state| Acquisition { state, fence: None };
         let acquisitions = match &self.guard {
-            Some(Idempotency::Redis(guard)) => guard.begin_all(conn, &items).await?,
+            Some(Idempotency::Redis(guard)) => {
+                let with_events: Vec<(&str, &str, &str)> =
+                    items.iter().zip(&entries).map(|((s, t), e)| (*s, *t, e.event_id())).collect();
+                guard.begin_all(conn, &with_events).await?
+            }
             Some(Idempotency::Store(store)) => {
-                store.begin(&items).await.map_err(store_error)?.into_iter().map(acquired).collect()
+                let events: Vec<(&str, &str)> = entries.iter().map(|e| (e.stream.as_str(), e.event_id())).collect();
+                store.begin(&events).await.map_err(store_error)?.into_iter().map(acquired).collect()
             }
             None => vec![acquired(GuardState::Acquired); entries.len()],
         };
@@ -629,12 +658,17 @@ impl<H: Handler> Worker<H> {
                 }
             }
             drop(settled_tx);
-            done.notify_one();
         };
         let flushes = self.flush_settled(conn.clone(), settled_rx, &batch);
+        // The hold lasts until every done entry is committed too.
+        let work = async {
+            let ((), flushed) = tokio::join!(handlers, flushes);
+            done.notify_one();
+            flushed
+        };
         let holds = self.hold(conn.clone(), &batch, &done);
         tokio::select! {
-            ((), flushed, ()) = async { tokio::join!(handlers, flushes, holds) } => {
+            (flushed, ()) = async { tokio::join!(work, holds) } => {
                 self.after_batch(conn, &batch, failure, flushed).await
             }
             // A failpoint: stop as a crash would, writing nothing more.
@@ -663,7 +697,7 @@ impl<H: Handler> Worker<H> {
         if foreign.is_empty() || self.at_most_once {
             return Ok(());
         }
-        let mut by_stream: BTreeMap<&str, Vec<(&str, Option<String>)>> = BTreeMap::new();
+        let mut by_stream: BTreeMap<&str, Vec<(&str, Option<Completion>)>> = BTreeMap::new();
         for entry in foreign {
             by_stream.entry(entry.stream.as_str()).or_default().push((entry.id.as_str(), None));
         }
@@ -694,6 +728,7 @@ impl<H: Handler> Worker<H> {
             match self.settle(&mut conn, batch, i).await {
                 Ok(Settled::Leave) => batch.phase[i].store(SETTLED, Ordering::SeqCst),
                 Ok(outcome) => {
+                    batch.phase[i].store(DONE, Ordering::SeqCst);
                     let _ = settled.send((i, outcome));
                 }
                 Err(e) => {
@@ -763,7 +798,13 @@ impl<H: Handler> Worker<H> {
             let lease = self.lease(stream);
             for i in open {
                 let entry = &batch.entries[i];
-                let started = batch.phase[i].load(Ordering::SeqCst) == RUNNING;
+                let phase = batch.phase[i].load(Ordering::SeqCst);
+                if phase == DONE {
+                    // Its effect happened: never claimable early. It stays
+                    // ours, mark and all, until min-idle-time passes.
+                    continue;
+                }
+                let started = phase == RUNNING;
                 let deliveries = if started { entry.deliveries } else { entry.deliveries.saturating_sub(1) };
                 // Each on its own: one failing leaves the rest handed back
                 // (a failed one is claimable once idle past min-idle-time).
@@ -773,7 +814,7 @@ impl<H: Handler> Worker<H> {
                 }
                 if let (Some(Idempotency::Store(store)), GuardState::Acquired) =
                     (&self.guard, batch.acquisitions[i].state)
-                    && let Err(e) = store.release(&entry.stream, &batch.tokens[i]).await
+                    && let Err(e) = store.release(&entry.stream, entry.event_id()).await
                 {
                     failure.get_or_insert(store_error(e));
                 }
@@ -812,24 +853,66 @@ impl<H: Handler> Worker<H> {
     }
 
     /// Sends the settled entries' completion marks and acks as they come, in
-    /// as few round trips as they arrive in.
+    /// as few round trips as they arrive in. A flush that fails is retried
+    /// with backoff (its entries stay `DONE`, held, never handed back) for
+    /// up to [`COMMIT_RETRY_FOR`] or twice min-idle-time after the last
+    /// success; what is still uncommitted then is left pending as it is.
     async fn flush_settled(
         &self,
         mut conn: StreamConnection,
         mut settled: tokio::sync::mpsc::UnboundedReceiver<(usize, Settled)>,
         batch: &Batch,
     ) -> Result<(), WorkerError> {
-        let mut failure = None;
-        while let Some(first) = settled.recv().await {
-            let mut ready = vec![first];
-            while let Ok(more) = settled.try_recv() {
-                ready.push(more);
+        let give_up_after = COMMIT_RETRY_FOR.max(self.config.min_idle * 2);
+        let mut failing: Vec<(usize, Settled)> = Vec::new();
+        let mut failure: Option<(WorkerError, Instant)> = None;
+        let mut delay = RETRY_FIRST;
+        let mut open = true;
+        while open || !failing.is_empty() {
+            let mut ready = std::mem::take(&mut failing);
+            if open {
+                if ready.is_empty() {
+                    match settled.recv().await {
+                        Some(first) => ready.push(first),
+                        None => open = false,
+                    }
+                } else {
+                    // Retrying: wait out the backoff unless more arrive.
+                    match tokio::time::timeout(delay, settled.recv()).await {
+                        Ok(Some(more)) => ready.push(more),
+                        Ok(None) => open = false,
+                        Err(_) => {}
+                    }
+                }
+                while let Ok(more) = settled.try_recv() {
+                    ready.push(more);
+                }
+            } else {
+                tokio::time::sleep(delay).await;
             }
-            if let Err(e) = self.flush(&mut conn, &ready, batch).await {
-                failure.get_or_insert(e);
+            if ready.is_empty() {
+                continue;
+            }
+            match self.flush(&mut conn, &ready, batch).await {
+                Ok(()) => {
+                    failure = None;
+                    delay = RETRY_FIRST;
+                }
+                Err(e @ WorkerError::Failpoint(_)) => return Err(e),
+                Err(e) => {
+                    let since = failure.as_ref().map_or_else(Instant::now, |(_, at)| *at);
+                    if since.elapsed() >= give_up_after {
+                        tracing::error!(error = %e, entries = ready.len(), "committing done entries kept failing; left pending (their marks expire, then they are claimed and re-run)");
+                        return Err(e);
+                    }
+                    tracing::warn!(error = %e, entries = ready.len(), retry_in = ?delay, "committing done entries failed; retrying");
+                    failure = Some((e, since));
+                    failing = ready;
+                    delay = (delay * 2).min(RETRY_MAX);
+                }
             }
         }
-        failure.map_or(Ok(()), Err)
+        Ok(())
     }
 
     async fn flush(
@@ -856,22 +939,23 @@ impl<H: Handler> Worker<H> {
             let completed: Vec<(&str, &str)> = ready
                 .iter()
                 .filter(|(_, s)| *s == Settled::AckCompleted)
-                .map(|(i, _)| (batch.entries[*i].stream.as_str(), batch.tokens[*i].as_str()))
+                .map(|(i, _)| (batch.entries[*i].stream.as_str(), batch.entries[*i].event_id()))
                 .collect();
             if !completed.is_empty() {
                 store.complete(&completed).await.map_err(store_error)?;
             }
         }
-        let mut by_stream: BTreeMap<&str, Vec<(&str, Option<String>)>> = BTreeMap::new();
+        let mut by_stream: BTreeMap<&str, Vec<(&str, Option<Completion>)>> = BTreeMap::new();
         for &(i, settled) in ready {
             let entry = &batch.entries[i];
-            let mark = match &self.guard {
-                Some(Idempotency::Redis(guard)) if settled == Settled::AckCompleted => {
-                    Some(guard.key(&entry.stream, &batch.tokens[i]))
-                }
+            let completion = match &self.guard {
+                Some(Idempotency::Redis(guard)) if settled == Settled::AckCompleted => Some(Completion {
+                    record: guard.completion_key(&entry.stream, entry.event_id()),
+                    lock: self.mark_of(batch, i),
+                }),
                 _ => None,
             };
-            by_stream.entry(entry.stream.as_str()).or_default().push((entry.id.as_str(), mark));
+            by_stream.entry(entry.stream.as_str()).or_default().push((entry.id.as_str(), completion));
         }
         let completed_ttl = match &self.guard {
             Some(Idempotency::Redis(guard)) => crate::guard::millis(guard.completed_ttl()),
@@ -978,7 +1062,9 @@ impl<H: Handler> Worker<H> {
         }
         match (&self.guard, acquisition.fence) {
             (Some(Idempotency::Redis(guard)), Some(fence)) => guard.release(conn, &entry.stream, token, fence).await?,
-            (Some(Idempotency::Store(store)), _) => store.release(&entry.stream, token).await.map_err(store_error)?,
+            (Some(Idempotency::Store(store)), _) => {
+                store.release(&entry.stream, entry.event_id()).await.map_err(store_error)?
+            }
             _ => {}
         }
         Ok(())

@@ -1,6 +1,9 @@
-//! The idempotency guard: a Redis record per business key moving
-//! `processing` → `completed`, so a redelivered entry whose effect already
-//! completed is acked without running the handler again.
+//! The idempotency guard, two records with two jobs: a lock per business
+//! key (`processing:<consumer>:<fence>` while a delivery holds it: never two
+//! handlers of one key at once) and a completion record per event
+//! (`Entry::event_id`: the entry ID, or its `streamfleet.event-id` field),
+//! so a redelivered event whose effect already completed is acked without
+//! running the handler again, while another event of the same key runs.
 //!
 //! It saves repeated work; it does not replace an idempotent handler. A
 //! `processing` mark names its owner and a fencing token
@@ -25,7 +28,8 @@ pub type StoreFuture<'a, T> = std::pin::Pin<
 >;
 
 /// The hook for your own idempotency store (a table with a unique key in the
-/// database your handler commits to, say). Keys are `(stream, business key)`.
+/// database your handler commits to, say). Keys are `(stream, event ID)`
+/// (`Entry::event_id`): one record per event, not per business key.
 /// The worker calls `begin` once per batch, `complete` for the keys whose
 /// handler succeeded before it acks them, and `release` after a failure.
 pub trait IdempotencyStore: Send + Sync + 'static {
@@ -56,51 +60,77 @@ pub enum GuardState {
 }
 
 /// One business key's state, and for an acquired key the fencing token of
-/// this acquisition (from a per-group counter: every acquisition of any key
-/// gets a larger one).
+/// this acquisition: the larger of the shard's counter and the Redis
+/// server's clock in microseconds (`TIME`). On one shard every acquisition
+/// gets a larger fence than the one before. Across shards (after `shards`
+/// grows, a key moves to another shard's counter), after the counter key is
+/// lost (a restart without persistence, an eviction) and after a failover,
+/// the next fence of a key is still larger than its last one as long as
+/// that last acquisition was longer ago than the clock difference between
+/// the servers involved (none for shards of one server; NTP-level skew on a
+/// cluster). A store that keeps the largest fence per key and refuses a
+/// smaller one therefore never refuses a legitimate new holder.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Acquisition {
     pub state: GuardState,
     pub fence: Option<u64>,
 }
 
-/// Takes every free mark of a batch, in one script per stream: a key is
+/// Takes every free lock of a batch, in one script per stream. An entry
+/// whose event completed (its completion record) is a duplicate and takes
+/// nothing. Otherwise its lock (business key, or the event without one) is
 /// ours when it has no mark, when the mark is this consumer's own (a restart
-/// under the same name), or when its owner was declared dead. One `INCRBY`
-/// reserves a fence for each distinct key of the batch (a key found taken
-/// leaves its fence unused: fences only need to grow), and the mark records
-/// owner and fence (`processing:<consumer>:<fence>`); `SET … NX GET` takes a
-/// free key and reads a taken one's mark in one call. A key repeated in the
-/// batch is busy after its first entry.
-/// KEYS: fence counter, dead-consumer registry, marks. ARGV: consumer, TTL ms.
-/// Returns per mark: state (0 acquired, 1 completed, 2 busy), fence (0 for none).
+/// under the same name), when its owner was declared dead, or when it holds
+/// `completed` (a record of the key-level guard before events had their
+/// own: not an event's). The counter reserves a fence for each distinct
+/// lock of the batch (a lock found taken leaves its fence unused: fences
+/// only need to grow), never below the server's clock in microseconds, so
+/// they rise across shards, a lost counter and a failover (see
+/// [`Acquisition`]), and the mark records owner and fence
+/// (`processing:<consumer>:<fence>`); `SET … NX GET` takes a free lock and
+/// reads a taken one's mark in one call. A lock repeated in the batch is
+/// busy after its first entry.
+/// KEYS: fence counter, dead-consumer registry, then per entry its lock and
+/// its completion record. ARGV: consumer, TTL ms.
+/// Returns per entry: state (0 acquired, 1 completed, 2 busy), fence (0 for none).
 static ACQUIRE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         r"
         local out, seen, distinct = {}, {}, 0
-        for i = 3, #KEYS do
+        for i = 3, #KEYS, 2 do
             if not seen[KEYS[i]] then
                 seen[KEYS[i]] = true
                 distinct = distinct + 1
             end
         end
         seen = {}
-        local fence = distinct > 0 and redis.call('INCRBY', KEYS[1], distinct) - distinct or 0
+        local fence = 0
+        if distinct > 0 then
+            -- Never below the server's clock in microseconds: fences keep
+            -- rising when a key moves to another shard's counter, when the
+            -- counter is lost, or after a failover. Exact in a Lua number
+            -- (below 2^53) and written back in full digits.
+            local t = redis.call('TIME')
+            local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
+            fence = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+            if fence < floor then fence = floor end
+            redis.call('SET', KEYS[1], string.format('%.0f', fence + distinct))
+        end
         local prefix = 'processing:' .. ARGV[1] .. ':'
-        for i = 3, #KEYS do
+        for i = 3, #KEYS, 2 do
             local key, state, given = KEYS[i], 2, 0
-            if not seen[key] then
+            if redis.call('GET', KEYS[i + 1]) == 'completed' then
+                state = 1
+            elseif not seen[key] then
                 seen[key] = true
                 fence = fence + 1
-                local mark = prefix .. fence
+                local mark = prefix .. string.format('%.0f', fence)
                 local v = redis.call('SET', key, mark, 'NX', 'PX', ARGV[2], 'GET')
                 if not v then
                     state, given = 0, fence
-                elseif v == 'completed' then
-                    state = 1
                 else
                     local owner = string.match(v, '^processing:([^:]+)')
-                    if owner == ARGV[1] or (owner and redis.call('ZSCORE', KEYS[2], owner)) then
+                    if v == 'completed' or owner == ARGV[1] or (owner and redis.call('ZSCORE', KEYS[2], owner)) then
                         redis.call('SET', key, mark, 'PX', ARGV[2])
                         state, given = 0, fence
                     end
@@ -142,15 +172,20 @@ impl Guard {
         self.completed_ttl
     }
 
-    /// The states of a batch's business keys, acquiring every free one: one
-    /// round trip per stream in the batch.
+    /// The record that `event` completed.
+    pub fn completion_key(&self, stream: &str, event: &str) -> String {
+        keys::completion_key(stream, &self.group, event)
+    }
+
+    /// The states of a batch's entries, `(stream, lock token, event)` each,
+    /// acquiring every free lock: one round trip per stream in the batch.
     pub async fn begin_all(
         &self,
         conn: &mut StreamConnection,
-        items: &[(&str, &str)],
+        items: &[(&str, &str, &str)],
     ) -> Result<Vec<Acquisition>, StreamError> {
         let mut out = vec![Acquisition { state: GuardState::Busy, fence: None }; items.len()];
-        let mut streams: Vec<&str> = items.iter().map(|(s, _)| *s).collect();
+        let mut streams: Vec<&str> = items.iter().map(|(s, ..)| *s).collect();
         streams.sort_unstable();
         streams.dedup();
         for stream in streams {
@@ -160,7 +195,7 @@ impl Guard {
                 .key(keys::companion_key(stream, &format!("fence:{}", self.group)))
                 .key(keys::dead_consumers_key(stream, &self.group));
             for &i in &indices {
-                script.key(self.key(stream, items[i].1));
+                script.key(self.key(stream, items[i].1)).key(self.completion_key(stream, items[i].2));
             }
             script.arg(&self.consumer).arg(millis(self.processing_ttl));
             let states: Vec<(u8, u64)> =

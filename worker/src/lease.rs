@@ -3,9 +3,12 @@
 //!
 //! * `extend`: while a batch is in hand, its unsettled entries' idle time is
 //!   reset (`XCLAIM … JUSTID`: no extra delivery) and their guard marks'
-//!   TTLs renewed, so no other consumer may claim an entry this one still
-//!   holds, however long its handler or its queue;
-//! * `commit`: a settled entry's completion mark, then its ack, but the ack
+//!   TTLs renewed (put back if one expired while the server was down), so
+//!   no other consumer may claim an entry this one still holds, however long
+//!   its handler or its queue; after a restart or failover claims wait for
+//!   this renewal (`claim::claim_rules_lua`);
+//! * `commit`: a settled entry's event completion record (its lock
+//!   released), then its ack (and its last error cleared), but the ack
 //!   only while this consumer still owns the entry in the PEL (another holder
 //!   that claimed it acks it itself);
 //! * `hand_back`: an entry not started (shutdown, a failed batch) is made
@@ -30,8 +33,15 @@ static EXTEND: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
                 redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'JUSTID')
             end
             if mark ~= '' then
-                if ours and redis.call('GET', KEYS[m]) == mark then
-                    redis.call('PEXPIRE', KEYS[m], ARGV[3])
+                if ours then
+                    -- A mark that expired while no hold could be renewed (the
+                    -- server was down) is put back: the entry is still ours.
+                    local v = redis.call('GET', KEYS[m])
+                    if v == mark then
+                        redis.call('PEXPIRE', KEYS[m], ARGV[3])
+                    elseif not v then
+                        redis.call('SET', KEYS[m], mark, 'PX', ARGV[3])
+                    end
                 end
                 m = m + 1
             end
@@ -41,18 +51,21 @@ static EXTEND: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
     )
 });
 
-/// KEYS: stream, then the marks to complete (in order). ARGV: group,
-/// consumer, completed TTL ms, the lowest and highest ID of the entries,
-/// then per entry: ID, 1 to complete its mark. The completion is written
-/// whether or not the entry is still ours (its effect happened); the ack
-/// only when it is. Which are ours comes from this consumer's own PEL over
-/// the entries' ID span, read in pages (`XPENDING … <consumer>`: one call for
-/// a batch read together, not one per entry). Returns the IDs not acked.
+/// KEYS: stream, the group's last-error hash, then per entry to complete
+/// its completion record and its lock. ARGV: group, consumer, completed TTL
+/// ms, the lowest and highest ID of the entries, then per entry: ID, 1 to
+/// complete it, the lock's mark ('' for none). Completing writes the event's
+/// completion record and releases the lock if it still holds this
+/// delivery's mark; it happens whether or not the entry is still ours (its
+/// effect happened); the ack (and the entry's last error cleared) only when
+/// it is. Which are ours comes from this consumer's own PEL over the
+/// entries' ID span, read in pages (`XPENDING … <consumer>`: one call for a
+/// batch read together, not one per entry). Returns the IDs not acked.
 static COMMIT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         r"
         local wanted, n = {}, 0
-        for j = 6, #ARGV, 2 do
+        for j = 6, #ARGV, 3 do
             wanted[ARGV[j]] = true
             n = n + 1
         end
@@ -66,24 +79,29 @@ static COMMIT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
             if #page < n then break end
             from = '(' .. page[#page][1]
         end
-        local acked, lost, m = {}, {}, 2
-        for j = 6, #ARGV, 2 do
+        local acked, lost, m = {}, {}, 3
+        local function ack()
+            redis.call('XACK', KEYS[1], ARGV[1], unpack(acked))
+            redis.call('HDEL', KEYS[2], unpack(acked))
+            acked = {}
+        end
+        for j = 6, #ARGV, 3 do
             local id = ARGV[j]
             if ARGV[j + 1] == '1' then
                 redis.call('SET', KEYS[m], 'completed', 'PX', ARGV[3])
-                m = m + 1
+                if ARGV[j + 2] ~= '' and redis.call('GET', KEYS[m + 1]) == ARGV[j + 2] then
+                    redis.call('DEL', KEYS[m + 1])
+                end
+                m = m + 2
             end
             if ours[id] then
                 acked[#acked + 1] = id
-                if #acked == 500 then
-                    redis.call('XACK', KEYS[1], ARGV[1], unpack(acked))
-                    acked = {}
-                end
+                if #acked == 500 then ack() end
             else
                 lost[#lost + 1] = id
             end
         end
-        if #acked > 0 then redis.call('XACK', KEYS[1], ARGV[1], unpack(acked)) end
+        if #acked > 0 then ack() end
         return lost",
     )
 });
@@ -102,6 +120,13 @@ static HAND_BACK: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(
         return 1",
     )
 });
+
+/// What committing an entry completes with the Redis guard: its event's
+/// completion record, and the lock (key and this delivery's mark) to release.
+pub struct Completion {
+    pub record: String,
+    pub lock: Option<(String, String)>,
+}
 
 /// One entry in hand: its ID and, with the Redis guard, its mark's key and value.
 pub struct Held<'a> {
@@ -145,13 +170,13 @@ impl Lease<'_> {
         Ok(owned.into_iter().map(|o| o == 1).collect())
     }
 
-    /// Commits settled entries: `(ID, completion mark key)`. Returns the IDs
+    /// Commits settled entries: `(ID, what to complete)`. Returns the IDs
     /// not acked because another consumer owns them now.
     pub async fn commit(
         &self,
         conn: &mut StreamConnection,
         completed_ttl_ms: u64,
-        settled: &[(&str, Option<String>)],
+        settled: &[(&str, Option<Completion>)],
     ) -> Result<Vec<String>, StreamError> {
         // The span of the IDs; an ID that does not parse widens it to the
         // whole of this consumer's PEL (never a narrower, wrong answer).
@@ -159,11 +184,29 @@ impl Lease<'_> {
         let span = parsed.and_then(|ids| Some((ids.iter().min()?.to_string(), ids.iter().max()?.to_string())));
         let (low, high) = span.unwrap_or_else(|| ("-".into(), "+".into()));
         let mut script = COMMIT.prepare_invoke();
-        script.key(self.stream).arg(self.group).arg(self.consumer).arg(completed_ttl_ms).arg(low).arg(high);
-        for (id, mark) in settled {
-            script.arg(*id).arg(if mark.is_some() { "1" } else { "0" });
-            if let Some(key) = mark {
-                script.key(key);
+        script
+            .key(self.stream)
+            .key(streamfleet_streams::keys::last_error_key(self.stream, self.group))
+            .arg(self.group)
+            .arg(self.consumer)
+            .arg(completed_ttl_ms)
+            .arg(low)
+            .arg(high);
+        for (id, completion) in settled {
+            script.arg(*id);
+            match completion {
+                Some(c) => {
+                    script.arg("1").arg(c.lock.as_ref().map_or("", |(_, mark)| mark.as_str()));
+                    script.key(&c.record);
+                    match &c.lock {
+                        Some((key, _)) => script.key(key),
+                        // A key no one holds: in the stream's slot, never read.
+                        None => script.key(&c.record),
+                    };
+                }
+                None => {
+                    script.arg("0").arg("");
+                }
             }
         }
         script.invoke_async(conn).await.map_err(|e| StreamError::new("acking entries", e))

@@ -172,6 +172,17 @@ impl Flows {
         Ok(shard::send(&mut self.conn, "orders", 1, key, &[("kind", kind.as_bytes()), ("key", key.as_bytes())]).await?)
     }
 
+    /// A producer's send of one event (`streamfleet.event-id`): sent twice,
+    /// it is one event.
+    async fn add_event(&mut self, kind: &str, key: &str, event: &str) -> Result<String> {
+        let fields: [(&str, &[u8]); 3] = [
+            ("kind", kind.as_bytes()),
+            ("key", key.as_bytes()),
+            (streamfleet_streams::entry::F_EVENT_ID, event.as_bytes()),
+        ];
+        Ok(shard::send(&mut self.conn, "orders", 1, key, &fields).await?)
+    }
+
     /// Some other consumer's read (a pod that then dies, say).
     async fn read_as(&mut self, consumer: &str, count: usize) -> Result<Vec<String>> {
         let reply: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
@@ -235,10 +246,10 @@ impl Flows {
         // The worker's own entry from before it restarted.
         let own = self.add("ok", "own").await?;
         assert_eq!(self.read_as("c1", 1).await?, std::slice::from_ref(&own));
-        // New work: successes, a duplicate business key, a refusal, a
-        // dependency that stays down, and a handler that hangs.
-        let fine = [self.add("ok", "k1").await?, self.add("ok", "k2").await?];
-        let duplicate = self.add("ok", "k1").await?;
+        // New work: successes, a duplicate event, a refusal, a dependency
+        // that stays down, and a handler that hangs.
+        let fine = [self.add_event("ok", "k1", "event-1").await?, self.add("ok", "k2").await?];
+        let duplicate = self.add_event("ok", "k1", "event-1").await?;
         let refused = self.add("refused", "r1").await?;
         let down = self.add("down", "d1").await?;
         let hung = self.add("wait", "w1").await?;
@@ -267,7 +278,7 @@ impl Flows {
             assert_eq!(handler.calls(id), 1, "{id}");
         }
         assert_eq!(self.letters("max-deliveries").await?.len(), 2, "the dependency down, the hung handler");
-        assert_eq!(handler.calls(&duplicate), 0, "the duplicate key is suppressed");
+        assert_eq!(handler.calls(&duplicate), 0, "the duplicate event is suppressed");
         assert_eq!(handler.calls(&abandoned[2]), 0);
         assert_eq!(self.letters("permanent").await?[0].source_id.as_ref(), Some(&refused));
         let gave_up: Vec<_> = self.letters("max-deliveries").await?.into_iter().filter_map(|l| l.source_id).collect();

@@ -120,8 +120,9 @@ async fn an_entry_claimed_away_before_its_commit_is_not_acked_by_the_old_holder(
     let rows = pending_rows(&mut conn).await?;
     assert_eq!(rows.len(), 1, "still pending for its new owner");
     assert_eq!((rows[0].0.as_str(), rows[0].1.as_str()), (id.as_str(), "thief"));
-    let mark: Option<String> = redis::cmd("GET").arg("{orders}:idem:g:k1").query_async(&mut conn).await?;
-    assert_eq!(mark.as_deref(), Some("completed"), "the effect happened: its redelivery is suppressed");
+    let record: Option<String> =
+        redis::cmd("GET").arg(format!("{{orders}}:done:g:{id}")).query_async(&mut conn).await?;
+    assert_eq!(record.as_deref(), Some("completed"), "the effect happened: its redelivery is suppressed");
     scenario.teardown();
     Ok(())
 }
@@ -228,7 +229,10 @@ async fn ids_a_claim_finds_without_payload_are_recorded_by_the_claim_itself() ->
     assert_eq!(latest, ids[..2].to_vec());
     let letters = dead_letters(&mut conn).await?;
     assert_eq!(letters.len(), 2);
-    assert!(letters.iter().all(|l| l["streamfleet.reason"] == "payload-missing" && l["streamfleet.consumer"] == "c1"));
+    // The letter names the consumer that last held the entry, not the claimer.
+    assert!(
+        letters.iter().all(|l| l["streamfleet.reason"] == "payload-missing" && l["streamfleet.consumer"] == "ghost")
+    );
     let rows = pending_rows(&mut conn).await?;
     assert_eq!(
         rows.iter().map(|r| r.0.clone()).collect::<Vec<_>>(),

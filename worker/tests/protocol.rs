@@ -137,12 +137,13 @@ async fn entries_abandoned_by_a_dead_consumer_are_claimed_and_payload_loss_is_re
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_guard_suppresses_a_completed_business_key() -> Result<()> {
+async fn the_guard_suppresses_a_completed_event() -> Result<()> {
     let (server, mut conn) = setup().await?;
-    let first = add(&mut conn, &[("kind", "ok"), ("key", "order-7")]).await?;
-    // The producer retried: the same order arrives twice (in one batch: the
-    // second waits as "processing" until min-idle-time, then is suppressed).
-    let again = add(&mut conn, &[("kind", "ok"), ("key", "order-7")]).await?;
+    let event = [("kind", "ok"), ("key", "order-7"), ("streamfleet.event-id", "order-7-charged")];
+    let first = add(&mut conn, &event).await?;
+    // The producer retried: the same event arrives twice (in one batch: the
+    // second waits on its key's lock until min-idle-time, then is suppressed).
+    let again = add(&mut conn, &event).await?;
     let handler = Scripted::default();
     let worker =
         Worker::new(config(&server, "c1", 1_000, 5), handler.clone()).with_idempotency_guard(Duration::from_secs(600));
@@ -257,8 +258,10 @@ async fn a_users_own_idempotency_store_is_used_in_place_of_the_redis_guard() -> 
     let (server, mut conn) = setup().await?;
     let store = MemoryStore::default();
     store.states.lock().unwrap().insert("order-already-charged".into(), "completed");
-    let fresh = add(&mut conn, &[("kind", "ok"), ("key", "order-new")]).await?;
-    let old = add(&mut conn, &[("kind", "ok"), ("key", "order-already-charged")]).await?;
+    // The store keeps events: here named by the producer (`streamfleet.event-id`).
+    let fresh = add(&mut conn, &[("kind", "ok"), ("key", "k1"), ("streamfleet.event-id", "order-new")]).await?;
+    let old =
+        add(&mut conn, &[("kind", "ok"), ("key", "k2"), ("streamfleet.event-id", "order-already-charged")]).await?;
     let handler = Scripted::default();
     let worker = Worker::new(config(&server, "c1", 1_000, 5), handler.clone()).with_idempotency_store(store.clone());
     let stats = worker.stats();
@@ -272,7 +275,8 @@ async fn a_users_own_idempotency_store_is_used_in_place_of_the_redis_guard() -> 
     assert_eq!((handler.calls(&fresh), handler.calls(&old)), (1, 0));
     assert_eq!(store.states.lock().unwrap().get("order-new").copied(), Some("completed"));
     assert_eq!(pending(&mut conn).await?, 0);
-    let redis_keys: Vec<String> = conn.keys("*idem*").await?;
+    let mut redis_keys: Vec<String> = conn.keys("*idem*").await?;
+    redis_keys.extend(conn.keys::<_, Vec<String>>("*done*").await?);
     assert!(redis_keys.is_empty(), "the Redis guard was not used: {redis_keys:?}");
     Ok(())
 }
@@ -546,7 +550,7 @@ async fn a_replay_runs_in_its_own_group_only_and_never_after_a_completion() -> R
     use streamfleet_streams::replay::{Replayed, Selection, replay};
     let (server, mut conn) = setup().await?;
     add(&mut conn, &[("kind", "refused"), ("key", "k1")]).await?;
-    add(&mut conn, &[("kind", "refused"), ("key", "k2")]).await?;
+    let k2 = add(&mut conn, &[("kind", "refused"), ("key", "k2")]).await?;
     let handler = Scripted::default();
     let (stop, run) = spawn(
         Worker::new(config(&server, "c1", 10_000, 5), handler.clone()).with_idempotency_guard(Duration::from_secs(600)),
@@ -558,7 +562,7 @@ async fn a_replay_runs_in_its_own_group_only_and_never_after_a_completion() -> R
     let _ = stop.send(());
     run.await??;
     // Another delivery of k2 completed it after its letter was written.
-    let _: () = conn.set("{orders}:idem:g:k2", "completed").await?;
+    let _: () = conn.set(format!("{{orders}}:done:g:{k2}"), "completed").await?;
     // A second group on the stream, from now on.
     streamfleet_streams::ensure_group(&mut conn, "orders", "other", "$").await?;
     let replayed = replay(&mut conn, "{orders}:dead", &Selection::All, false).await?;
@@ -604,12 +608,12 @@ async fn a_guard_mark_is_released_only_by_its_own_acquisition() -> Result<()> {
     let first = Guard::new(&config(&server, "c1", 200, 5), Duration::from_secs(60));
     let second = Guard::new(&config(&server, "c2", 10_000, 5), Duration::from_secs(60));
     let mut sconn = streamfleet_streams::StreamConnection::connect(&config(&server, "c1", 200, 5).endpoint).await?;
-    let taken = first.begin_all(&mut sconn, &[("orders", "k1")]).await?;
+    let taken = first.begin_all(&mut sconn, &[("orders", "k1", "e1")]).await?;
     assert_eq!(taken[0].state, GuardState::Acquired);
-    let busy = second.begin_all(&mut sconn, &[("orders", "k1")]).await?;
+    let busy = second.begin_all(&mut sconn, &[("orders", "k1", "e1")]).await?;
     assert_eq!(busy[0].state, GuardState::Busy, "held by a live owner");
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let retaken = second.begin_all(&mut sconn, &[("orders", "k1")]).await?;
+    let retaken = second.begin_all(&mut sconn, &[("orders", "k1", "e1")]).await?;
     assert_eq!(retaken[0].state, GuardState::Acquired, "the first mark expired");
     assert!(retaken[0].fence > taken[0].fence, "a later acquisition has a larger fence");
     // The first holder, late, releases what it thinks is its mark.

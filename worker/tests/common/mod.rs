@@ -68,6 +68,16 @@ impl Handler for Scripted {
                 }
                 Outcome::Done
             }
+            // Fails every attempt of its first delivery, succeeds after.
+            "first-delivery-fails" => match streamfleet_worker::current_delivery() {
+                Some(d) if d.deliveries > 1 => Outcome::Done,
+                _ => Outcome::Transient("first delivery fails".into()),
+            },
+            "nap" => {
+                let ms = entry.field_str("nap_ms").and_then(|v| v.parse().ok()).unwrap_or(100);
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                Outcome::Done
+            }
             "wait" => {
                 self.release.notified().await;
                 Outcome::Done

@@ -1,0 +1,222 @@
+//! Timelines of what operators do every month, on a real redis-server: each
+//! test is a finding of the protocol review (issue 20), named after what it
+//! shows, and failed on the code before its fix.
+
+// A test fails by panicking.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use anyhow::Result;
+use common::*;
+use redis::AsyncCommands as _;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+use streamfleet_streams::claim::{LossRecord, autoclaim};
+use streamfleet_testbed::RedisServer;
+use streamfleet_worker::Worker;
+use streamfleet_worker::guard::{Guard, GuardState};
+
+const LOSS: LossRecord<'static> =
+    LossRecord { dead_letter_stream: "{orders}:dead", consumer: "b", why: "payload trimmed or deleted while pending" };
+
+/// A second consumer's claim steps, as its claim cycle runs them, for
+/// `window`: every entry it managed to take.
+async fn claims_by_another(url: &str, min_idle: Duration, window: Duration) -> Result<Vec<String>> {
+    let until = Instant::now() + window;
+    let mut taken = Vec::new();
+    while Instant::now() < until {
+        let Ok(mut conn) = redis::Client::open(url)?.get_multiplexed_async_connection().await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        while Instant::now() < until {
+            match autoclaim(&mut conn, "orders", "g", "b", &LOSS, min_idle, "0-0", 100).await {
+                Ok(claimed) => taken.extend(claimed.entries.into_iter().map(|e| e.id)),
+                Err(_) => break,
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    Ok(taken)
+}
+
+/// Redis goes down for longer than min-idle-time while a worker holds a
+/// batch (one handler running, the rest queued, some finishing during the
+/// outage). Idle times kept in the AOF went on counting while no hold could
+/// be renewed, so the moment the server is back every held entry looks
+/// abandoned. Before the fix another consumer claimed them and ran them a
+/// second time, and the entries done during the outage (their commit
+/// failed) were handed back and re-run. Now claims wait min-idle-time of the
+/// new server epoch, the holder re-asserts its hold, retries its commits,
+/// and every entry runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_restart_longer_than_min_idle_hands_no_live_holders_entry_to_another() -> Result<()> {
+    let mut server = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]).await?;
+    let mut conn = server.connection().await?;
+    streamfleet_streams::ensure_group(&mut conn, "orders", "g", "0").await?;
+    let mut ids = Vec::new();
+    for i in 0..8 {
+        ids.push(add(&mut conn, &[("kind", "nap"), ("nap_ms", "700"), ("key", &format!("k{i}"))]).await?);
+    }
+    let min_idle = Duration::from_millis(3000);
+    let mut cfg = config(&server, "a", 3000, 5);
+    cfg.concurrency = 1;
+    cfg.batch_size = 8;
+    let handler = Scripted::default();
+    let worker = Worker::new(cfg, handler.clone()).with_idempotency_guard(Duration::from_secs(600));
+    let (stop, running) = spawn(worker);
+    streamfleet_testbed::eventually("the first handler runs", T, || async { Ok((handler.total() >= 1).then_some(())) })
+        .await?;
+
+    // Down for longer than min-idle-time; the held entries' idle times keep counting.
+    server.stop();
+    tokio::time::sleep(Duration::from_millis(4000)).await;
+    server.restart().await?;
+    let taken = claims_by_another(&server.url(), min_idle, Duration::from_secs(6)).await?;
+
+    let mut conn = server.connection().await?;
+    streamfleet_testbed::eventually("every entry acked", Duration::from_secs(60), || async {
+        Ok((pending(&mut conn.clone()).await? == 0 && handler.total() >= 8).then_some(()))
+    })
+    .await?;
+    let _ = stop.send(());
+    running.await??;
+    assert!(taken.is_empty(), "another consumer claimed entries a live worker held: {taken:?}");
+    let repeated: Vec<(&String, u32)> = ids.iter().map(|id| (id, handler.calls(id))).filter(|(_, n)| *n != 1).collect();
+    assert!(repeated.is_empty(), "entries not run exactly once: {repeated:?}");
+    let letters = dead_letters(&mut conn).await?;
+    assert!(letters.is_empty(), "{letters:?}");
+    Ok(())
+}
+
+/// A producer trims by length (`XADD … MAXLEN`, here `XTRIM MAXLEN 0`)
+/// while a live worker handles an entry. Before the fix another consumer's
+/// claim step (`XAUTOCLAIM`, which drops deleted IDs whatever their idle
+/// time) recorded it `payload-missing` at once: a false loss, an alert, and
+/// a runbook that says to redo the work. Now only entries idle past
+/// min-idle-time are looked at: the holder finishes and acks it, and
+/// nothing is recorded lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_length_trim_under_a_live_holder_is_not_a_loss() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    let id = add(&mut conn, &[("kind", "nap"), ("nap_ms", "2500"), ("key", "k1")]).await?;
+    let handler = Scripted::default();
+    let worker = Worker::new(config(&server, "a", 6000, 5), handler.clone());
+    let (stop, running) = spawn(worker);
+    streamfleet_testbed::eventually("the handler runs", T, || async { Ok((handler.calls(&id) == 1).then_some(())) })
+        .await?;
+    let trimmed: u64 = redis::cmd("XTRIM").arg("orders").arg("MAXLEN").arg(0).query_async(&mut conn).await?;
+    assert_eq!(trimmed, 1, "the trim deleted the entry in hand");
+    let taken = claims_by_another(&server.url(), Duration::from_millis(6000), Duration::from_millis(1500)).await?;
+    streamfleet_testbed::eventually("the holder acks it", T, || async {
+        Ok((pending(&mut conn.clone()).await? == 0).then_some(()))
+    })
+    .await?;
+    let _ = stop.send(());
+    running.await??;
+    assert!(taken.is_empty(), "{taken:?}");
+    let letters = dead_letters(&mut conn).await?;
+    assert!(letters.is_empty(), "a live holder's trimmed entry was recorded lost: {letters:?}");
+    let lost = streamfleet_streams::payload_loss::read(&mut conn, "orders", "g").await?;
+    assert_eq!(lost.total, 0, "loss record: {lost:?}");
+    assert_eq!(handler.calls(&id), 1);
+    Ok(())
+}
+
+/// Fences only go up per business key: after `shards` grows a key moves to
+/// another shard's counter, and a counter key can be lost (a restart
+/// without persistence, an eviction). Before the fix the moved key's next
+/// fence restarted near 1 and a store that keeps the largest fence seen
+/// (as `docs/delivery-guarantees.md` tells users to build, and the example
+/// ledger does) refused every later holder of that key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fences_only_go_up_across_shard_growth_and_a_lost_counter() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    let guard = Guard::new(&config(&server, "a", 10_000, 5), Duration::from_secs(60));
+    let mut sconn = streamfleet_streams::StreamConnection::connect(&config(&server, "a", 10_000, 5).endpoint).await?;
+    // The store: the largest fence seen per key; a smaller one is refused.
+    let mut store: HashMap<&str, u64> = HashMap::new();
+    let mut accept = |key: &'static str, fence: u64| {
+        let seen = store.entry(key).or_insert(0);
+        let ok = fence > *seen;
+        *seen = (*seen).max(fence);
+        ok
+    };
+    // Key "42" busy on shard 0: many acquisitions push its counter up.
+    for n in 0..50 {
+        let (e42, e7) = (format!("a{n}"), format!("b{n}"));
+        let got = guard.begin_all(&mut sconn, &[("{shop}:0", "42", &e42), ("{shop}:0", "7", &e7)]).await?;
+        assert_eq!(got[0].state, GuardState::Acquired);
+        assert!(accept("42", got[0].fence.unwrap()));
+        guard.release(&mut sconn, "{shop}:0", "42", got[0].fence.unwrap()).await?;
+        guard.release(&mut sconn, "{shop}:0", "7", got[1].fence.unwrap()).await?;
+    }
+    // Shards grew: key 42 now hashes to shard 1, whose counter is fresh.
+    let moved = guard.begin_all(&mut sconn, &[("{shop}:1", "42", "c1")]).await?;
+    assert!(accept("42", moved[0].fence.unwrap()), "the moved key's new holder was refused: fence went backwards");
+    guard.release(&mut sconn, "{shop}:1", "42", moved[0].fence.unwrap()).await?;
+    // The counter is lost.
+    let counter = streamfleet_streams::keys::companion_key("{shop}:1", "fence:g");
+    let deleted: u64 = conn.del(&counter).await?;
+    assert_eq!(deleted, 1, "the fence counter is where the test expects");
+    let after_loss = guard.begin_all(&mut sconn, &[("{shop}:1", "42", "c1")]).await?;
+    assert!(accept("42", after_loss[0].fence.unwrap()), "a holder after the counter was lost was refused");
+    Ok(())
+}
+
+/// An entry that failed transiently and then succeeded leaves no last
+/// error behind. Before the fix the last-error hash kept a field per such
+/// entry for ever, growing until memory ran out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_success_clears_the_entrys_last_error() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    // Fails its first delivery (the error recorded), succeeds on the next.
+    let id = add(&mut conn, &[("kind", "first-delivery-fails"), ("key", "k1")]).await?;
+    let handler = Scripted::default();
+    let worker = Worker::new(config(&server, "a", 100, 10), handler.clone());
+    let (stop, running) = spawn(worker);
+    streamfleet_testbed::eventually("acked", T, || async {
+        Ok((handler.calls(&id) >= 2 && pending(&mut conn.clone()).await? == 0).then_some(()))
+    })
+    .await?;
+    let _ = stop.send(());
+    running.await??;
+    let errors: HashMap<String, String> =
+        conn.hgetall(streamfleet_streams::keys::last_error_key("orders", "g")).await?;
+    assert!(errors.is_empty(), "last errors left behind: {errors:?}");
+    Ok(())
+}
+
+/// A second, different event of a business key whose first event completed
+/// ("order 42 refunded" after "order 42 charged") runs. Before the fix the
+/// guard kept `completed` on the business key and acked the second event as
+/// a duplicate, unrun: real work lost, counted as a suppressed duplicate.
+/// The business key orders and serializes; the event deduplicates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_event_of_a_completed_key_runs() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    let charged = add(&mut conn, &[("kind", "ok"), ("key", "order-42")]).await?;
+    let handler = Scripted::default();
+    let worker =
+        Worker::new(config(&server, "a", 1_000, 5), handler.clone()).with_idempotency_guard(Duration::from_secs(600));
+    let stats = worker.stats();
+    let (stop, running) = spawn(worker);
+    streamfleet_testbed::eventually("the first event done", T, || async {
+        Ok((handler.calls(&charged) == 1 && pending(&mut conn.clone()).await? == 0).then_some(()))
+    })
+    .await?;
+    let refunded = add(&mut conn, &[("kind", "ok"), ("key", "order-42")]).await?;
+    streamfleet_testbed::eventually("the second event settled", T, || async {
+        Ok((pending(&mut conn.clone()).await? == 0
+            && streamfleet_worker::Stats::get(&stats.processed) + streamfleet_worker::Stats::get(&stats.suppressed)
+                >= 2)
+            .then_some(()))
+    })
+    .await?;
+    let _ = stop.send(());
+    running.await??;
+    assert_eq!(handler.calls(&refunded), 1, "a distinct event of a completed key was acked unrun");
+    assert_eq!(streamfleet_worker::Stats::get(&stats.suppressed), 0);
+    Ok(())
+}
