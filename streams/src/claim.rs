@@ -60,8 +60,10 @@ fn lost_lua() -> String {
 }
 
 /// Lua shared by every script that takes entries other consumers held:
-/// `claim_rules(epoch_key, dead_key, min_idle_ms)` returns
-/// `claimable(idle, owner)`. A restart or a failover stops every hold: the
+/// `claim_rules(epoch_key, dead_key, alive_key, min_idle_ms)` returns
+/// `claimable(idle, owner)` and `alive(owner)` (the owner renewed a hold
+/// within min-idle-time: an entry of its whose payload is gone is in its
+/// hands, not lost). A restart or a failover stops every hold: the
 /// idle times kept in the PEL (in the AOF, or replicated to the promoted
 /// replica) went on counting while no holder could reach the server, so an
 /// entry a live worker holds can look abandoned the moment the server is
@@ -82,7 +84,7 @@ fn lost_lua() -> String {
 /// restart, a failover) dates from that first look, never earlier.
 pub fn claim_rules_lua() -> &'static str {
     r"
-        local function claim_rules(epoch_key, dead_key, min_idle)
+        local function claim_rules(epoch_key, dead_key, alive_key, min_idle)
             local server = redis.call('INFO', 'server')
             local run = string.match(server, 'run_id:(%w+)') or ''
             local uptime = tonumber(string.match(server, 'uptime_in_seconds:(%d+)') or '0') or 0
@@ -106,31 +108,56 @@ pub fn claim_rules_lua() -> &'static str {
             end
             local tracked = promoted and since or math.min(started, since)
             local open = now - since >= min_idle
-            local dead = {}
-            return function(idle, owner)
+            local dead, seen_alive = {}, {}
+            local function claimable(idle, owner)
                 idle = tonumber(idle) or 0
                 if idle < min_idle then return false end
                 if open or now - idle >= tracked then return true end
                 if dead[owner] == nil then dead[owner] = redis.call('ZSCORE', dead_key, owner) ~= false end
                 return dead[owner]
             end
+            local function alive(owner)
+                if seen_alive[owner] == nil then
+                    local at = tonumber(redis.call('ZSCORE', alive_key, owner) or '')
+                    seen_alive[owner] = at ~= nil and now - at < min_idle
+                end
+                return seen_alive[owner]
+            end
+            return claimable, alive
         end
         "
 }
 
 /// Which of a page's entries are claimable ([`claim_rules_lua`]). KEYS:
-/// server epoch, dead-consumer registry. ARGV: min idle ms, then per entry
-/// its idle ms and owner. Returns `1`/`0` per entry.
+/// server epoch, dead-consumer registry, alive registry. ARGV: min idle ms,
+/// then per entry its idle ms and owner. Returns per entry `0` (not
+/// claimable), `1` (claimable), `2` (claimable, its owner alive: if its
+/// payload is gone it is in the owner's hands, not lost).
 static CLAIMABLE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(&format!(
         r"{}
-        local claimable = claim_rules(KEYS[1], KEYS[2], tonumber(ARGV[1]))
+        local claimable, alive = claim_rules(KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[1]))
         local out = {{}}
-        for j = 2, #ARGV, 2 do out[#out + 1] = claimable(ARGV[j], ARGV[j + 1]) and '1' or '0' end
+        for j = 2, #ARGV, 2 do
+            local flag = '0'
+            if claimable(ARGV[j], ARGV[j + 1]) then flag = alive(ARGV[j + 1]) and '2' or '1' end
+            out[#out + 1] = flag
+        end
         return table.concat(out)",
         claim_rules_lua()
     ))
 });
+
+/// Whether a page's entry may be claimed ([`claimable`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Claimability {
+    /// Not now: its holder may still renew after a restart or failover.
+    Deferred,
+    Claimable,
+    /// Claimable, but its owner renewed a hold within min-idle-time: if its
+    /// payload is gone, it is in the owner's hands, not lost.
+    OwnerAlive,
+}
 
 /// Of `entries` (`(idle ms, owner)`), which are claimable now
 /// ([`claim_rules_lua`]): one round trip.
@@ -140,7 +167,7 @@ pub async fn claimable<C: ConnectionLike + Send>(
     group: &str,
     min_idle_ms: u64,
     entries: &[(u64, &str)],
-) -> Result<Vec<bool>, StreamError> {
+) -> Result<Vec<Claimability>, StreamError> {
     if entries.is_empty() {
         return Ok(Vec::new());
     }
@@ -148,28 +175,38 @@ pub async fn claimable<C: ConnectionLike + Send>(
     script
         .key(crate::keys::server_epoch_key(stream))
         .key(crate::keys::dead_consumers_key(stream, group))
+        .key(crate::keys::alive_key(stream, group))
         .arg(min_idle_ms);
     for (idle, owner) in entries {
         script.arg(*idle).arg(*owner);
     }
     let flags: String =
         script.invoke_async(conn).await.map_err(|e| StreamError::new("checking claimable entries", e))?;
-    Ok(flags.bytes().map(|b| b == b'1').chain(std::iter::repeat(false)).take(entries.len()).collect())
+    let flag = |b| match b {
+        b'1' => Claimability::Claimable,
+        b'2' => Claimability::OwnerAlive,
+        _ => Claimability::Deferred,
+    };
+    Ok(flags.bytes().map(flag).chain(std::iter::repeat(Claimability::Deferred)).take(entries.len()).collect())
 }
 
 /// `XCLAIM … JUSTID` of the given entries that are claimable
-/// ([`claim_rules_lua`], checked again here, atomically with the claim).
-/// KEYS: stream, server epoch, dead-consumer registry. ARGV: group,
+/// ([`claim_rules_lua`], checked again here, atomically with the claim)
+/// and still have their payload (`XCLAIM` would drop one without it from
+/// the PEL without a word: a later pass records it lost). KEYS: stream,
+/// server epoch, dead-consumer registry, alive registry. ARGV: group,
 /// claimer, min idle ms, then per entry its ID, idle ms and owner. Returns
 /// the IDs claimed. Sent with `EVAL` in a pipeline
 /// ([`claim_justid_command`]), as the dead-letter script is.
 static CLAIM_JUSTID: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
         r"{}
-        local claimable = claim_rules(KEYS[2], KEYS[3], tonumber(ARGV[3]))
+        local claimable = claim_rules(KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[3]))
         local ids = {{}}
         for j = 4, #ARGV, 3 do
-            if claimable(ARGV[j + 1], ARGV[j + 2]) then ids[#ids + 1] = ARGV[j] end
+            if claimable(ARGV[j + 1], ARGV[j + 2]) and #redis.call('XRANGE', KEYS[1], ARGV[j], ARGV[j]) > 0 then
+                ids[#ids + 1] = ARGV[j]
+            end
         end
         local claimed = {{}}
         for from = 1, #ids, 500 do
@@ -195,10 +232,11 @@ pub fn claim_justid_command(
 ) -> redis::Cmd {
     let mut cmd = redis::cmd("EVAL");
     cmd.arg(CLAIM_JUSTID.as_str())
-        .arg(3)
+        .arg(4)
         .arg(stream)
         .arg(crate::keys::server_epoch_key(stream))
-        .arg(crate::keys::dead_consumers_key(stream, group));
+        .arg(crate::keys::dead_consumers_key(stream, group))
+        .arg(crate::keys::alive_key(stream, group));
     cmd.arg(group).arg(claimer).arg(min_idle_ms);
     for (id, idle, owner) in entries {
         cmd.arg(*id).arg(*idle).arg(*owner);
@@ -208,7 +246,7 @@ pub fn claim_justid_command(
 
 /// One claim step over the PEL, with what it meets recorded in the same
 /// script. KEYS: stream, dead-letter stream, loss count, loss IDs, server
-/// epoch, dead-consumer registry. ARGV[4] claimer, ARGV[5] min idle, ARGV[6] start (inclusive, or
+/// epoch, dead-consumer registry, alive registry. ARGV[4] claimer, ARGV[5] min idle, ARGV[6] start (inclusive, or
 /// `(ID`), ARGV[7] count.
 ///
 /// Not `XAUTOCLAIM`: it drops a deleted ID from the PEL whatever its idle
@@ -226,7 +264,7 @@ pub fn claim_justid_command(
 static CLAIM_IDLE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(&format!(
         r"{}{}
-        local claimable = claim_rules(KEYS[5], KEYS[6], tonumber(ARGV[5]))
+        local claimable, alive = claim_rules(KEYS[5], KEYS[6], KEYS[7], tonumber(ARGV[5]))
         local n = tonumber(ARGV[7])
         local page = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[5], ARGV[6], '+', n)
         local existing, counts, gone, deferred = {{}}, {{}}, {{}}, 0
@@ -236,7 +274,11 @@ static CLAIM_IDLE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new
             elseif #redis.call('XRANGE', KEYS[1], p[1], p[1]) > 0 then
                 existing[#existing + 1] = p[1]
                 counts[p[1]] = p[4] + 1
-            else
+            elseif not alive(p[2]) then
+                -- (An owner that renewed a hold within min-idle-time has it
+                -- in hand, its payload trimmed under it: its hold cannot
+                -- reset the idle time of an entry without a payload. The
+                -- owner finishes and acks it: not a loss.)
                 lost(p[1], p[2])
                 gone[#gone + 1] = p[1]
             end
@@ -341,6 +383,7 @@ pub async fn autoclaim<C: ConnectionLike + Send>(
     script
         .key(crate::keys::server_epoch_key(stream))
         .key(crate::keys::dead_consumers_key(stream, group))
+        .key(crate::keys::alive_key(stream, group))
         .arg(consumer)
         .arg(min_idle_ms)
         .arg(start)

@@ -66,6 +66,14 @@ pub fn server_epoch_key(stream: &str) -> String {
     companion_key(stream, "server-epoch")
 }
 
+/// When each consumer of `group` last renewed a hold (a sorted set: member
+/// consumer, score the server's ms), so a claim can tell an entry a live
+/// holder still has in hand (its payload trimmed, so its idle time can no
+/// longer be reset) from one left behind.
+pub fn alive_key(stream: &str, group: &str) -> String {
+    companion_key(stream, &format!("alive:{group}"))
+}
+
 /// The text Redis Cluster hashes to place `key`: its hash tag, or the whole key.
 pub fn slot_text(key: &str) -> &str {
     hash_tag(key).unwrap_or(key)

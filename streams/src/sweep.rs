@@ -66,8 +66,20 @@ pub async fn sweep<C: ConnectionLike + Send>(
         // is left alone, payload or not (`claim::claim_rules_lua`).
         let rows: Vec<(u64, &str)> = page.iter().map(|(_, owner, idle, _)| (*idle, owner.as_str())).collect();
         let claimable = crate::claim::claimable(conn, s.stream, s.group, min_idle_ms, &rows).await?;
-        let page: Vec<(String, String, u64, u64)> =
-            page.iter().zip(claimable).filter(|(_, ok)| *ok).map(|(row, _)| row.clone()).collect();
+        // An owner that renewed a hold within min-idle-time has its entries
+        // in hand: one whose payload is gone is not lost (it finishes it).
+        let owner_alive: std::collections::HashSet<String> = page
+            .iter()
+            .zip(&claimable)
+            .filter(|(_, c)| **c == crate::claim::Claimability::OwnerAlive)
+            .map(|((id, ..), _)| id.clone())
+            .collect();
+        let page: Vec<(String, String, u64, u64)> = page
+            .iter()
+            .zip(claimable)
+            .filter(|(_, c)| *c != crate::claim::Claimability::Deferred)
+            .map(|(row, _)| row.clone())
+            .collect();
         let (Some((first, ..)), Some((last, ..))) = (page.first(), page.last()) else {
             if full_page {
                 continue;
@@ -114,7 +126,9 @@ pub async fn sweep<C: ConnectionLike + Send>(
         for (id, owner, _, deliveries) in &page {
             let entry = Entry { stream: s.stream.into(), id: id.clone(), fields: Vec::new(), deliveries: *deliveries };
             if !existing.contains(id.as_str()) && !beyond_present.contains(id) {
-                lost.push((entry, owner.as_str()));
+                if !owner_alive.contains(id) {
+                    lost.push((entry, owner.as_str()));
+                }
             } else if *deliveries >= s.max_deliveries {
                 poison.push((entry, owner.as_str()));
             }

@@ -61,6 +61,10 @@ const RUNNING: u8 = 1;
 /// Its effect is done and its commit (completion mark and ack) not yet
 /// written: held and retried, never handed back (that would re-run it).
 const DONE: u8 = 3;
+/// Left for redelivery (a failure) or to its dead letter: its lock is being
+/// released, so it is no longer held (a hold must not put the lock back)
+/// nor handed back.
+const LEAVING: u8 = 4;
 const SETTLED: u8 = 2;
 
 /// How long a batch keeps retrying the commit of done entries (Redis down,
@@ -86,7 +90,7 @@ impl Batch {
     fn open_by_stream(&self) -> BTreeMap<&str, Vec<usize>> {
         let mut open: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
         for (i, entry) in self.entries.iter().enumerate() {
-            if self.phase[i].load(Ordering::SeqCst) != SETTLED {
+            if !matches!(self.phase[i].load(Ordering::SeqCst), SETTLED | LEAVING) {
                 open.entry(entry.stream.as_str()).or_default().push(i);
             }
         }
@@ -659,7 +663,7 @@ impl<H: Handler> Worker<H> {
             }
             drop(settled_tx);
         };
-        let flushes = self.flush_settled(conn.clone(), settled_rx, &batch);
+        let flushes = self.flush_settled(conn.clone(), settled_rx, &batch, &failure);
         // The hold lasts until every done entry is committed too.
         let work = async {
             let ((), flushed) = tokio::join!(handlers, flushes);
@@ -856,12 +860,14 @@ impl<H: Handler> Worker<H> {
     /// as few round trips as they arrive in. A flush that fails is retried
     /// with backoff (its entries stay `DONE`, held, never handed back) for
     /// up to [`COMMIT_RETRY_FOR`] or twice min-idle-time after the last
-    /// success; what is still uncommitted then is left pending as it is.
+    /// success; then the batch fails (no handler starts any more) and what
+    /// is still uncommitted is left pending as it is.
     async fn flush_settled(
         &self,
         mut conn: StreamConnection,
         mut settled: tokio::sync::mpsc::UnboundedReceiver<(usize, Settled)>,
         batch: &Batch,
+        batch_failure: &std::sync::Mutex<Option<WorkerError>>,
     ) -> Result<(), WorkerError> {
         let give_up_after = COMMIT_RETRY_FOR.max(self.config.min_idle * 2);
         let mut failing: Vec<(usize, Settled)> = Vec::new();
@@ -890,6 +896,8 @@ impl<H: Handler> Worker<H> {
             } else {
                 tokio::time::sleep(delay).await;
             }
+            // What an earlier, partly failed flush committed is not sent again.
+            ready.retain(|(i, _)| batch.phase[*i].load(Ordering::SeqCst) != SETTLED);
             if ready.is_empty() {
                 continue;
             }
@@ -903,7 +911,11 @@ impl<H: Handler> Worker<H> {
                     let since = failure.as_ref().map_or_else(Instant::now, |(_, at)| *at);
                     if since.elapsed() >= give_up_after {
                         tracing::error!(error = %e, entries = ready.len(), "committing done entries kept failing; left pending (their marks expire, then they are claimed and re-run)");
-                        return Err(e);
+                        // No handler starts any more: its effect could not be committed either.
+                        if let Ok(mut slot) = batch_failure.lock() {
+                            slot.get_or_insert(e);
+                        }
+                        return Ok(());
                     }
                     tracing::warn!(error = %e, entries = ready.len(), retry_in = ?delay, "committing done entries failed; retrying");
                     failure = Some((e, since));
@@ -963,6 +975,10 @@ impl<H: Handler> Worker<H> {
         };
         for (stream, settled) in by_stream {
             let not_ours = self.lease(stream).commit(conn, completed_ttl, &settled).await?;
+            // Committed (acked here, or by the consumer that claimed it).
+            for (i, _) in ready.iter().filter(|(i, _)| batch.entries[*i].stream == stream) {
+                batch.phase[*i].store(SETTLED, Ordering::SeqCst);
+            }
             if !not_ours.is_empty() {
                 // Its effect happened; the consumer that claimed it acks it.
                 self.stats.add(&self.stats.ownership_lost, not_ours.len());
@@ -976,13 +992,13 @@ impl<H: Handler> Worker<H> {
 
     /// Decides one entry.
     async fn settle(&self, conn: &mut StreamConnection, batch: &Batch, i: usize) -> Result<Settled, WorkerError> {
-        let (entry, token, acquisition) = (&batch.entries[i], batch.tokens[i].as_str(), batch.acquisitions[i]);
+        let (entry, acquisition) = (&batch.entries[i], batch.acquisitions[i]);
         let key = match &batch.keys[i] {
             KeyOf::Key(key) => Some(key.as_str()),
             KeyOf::None => None,
             KeyOf::Panicked(why) => {
                 let error = format!("the business key extractor panicked: {why}");
-                return self.reject(conn, entry, Reason::Malformed, &error, None, token, acquisition).await;
+                return self.reject(conn, batch, i, Reason::Malformed, &error, None).await;
             }
         };
         match (acquisition.state, &self.guard) {
@@ -999,7 +1015,7 @@ impl<H: Handler> Worker<H> {
                 let error = deadletter::last_error(conn, &entry.stream, &self.config.group, &entry.id).await?;
                 let error = error.unwrap_or_else(|| "delivered too often".into());
                 // Its mark goes too, or later entries of the key wait it out.
-                self.release(conn, entry, token, acquisition).await?;
+                self.release(conn, batch, i).await?;
                 self.dead_letter(conn, entry, Reason::MaxDeliveries, &error, key).await?;
                 return Ok(Settled::Leave);
             }
@@ -1027,7 +1043,7 @@ impl<H: Handler> Worker<H> {
             }
             Outcome::Transient(error) => {
                 self.stats.add(&self.stats.failed, 1);
-                self.release(conn, entry, token, acquisition).await?;
+                self.release(conn, batch, i).await?;
                 let error = format!("transient: {error}");
                 if self.at_most_once {
                     tracing::warn!(stream = %entry.stream, id = %entry.id, error, "dropped (at-most-once delivery)");
@@ -1040,28 +1056,23 @@ impl<H: Handler> Worker<H> {
                 }
                 Ok(Settled::Leave)
             }
-            Outcome::Permanent(error) => {
-                self.reject(conn, entry, Reason::Permanent, &error, key, token, acquisition).await
-            }
-            Outcome::Malformed(error) => {
-                self.reject(conn, entry, Reason::Malformed, &error, key, token, acquisition).await
-            }
+            Outcome::Permanent(error) => self.reject(conn, batch, i, Reason::Permanent, &error, key).await,
+            Outcome::Malformed(error) => self.reject(conn, batch, i, Reason::Malformed, &error, key).await,
         }
     }
 
-    /// Drops the guard's hold on a key this delivery acquired.
-    async fn release(
-        &self,
-        conn: &mut StreamConnection,
-        entry: &Entry,
-        token: &str,
-        acquisition: Acquisition,
-    ) -> Result<(), WorkerError> {
+    /// Drops the guard's hold on a key entry `i` acquired; from now on the
+    /// entry is leaving the batch (`LEAVING`: no longer held).
+    async fn release(&self, conn: &mut StreamConnection, batch: &Batch, i: usize) -> Result<(), WorkerError> {
+        batch.phase[i].store(LEAVING, Ordering::SeqCst);
+        let (entry, acquisition) = (&batch.entries[i], batch.acquisitions[i]);
         if acquisition.state != GuardState::Acquired {
             return Ok(());
         }
         match (&self.guard, acquisition.fence) {
-            (Some(Idempotency::Redis(guard)), Some(fence)) => guard.release(conn, &entry.stream, token, fence).await?,
+            (Some(Idempotency::Redis(guard)), Some(fence)) => {
+                guard.release(conn, &entry.stream, &batch.tokens[i], fence).await?
+            }
             (Some(Idempotency::Store(store)), _) => {
                 store.release(&entry.stream, entry.event_id()).await.map_err(store_error)?
             }
@@ -1071,20 +1082,18 @@ impl<H: Handler> Worker<H> {
     }
 
     /// Permanent and malformed entries leave at once, acked by their dead letter.
-    #[allow(clippy::too_many_arguments)]
     async fn reject(
         &self,
         conn: &mut StreamConnection,
-        entry: &Entry,
+        batch: &Batch,
+        i: usize,
         reason: Reason,
         error: &str,
         key: Option<&str>,
-        token: &str,
-        acquisition: Acquisition,
     ) -> Result<Settled, WorkerError> {
         self.stats.add(&self.stats.failed, 1);
-        self.release(conn, entry, token, acquisition).await?;
-        self.dead_letter(conn, entry, reason, error, key).await?;
+        self.release(conn, batch, i).await?;
+        self.dead_letter(conn, &batch.entries[i], reason, error, key).await?;
         Ok(Settled::Leave)
     }
 

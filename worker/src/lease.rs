@@ -17,14 +17,22 @@
 use streamfleet_streams::retention::StreamId;
 use streamfleet_streams::{StreamConnection, StreamError};
 
-/// KEYS: stream, then the marks of the entries that have one (in order).
-/// ARGV: group, consumer, mark TTL ms, then per entry: ID, mark ('' for none).
-/// Returns per entry 1 when still ours. An entry whose payload is gone is not
-/// touched (an `XCLAIM` would drop it from the PEL without a record).
+/// KEYS: stream, the group's alive registry, then the marks of the entries
+/// that have one (in order). ARGV: group, consumer, mark TTL ms, then per
+/// entry: ID, mark ('' for none). Records that this consumer renewed a hold
+/// now (`keys::alive_key`: an entry whose payload is gone cannot have its
+/// idle time reset, and claims must not call it lost while its holder
+/// lives). Returns per entry 1 when still ours. An entry whose payload is
+/// gone is not touched (an `XCLAIM` would drop it from the PEL without a
+/// record).
 static EXTEND: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         r"
-        local out, m = {}, 2
+        local t = redis.call('TIME')
+        local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+        redis.call('ZADD', KEYS[2], string.format('%.0f', now), ARGV[2])
+        redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', string.format('(%.0f', now - 86400000))
+        local out, m = {}, 3
         for j = 4, #ARGV, 2 do
             local id, mark = ARGV[j], ARGV[j + 1]
             local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
@@ -153,7 +161,12 @@ impl Lease<'_> {
             return Ok(Vec::new());
         }
         let mut script = EXTEND.prepare_invoke();
-        script.key(self.stream).arg(self.group).arg(self.consumer).arg(mark_ttl_ms);
+        script
+            .key(self.stream)
+            .key(streamfleet_streams::keys::alive_key(self.stream, self.group))
+            .arg(self.group)
+            .arg(self.consumer)
+            .arg(mark_ttl_ms);
         for h in held {
             script.arg(h.id);
             match &h.mark {

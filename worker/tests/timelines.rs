@@ -91,25 +91,34 @@ async fn a_redis_restart_longer_than_min_idle_hands_no_live_holders_entry_to_ano
 }
 
 /// A producer trims by length (`XADD … MAXLEN`, here `XTRIM MAXLEN 0`)
-/// while a live worker handles an entry. Before the fix another consumer's
-/// claim step (`XAUTOCLAIM`, which drops deleted IDs whatever their idle
-/// time) recorded it `payload-missing` at once: a false loss, an alert, and
-/// a runbook that says to redo the work. Now only entries idle past
-/// min-idle-time are looked at: the holder finishes and acks it, and
-/// nothing is recorded lost.
+/// while a live worker has a batch in hand: one entry running, three queued
+/// for longer than min-idle-time. Before the fix another consumer's claim
+/// step (`XAUTOCLAIM`, which drops deleted IDs whatever their idle time)
+/// recorded them `payload-missing` at once: a false loss, an alert, and a
+/// runbook that says to redo the work. Idle time alone cannot tell (the
+/// holder's hold cannot reset the idle time of an entry without a payload,
+/// so the queued ones pass min-idle-time); the holder's heartbeat does. The
+/// holder runs and acks every one, and nothing is recorded lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_length_trim_under_a_live_holder_is_not_a_loss() -> Result<()> {
     let (server, mut conn) = setup().await?;
-    let id = add(&mut conn, &[("kind", "nap"), ("nap_ms", "2500"), ("key", "k1")]).await?;
+    let mut ids = Vec::new();
+    for i in 0..4 {
+        ids.push(add(&mut conn, &[("kind", "nap"), ("nap_ms", "700"), ("key", &format!("k{i}"))]).await?);
+    }
     let handler = Scripted::default();
-    let worker = Worker::new(config(&server, "a", 6000, 5), handler.clone());
-    let (stop, running) = spawn(worker);
-    streamfleet_testbed::eventually("the handler runs", T, || async { Ok((handler.calls(&id) == 1).then_some(())) })
-        .await?;
+    let mut cfg = config(&server, "a", 1500, 5);
+    cfg.concurrency = 1;
+    cfg.batch_size = 4;
+    let (stop, running) = spawn(Worker::new(cfg, handler.clone()));
+    streamfleet_testbed::eventually("the first handler runs", T, || async {
+        Ok((handler.calls(&ids[0]) == 1).then_some(()))
+    })
+    .await?;
     let trimmed: u64 = redis::cmd("XTRIM").arg("orders").arg("MAXLEN").arg(0).query_async(&mut conn).await?;
-    assert_eq!(trimmed, 1, "the trim deleted the entry in hand");
-    let taken = claims_by_another(&server.url(), Duration::from_millis(6000), Duration::from_millis(1500)).await?;
-    streamfleet_testbed::eventually("the holder acks it", T, || async {
+    assert_eq!(trimmed, 4, "the trim deleted the batch in hand");
+    let taken = claims_by_another(&server.url(), Duration::from_millis(1500), Duration::from_millis(3500)).await?;
+    streamfleet_testbed::eventually("the holder acks them", T, || async {
         Ok((pending(&mut conn.clone()).await? == 0).then_some(()))
     })
     .await?;
@@ -117,10 +126,12 @@ async fn a_length_trim_under_a_live_holder_is_not_a_loss() -> Result<()> {
     running.await??;
     assert!(taken.is_empty(), "{taken:?}");
     let letters = dead_letters(&mut conn).await?;
-    assert!(letters.is_empty(), "a live holder's trimmed entry was recorded lost: {letters:?}");
+    assert!(letters.is_empty(), "a live holder's trimmed entries were recorded lost: {letters:?}");
     let lost = streamfleet_streams::payload_loss::read(&mut conn, "orders", "g").await?;
     assert_eq!(lost.total, 0, "loss record: {lost:?}");
-    assert_eq!(handler.calls(&id), 1);
+    for id in &ids {
+        assert_eq!(handler.calls(id), 1, "{id}");
+    }
     Ok(())
 }
 

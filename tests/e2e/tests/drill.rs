@@ -145,7 +145,8 @@ struct Observed {
     aimed_landed: Vec<(String, String)>,
     /// Aimed kills that missed (the ack came first); not counted.
     aimed_missed: usize,
-    killed_consumers: Vec<String>,
+    /// Each SIGKILLed consumer and when (Unix ms, taken after the kill).
+    killed_consumers: Vec<(String, u64)>,
     redis_restart: Option<(String, String)>,
     apiserver_restart: Option<(u32, u32)>,
     leader_killed: Option<String>,
@@ -231,6 +232,11 @@ async fn aimed_kill(
     Ok(None)
 }
 
+/// Now, in Unix milliseconds (the ledger's times come from Redis on this machine's clock).
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
 /// `INFO server` run_id: a new one means a new process.
 async fn run_id(conn: &mut redis::aio::MultiplexedConnection) -> Result<String> {
     let info: String = redis::cmd("INFO").arg("server").query_async(conn).await?;
@@ -309,7 +315,7 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
         // Aimed kills go between the scheduled faults until enough have landed.
         if observed.aimed_landed.len() < plan.aimed_kills && (step % aim_every == 0 || step >= schedule.len()) {
             if let Some((consumer, order, landed)) = aimed_kill(&client, &ns, &mut conn, &mut stalls_seen).await? {
-                observed.killed_consumers.push(consumer.clone());
+                observed.killed_consumers.push((consumer.clone(), unix_ms()));
                 if landed {
                     observed.aimed_landed.push((consumer, order));
                 } else {
@@ -328,7 +334,7 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
         match schedule[step] {
             "kill" => match kill_a_worker(&client, &ns, &mut kills_per_pod).await? {
                 Some(consumer) => {
-                    observed.killed_consumers.push(consumer);
+                    observed.killed_consumers.push((consumer, unix_ms()));
                     observed.random_kills += 1;
                 }
                 // Every worker is restarting: try again next step.
@@ -479,18 +485,29 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
     let own_retries: HashMap<String, u64> = conn.hgetall("{ledger}:own-retries").await?;
     let charged_by: HashMap<String, String> = conn.hgetall("{ledger}:charged-by").await?;
     let charged_at: HashMap<String, u64> = conn.hgetall("{ledger}:charged-at").await?;
-    let died = |consumer: &str| observed.killed_consumers.iter().any(|c| c == consumer);
+    let repeated_at: HashMap<String, u64> = conn.hgetall("{ledger}:repeated-at").await?;
+    // A repeat is excused only when the first charger died after charging
+    // and before the repeat: never because it was killed at some other time.
+    let died_between = |consumer: &str, from: u64, to: u64| {
+        observed.killed_consumers.iter().any(|(c, at)| c == consumer && from <= *at && *at <= to)
+    };
     // A charge made in the seconds before the Redis crash may have lost its
     // ack (never persisted, never confirmed): its repeat is the protocol
     // working, whoever charged first.
     let in_flight_at_crash = |order: &str| {
         crashed_at_ms.zip(charged_at.get(order)).is_some_and(|(crash, at)| *at <= crash && crash - at < 5000)
     };
-    let repeats: Vec<(&String, Option<&String>)> = refused
+    // Every refused charge by a consumer other than the first charger (own
+    // retries of a lost reply aside) is timed in `repeated-at`.
+    let foreign = refused.iter().filter(|(order, n)| **n > own_retries.get(*order).copied().unwrap_or(0)).count();
+    assert_eq!(foreign, repeated_at.len(), "every foreign repeat is timed");
+    let repeats: Vec<(&String, Option<&String>)> = repeated_at
         .iter()
-        .filter(|(order, n)| **n > own_retries.get(*order).copied().unwrap_or(0))
+        .filter(|(order, repeat)| {
+            let first = charged_at.get(*order).copied().unwrap_or(u64::MAX);
+            !charged_by.get(*order).is_some_and(|c| died_between(c, first, **repeat))
+        })
         .map(|(order, _)| (order, charged_by.get(order)))
-        .filter(|(_, by)| !by.is_some_and(|c| died(c)))
         .collect();
     let crash_repeats = repeats.iter().filter(|(order, _)| in_flight_at_crash(order)).count();
     let duplicate_effects: Vec<(&String, Option<&String>)> =

@@ -11,7 +11,9 @@
 //! The guard's fencing token goes with each charge (`{ledger}:fences`): a
 //! holder older than one already seen for the order is refused.
 //! A refusal of the first charger's own retry (its charge happened, the reply
-//! was lost, e.g. to a Redis crash) is also counted per order in `{ledger}:own-retries`.
+//! was lost, e.g. to a Redis crash) is also counted per order in `{ledger}:own-retries`;
+//! the first refused charge by anyone else is timed in `{ledger}:repeated-at`,
+//! so a drill can check that the first charger had died by then.
 //! Injected faults are counted in `{ledger}:faults` (`transient`, `crash`) and
 //! charges per consumer in `{ledger}:by-consumer`, so a drill can prove that
 //! what it injected happened.
@@ -41,7 +43,9 @@ use streamfleet_worker::{Entry, Handler, Outcome, Worker, WorkerConfig};
 /// drill reads: who charged each order first, charges per consumer, and
 /// every refused second charge (and which were the first charger's own).
 /// KEYS: charges, charged-by, by-consumer, duplicates, fences, faults,
-/// own-retries, charged-at (Unix ms of the first charge). ARGV: order, amount, consumer, fence (0: none).
+/// own-retries, charged-at (Unix ms of the first charge), repeated-at (Unix
+/// ms of the first refused charge by a consumer other than the first
+/// charger). ARGV: order, amount, consumer, fence (0: none).
 /// Returns 1 charged, 0 already charged, -1 stale fence.
 static CHARGE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
@@ -65,6 +69,9 @@ static CHARGE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
         redis.call('HINCRBY', KEYS[4], ARGV[1], 1)
         if redis.call('HGET', KEYS[2], ARGV[1]) == ARGV[3] then
             redis.call('HINCRBY', KEYS[7], ARGV[1], 1)
+        else
+            local now = redis.call('TIME')
+            redis.call('HSETNX', KEYS[9], ARGV[1], now[1] * 1000 + math.floor(now[2] / 1000))
         end
         return 0",
     )
@@ -129,6 +136,7 @@ impl Handler for Orders {
             .key("{ledger}:faults")
             .key("{ledger}:own-retries")
             .key("{ledger}:charged-at")
+            .key("{ledger}:repeated-at")
             .arg(order)
             .arg(amount)
             .arg(&self.consumer)
