@@ -43,10 +43,11 @@ return redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 """
 
 # KEYS: stream, dead-letter stream, payload-lost count, payload-lost IDs,
-# server epoch. ARGV: group, consumer, min idle ms, start ('-' or '(ID'),
-# count, now ms. Claims entries idle past min-idle-time; one of those whose
-# payload is gone becomes a payload-missing dead letter (naming its last
-# holder) and a loss record in the same script. Not XAUTOCLAIM: it drops
+# server epoch, alive registry. ARGV: group, consumer, min idle ms, start
+# ('-' or '(ID'), count, now ms. Claims entries idle past min-idle-time; one
+# of those whose payload is gone becomes a payload-missing dead letter
+# (naming its last holder) and a loss record in the same script, unless its
+# owner renewed a hold within min-idle-time (it has the entry in hand). Not XAUTOCLAIM: it drops
 # deleted IDs whatever their idle time (a live worker's trimmed entry). A
 # new server epoch (a restart, a failover) starts a wait of min-idle-time
 # with no claims: live holders renew their holds first.
@@ -65,9 +66,10 @@ if now - tonumber(seen[2]) < tonumber(ARGV[3]) then return {'0-0', {}} end
 local page = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[3], ARGV[4], '+', ARGV[5])
 local existing = {}
 for _, p in ipairs(page) do
+  local alive_at = tonumber(redis.call('ZSCORE', KEYS[6], p[2]) or '')
   if #redis.call('XRANGE', KEYS[1], p[1], p[1]) > 0 then
     existing[#existing + 1] = p[1]
-  else
+  elseif not (alive_at and now - alive_at < tonumber(ARGV[3])) then
     redis.call('XADD', KEYS[2], '*',
       'streamfleet.source-stream', KEYS[1], 'streamfleet.source-id', p[1],
       'streamfleet.group', ARGV[1], 'streamfleet.consumer', p[2], 'streamfleet.deliveries', 0,
@@ -209,7 +211,8 @@ class Worker:
         cursor = "-"
         while not self.stopping:
             keys = [stream, self.dead_letter_stream[stream], companion(stream, f"payload-lost:{self.group}"),
-                    companion(stream, f"payload-lost-ids:{self.group}"), companion(stream, "server-epoch")]
+                    companion(stream, f"payload-lost-ids:{self.group}"), companion(stream, "server-epoch"),
+                    companion(stream, f"alive:{self.group}")]
             args = [self.group, self.consumer, self.min_idle_ms, cursor, self.batch, int(time.time() * 1000)]
             cursor, claimed = self.claim(keys=keys, args=args)[:2]
             cursor = cursor.decode() if isinstance(cursor, bytes) else cursor

@@ -1098,12 +1098,14 @@ impl<H: Handler> Worker<H> {
     }
 
     /// Runs the handler, retrying transient failures with exponential backoff
-    /// and jitter while the entry is far from min-idle-time (half of it), so
-    /// no other consumer claims an entry this one still holds. The same half
-    /// is every attempt's deadline: a handler still running then is dropped
-    /// and counts as a transient failure.
+    /// and jitter for up to min-idle-time; the same budget is every attempt's
+    /// deadline: a handler still running then is dropped and counts as a
+    /// transient failure. The hold keeps the entry this one's meanwhile (no
+    /// other consumer claims it), so the deadline only bounds a hung handler:
+    /// an attempt dropped after its effect is run again by the next
+    /// delivery, possibly elsewhere, which the handler's idempotency absorbs.
     async fn handle_with_retries(&self, entry: &Entry) -> Outcome {
-        let budget = self.config.min_idle / 2;
+        let budget = self.config.min_idle;
         let started = Instant::now();
         let mut delay = Duration::from_millis(50);
         loop {
@@ -1113,8 +1115,8 @@ impl<H: Handler> Worker<H> {
             let attempt = async { self.handler.handle(entry).await };
             let left = budget.saturating_sub(started.elapsed()).max(Duration::from_millis(1));
             let outcome = match tokio::time::timeout(left, std::panic::AssertUnwindSafe(attempt).catch_unwind()).await {
-                // Past its deadline (half of min-idle-time): given up, so no one
-                // claims the entry while its first holder still runs it.
+                // Past its deadline (min-idle-time): given up; the entry is
+                // left for its next delivery.
                 Err(_) => Outcome::Transient(format!("handler timed out after {left:?}")),
                 Ok(Ok(outcome)) => outcome,
                 Ok(Err(panic)) => Outcome::Transient(format!("handler panicked: {}", panic_message(panic.as_ref()))),
