@@ -209,25 +209,31 @@ async fn aimed_kill(
     conn: &mut redis::aio::MultiplexedConnection,
     seen: &mut usize,
 ) -> Result<Option<(String, String, bool)>> {
-    let stalls: Vec<String> = conn.lrange("{ledger}:stalls", 0, -1).await?;
-    let fresh = stalls.get(*seen..).unwrap_or_default().to_vec();
-    *seen = stalls.len();
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    // The newest stall first: the one most likely still stalled.
-    for stall in fresh.iter().rev() {
-        let parts: Vec<&str> = stall.split(' ').collect();
-        let [pid, consumer, id, order] = parts[..] else { continue };
-        let pod = consumer.split_once('.').map_or(consumer, |(pod, _)| pod);
-        let Some(p) = pods.get_opt(pod).await? else { continue };
-        let container = streamfleet_testbed::kubelet::container_pid(&p, "worker");
-        if container.map(|c| c.to_string()).as_deref() != Some(pid)
-            || !charged_and_held(conn, id, consumer, order).await?
-        {
-            continue;
+    // A stall lasts 2 s: watch for one in progress for a while rather than
+    // only looking at what was announced since the last attempt.
+    let until = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < until {
+        let stalls: Vec<String> = conn.lrange("{ledger}:stalls", 0, -1).await?;
+        let fresh = stalls.get(*seen..).unwrap_or_default().to_vec();
+        *seen = stalls.len();
+        // The newest stall first: the one most likely still stalled.
+        for stall in fresh.iter().rev() {
+            let parts: Vec<&str> = stall.split(' ').collect();
+            let [pid, consumer, id, order] = parts[..] else { continue };
+            let pod = consumer.split_once('.').map_or(consumer, |(pod, _)| pod);
+            let Some(p) = pods.get_opt(pod).await? else { continue };
+            let container = streamfleet_testbed::kubelet::container_pid(&p, "worker");
+            if container.map(|c| c.to_string()).as_deref() != Some(pid)
+                || !charged_and_held(conn, id, consumer, order).await?
+            {
+                continue;
+            }
+            sigkill_container(client, ns, pod).await?;
+            let landed = charged_and_held(conn, id, consumer, order).await?;
+            return Ok(Some((consumer.to_string(), order.to_string(), landed)));
         }
-        sigkill_container(client, ns, pod).await?;
-        let landed = charged_and_held(conn, id, consumer, order).await?;
-        return Ok(Some((consumer.to_string(), order.to_string(), landed)));
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     Ok(None)
 }
