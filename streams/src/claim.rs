@@ -59,6 +59,25 @@ fn lost_lua() -> String {
     )
 }
 
+/// Lua shared by the claim scripts: `xclaim(min_idle, ids, options)` runs
+/// `XCLAIM KEYS[1] ARGV[1] <claimer> <min_idle> <ids…> <options…>` for the
+/// claimer `ARGV[2]`… as given, in slices of 500 IDs (Lua's `unpack` has a
+/// limit), and returns every reply element in order. ARGV[1] is the group.
+fn xclaim_lua() -> &'static str {
+    r"
+        local function xclaim(claimer, min_idle, ids, options)
+            local out = {}
+            for from = 1, #ids, 500 do
+                local args = {'XCLAIM', KEYS[1], ARGV[1], claimer, min_idle}
+                for i = from, math.min(from + 499, #ids) do args[#args + 1] = ids[i] end
+                for _, o in ipairs(options) do args[#args + 1] = o end
+                for _, c in ipairs(redis.call(unpack(args))) do out[#out + 1] = c end
+            end
+            return out
+        end
+        "
+}
+
 /// Lua shared by every script that takes entries other consumers held:
 /// `claim_rules(epoch_key, dead_key, alive_key, min_idle_ms)` returns
 /// `claimable(idle, owner)` and `alive(owner)` (the owner renewed a hold
@@ -200,7 +219,7 @@ pub async fn claimable<C: ConnectionLike + Send>(
 /// ([`claim_justid_command`]), as the dead-letter script is.
 static CLAIM_JUSTID: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
-        r"{}
+        r"{}{}
         local claimable = claim_rules(KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[3]))
         local ids = {{}}
         for j = 4, #ARGV, 3 do
@@ -208,15 +227,9 @@ static CLAIM_JUSTID: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
                 ids[#ids + 1] = ARGV[j]
             end
         end
-        local claimed = {{}}
-        for from = 1, #ids, 500 do
-            local args = {{'XCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3]}}
-            for i = from, math.min(from + 499, #ids) do args[#args + 1] = ids[i] end
-            args[#args + 1] = 'JUSTID'
-            for _, id in ipairs(redis.call(unpack(args))) do claimed[#claimed + 1] = id end
-        end
-        return claimed",
-        claim_rules_lua()
+        return xclaim(ARGV[2], ARGV[3], ids, {{'JUSTID'}})",
+        claim_rules_lua(),
+        xclaim_lua()
     )
 });
 
@@ -263,7 +276,7 @@ pub fn claim_justid_command(
 /// many idle entries were deferred.
 static CLAIM_IDLE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(&format!(
-        r"{}{}
+        r"{}{}{}
         local claimable, alive = claim_rules(KEYS[5], KEYS[6], KEYS[7], tonumber(ARGV[5]))
         local n = tonumber(ARGV[7])
         local page = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[5], ARGV[6], '+', n)
@@ -284,21 +297,18 @@ static CLAIM_IDLE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new
             end
         end
         local claimed, delivered = {{}}, {{}}
-        for from = 1, #existing, 500 do
-            local args = {{'XCLAIM', KEYS[1], ARGV[1], ARGV[4], ARGV[5]}}
-            for i = from, math.min(from + 499, #existing) do args[#args + 1] = existing[i] end
-            for _, c in ipairs(redis.call(unpack(args))) do
-                if c then
-                    claimed[#claimed + 1] = c
-                    delivered[#delivered + 1] = counts[c[1]]
-                end
+        for _, c in ipairs(xclaim(ARGV[4], ARGV[5], existing, {{}})) do
+            if c then
+                claimed[#claimed + 1] = c
+                delivered[#delivered + 1] = counts[c[1]]
             end
         end
         local next = '0-0'
         if #page >= n and n > 0 then next = '(' .. page[#page][1] end
         return {{next, claimed, gone, delivered, deferred}}",
         lost_lua(),
-        claim_rules_lua()
+        claim_rules_lua(),
+        xclaim_lua()
     ))
 });
 
@@ -310,7 +320,7 @@ static CLAIM_IDLE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new
 /// Returns the XCLAIM reply and the IDs found lost.
 static CLAIM_IDS: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(&format!(
-        r"{}
+        r"{}{}
         local existing, gone = {{}}, {{}}
         for i = 8, #ARGV do
             local id = ARGV[i]
@@ -326,19 +336,15 @@ static CLAIM_IDS: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(
                 end
             end
         end
-        local claimed = {{}}
-        for from = 1, #existing, 500 do
-            local args = {{'XCLAIM', KEYS[1], ARGV[1], ARGV[4], ARGV[5]}}
-            for i = from, math.min(from + 499, #existing) do args[#args + 1] = existing[i] end
-            if ARGV[6] ~= '' then
-                args[#args + 1] = 'IDLE'
-                args[#args + 1] = ARGV[6]
-            end
-            if ARGV[7] == '1' then args[#args + 1] = 'JUSTID' end
-            for _, c in ipairs(redis.call(unpack(args))) do claimed[#claimed + 1] = c end
+        local options = {{}}
+        if ARGV[6] ~= '' then
+            options[#options + 1] = 'IDLE'
+            options[#options + 1] = ARGV[6]
         end
-        return {{claimed, gone}}",
-        lost_lua()
+        if ARGV[7] == '1' then options[#options + 1] = 'JUSTID' end
+        return {{xclaim(ARGV[4], ARGV[5], existing, options), gone}}",
+        lost_lua(),
+        xclaim_lua()
     ))
 });
 

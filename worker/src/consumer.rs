@@ -933,13 +933,10 @@ impl<H: Handler> Worker<H> {
         ready: &[(usize, Settled)],
         batch: &Batch,
     ) -> Result<(), WorkerError> {
-        let settle_all = || {
+        if self.at_most_once {
             for (i, _) in ready {
                 batch.phase[*i].store(SETTLED, Ordering::SeqCst);
             }
-        };
-        if self.at_most_once {
-            settle_all();
             return Ok(());
         }
         fail::fail_point!("worker::before-commit", |_| {
@@ -985,7 +982,6 @@ impl<H: Handler> Worker<H> {
                 tracing::warn!(stream, ids = ?not_ours, "done, but claimed by another consumer meanwhile: not acked here");
             }
         }
-        settle_all();
         self.stats.ack_latency.observe(started.elapsed());
         Ok(())
     }
