@@ -59,10 +59,10 @@ fn lost_lua() -> String {
     )
 }
 
-/// Lua shared by the claim scripts: `xclaim(min_idle, ids, options)` runs
-/// `XCLAIM KEYS[1] ARGV[1] <claimer> <min_idle> <ids…> <options…>` for the
-/// claimer `ARGV[2]`… as given, in slices of 500 IDs (Lua's `unpack` has a
-/// limit), and returns every reply element in order. ARGV[1] is the group.
+/// Lua shared by the claim scripts: `xclaim(claimer, min_idle, ids,
+/// options)` sends `XCLAIM KEYS[1] ARGV[1] claimer min_idle ids… options…`
+/// (ARGV[1] is the group) in slices of 500 IDs (Lua's `unpack` has a
+/// limit) and returns every reply element in order.
 fn xclaim_lua() -> &'static str {
     r"
         local function xclaim(claimer, min_idle, ids, options)
@@ -227,7 +227,7 @@ static CLAIM_JUSTID: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
                 ids[#ids + 1] = ARGV[j]
             end
         end
-        return xclaim(ARGV[2], ARGV[3], ids, {{'JUSTID'}})",
+        return xclaim(ARGV[2], ARGV[3], ids, {{ 'JUSTID' }})",
         claim_rules_lua(),
         xclaim_lua()
     )
