@@ -84,7 +84,7 @@ enum Output {
 /// Which letters (every condition must hold).
 #[derive(clap::Args, Clone, Default)]
 struct FilterArgs {
-    /// Only these reasons (comma-separated): permanent, malformed, max-deliveries, payload-missing.
+    /// Only these reasons (comma-separated): permanent, malformed, max-deliveries, payload-missing, crashed-worker.
     #[arg(long, value_delimiter = ',')]
     reason: Vec<String>,
     /// Dead-lettered at or after: RFC 3339 (`2026-12-01T10:00:00Z`) or Unix ms.

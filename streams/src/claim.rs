@@ -3,7 +3,6 @@
 use crate::entry::{Entry, fields_from_map};
 use crate::error::StreamError;
 use redis::aio::ConnectionLike;
-use std::collections::HashMap;
 use std::time::Duration;
 
 /// One claim step.
@@ -35,15 +34,17 @@ pub struct LossRecord<'a> {
     pub why: &'a str,
 }
 
-/// Lua shared by the claim scripts: `lost(id, holder)` writes the
+/// Lua shared by the claim scripts: `lost(id, holder, record_key)` writes the
 /// payload-missing dead letter (naming `holder`, the consumer that last held
-/// the entry) and the loss record, then acks the ID. KEYS: stream,
-/// dead-letter stream, loss count, loss IDs. ARGV[1] group, ARGV[3] why.
+/// the entry) and the loss record, then acks the ID and drops its entry
+/// record (`started::redelivery_lua`'s `forget`, which must come first).
+/// KEYS: stream, dead-letter stream, loss count, loss IDs. ARGV[1] group,
+/// ARGV[3] why.
 fn lost_lua() -> String {
     use crate::deadletter::*;
     format!(
         r"
-        local function lost(id, holder)
+        local function lost(id, holder, record_key)
             local t = redis.call('TIME')
             local at = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
             redis.call('XADD', KEYS[2], '*', '{F_SOURCE_STREAM}', KEYS[1], '{F_SOURCE_ID}', id,
@@ -53,6 +54,7 @@ fn lost_lua() -> String {
             redis.call('LPUSH', KEYS[4], id)
             redis.call('LTRIM', KEYS[4], 0, {latest})
             redis.call('XACK', KEYS[1], ARGV[1], id)
+            forget(record_key, id)
         end
         ",
         latest = crate::payload_loss::LATEST - 1
@@ -257,10 +259,56 @@ pub fn claim_justid_command(
     cmd
 }
 
+/// Lua shared by the scripts that claim with a delivery (not `JUSTID`):
+/// `take(claimer, min_idle, ids, counts, record_key, options)` claims `ids`
+/// (their delivery counts now in `counts[id]`; `options` more `XCLAIM`
+/// options), each counted up or, when its last delivery never started,
+/// with its count unchanged
+/// (`started::redelivery_lua`). Returns the claimed entries (ID and
+/// fields, in `ids` order), their delivery counts and crash counts.
+fn take_lua() -> &'static str {
+    r"
+        local function take(claimer, min_idle, ids, counts, record_key, options)
+            local counted, kept, delivered, crashed = {}, {}, {}, {}
+            for _, id in ipairs(ids) do
+                local count, crashes, keep = redelivery(record_key, id, counts[id])
+                delivered[id], crashed[id] = count, crashes
+                if keep then
+                    kept[count] = kept[count] or {}
+                    table.insert(kept[count], id)
+                else
+                    counted[#counted + 1] = id
+                end
+            end
+            local got = {}
+            for _, c in ipairs(xclaim(claimer, min_idle, counted, options)) do
+                if c then got[c[1]] = c end
+            end
+            for count, same in pairs(kept) do
+                local o = { 'RETRYCOUNT', string.format('%d', count) }
+                for _, x in ipairs(options) do o[#o + 1] = x end
+                for _, c in ipairs(xclaim(claimer, min_idle, same, o)) do
+                    if c then got[c[1]] = c end
+                end
+            end
+            local claimed, counts_out, crashes_out = {}, {}, {}
+            for _, id in ipairs(ids) do
+                if got[id] then
+                    claimed[#claimed + 1] = got[id]
+                    counts_out[#counts_out + 1] = delivered[id]
+                    crashes_out[#crashes_out + 1] = crashed[id]
+                end
+            end
+            return claimed, counts_out, crashes_out
+        end
+        "
+}
+
 /// One claim step over the PEL, with what it meets recorded in the same
 /// script. KEYS: stream, dead-letter stream, loss count, loss IDs, server
-/// epoch, dead-consumer registry, alive registry. ARGV[4] claimer, ARGV[5] min idle, ARGV[6] start (inclusive, or
-/// `(ID`), ARGV[7] count.
+/// epoch, dead-consumer registry, alive registry, entry records. ARGV[4]
+/// claimer, ARGV[5] min idle, ARGV[6] start (inclusive, or `(ID`), ARGV[7]
+/// count.
 ///
 /// Not `XAUTOCLAIM`: it drops a deleted ID from the PEL whatever its idle
 /// time, so an entry a producer's `MAXLEN` trimmed while a live worker
@@ -268,15 +316,16 @@ pub fn claim_justid_command(
 /// redone by whoever reads the runbook. Here only entries idle past
 /// min-idle-time are looked at (`XPENDING … IDLE`); of those, the ones
 /// without a payload are recorded lost naming their last holder, the rest
-/// claimed (`XCLAIM` with the same min idle: atomic here anyway). Entries
-/// not claimable yet after a restart or failover ([`claim_rules_lua`]) are
-/// neither claimed nor checked for their payload.
+/// claimed (`XCLAIM` with the same min idle: atomic here anyway), counted
+/// or not as their started record says (`take_lua`). Entries not claimable
+/// yet after a restart or failover ([`claim_rules_lua`]) are neither
+/// claimed nor checked for their payload.
 /// Returns: next cursor (`0-0` when done), the claimed entries, the lost
-/// IDs, each claimed entry's delivery count (this claim included), and how
-/// many idle entries were deferred.
+/// IDs, each claimed entry's delivery count (this claim included) and crash
+/// count, and how many idle entries were deferred.
 static CLAIM_IDLE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(&format!(
-        r"{}{}{}
+        r"{}{}{}{}{}
         local claimable, alive = claim_rules(KEYS[5], KEYS[6], KEYS[7], tonumber(ARGV[5]))
         local n = tonumber(ARGV[7])
         local page = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[5], ARGV[6], '+', n)
@@ -286,42 +335,41 @@ static CLAIM_IDLE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new
                 deferred = deferred + 1
             elseif #redis.call('XRANGE', KEYS[1], p[1], p[1]) > 0 then
                 existing[#existing + 1] = p[1]
-                counts[p[1]] = p[4] + 1
+                counts[p[1]] = p[4]
             elseif not alive(p[2]) then
                 -- (An owner that renewed a hold within min-idle-time has it
                 -- in hand, its payload trimmed under it: its hold cannot
                 -- reset the idle time of an entry without a payload. The
                 -- owner finishes and acks it: not a loss.)
-                lost(p[1], p[2])
+                lost(p[1], p[2], KEYS[8])
                 gone[#gone + 1] = p[1]
             end
         end
-        local claimed, delivered = {{}}, {{}}
-        for _, c in ipairs(xclaim(ARGV[4], ARGV[5], existing, {{}})) do
-            if c then
-                claimed[#claimed + 1] = c
-                delivered[#delivered + 1] = counts[c[1]]
-            end
-        end
+        local claimed, delivered, crashes = take(ARGV[4], ARGV[5], existing, counts, KEYS[8], {{}})
         local next = '0-0'
         if #page >= n and n > 0 then next = '(' .. page[#page][1] end
-        return {{next, claimed, gone, delivered, deferred}}",
+        return {{next, claimed, gone, delivered, crashes, deferred}}",
+        crate::started::redelivery_lua(),
         lost_lua(),
         claim_rules_lua(),
-        xclaim_lua()
+        xclaim_lua(),
+        take_lua()
     ))
 });
 
 /// XCLAIM of given IDs the claimer still owns (its own take-back, or the
 /// release of a dead consumer's entries to itself), those without a payload
-/// recorded as lost first (an XCLAIM would drop them silently). ARGV[4]
-/// claimer and expected owner, ARGV[5] min idle,
-/// ARGV[6] IDLE to set ('' to leave), ARGV[7] '1' for JUSTID, then the IDs.
-/// Returns the XCLAIM reply and the IDs found lost.
+/// recorded as lost first (an XCLAIM would drop them silently). KEYS:
+/// stream, dead-letter stream, loss count, loss IDs, entry records. ARGV[4]
+/// claimer and expected owner, ARGV[5] min idle, ARGV[6] IDLE to set (''
+/// to leave), ARGV[7] '1' for JUSTID (delivery counts unchanged), then the
+/// IDs. Without JUSTID each entry is counted up or not as its started
+/// record says (`take_lua`). Returns the XCLAIM reply, the IDs found lost,
+/// and (without JUSTID) each claimed entry's delivery and crash counts.
 static CLAIM_IDS: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(&format!(
-        r"{}{}
-        local existing, gone = {{}}, {{}}
+        r"{}{}{}{}
+        local existing, counts, gone = {{}}, {{}}, {{}}
         for i = 8, #ARGV do
             local id = ARGV[i]
             local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)[1]
@@ -330,8 +378,9 @@ static CLAIM_IDS: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(
             if p ~= nil and p[2] == ARGV[4] then
                 if #redis.call('XRANGE', KEYS[1], id, id) > 0 then
                     existing[#existing + 1] = id
+                    counts[id] = p[4]
                 else
-                    lost(id, p[2])
+                    lost(id, p[2], KEYS[5])
                     gone[#gone + 1] = id
                 end
             end
@@ -341,10 +390,16 @@ static CLAIM_IDS: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(
             options[#options + 1] = 'IDLE'
             options[#options + 1] = ARGV[6]
         end
-        if ARGV[7] == '1' then options[#options + 1] = 'JUSTID' end
-        return {{xclaim(ARGV[4], ARGV[5], existing, options), gone}}",
+        if ARGV[7] == '1' then
+            options[#options + 1] = 'JUSTID'
+            return {{xclaim(ARGV[4], ARGV[5], existing, options), gone, {{}}, {{}}}}
+        end
+        local claimed, delivered, crashes = take(ARGV[4], ARGV[5], existing, counts, KEYS[5], options)
+        return {{claimed, gone, delivered, crashes}}",
+        crate::started::redelivery_lua(),
         lost_lua(),
-        xclaim_lua()
+        xclaim_lua(),
+        take_lua()
     ))
 });
 
@@ -390,26 +445,40 @@ pub async fn autoclaim<C: ConnectionLike + Send>(
         .key(crate::keys::server_epoch_key(stream))
         .key(crate::keys::dead_consumers_key(stream, group))
         .key(crate::keys::alive_key(stream, group))
+        .key(crate::keys::last_error_key(stream, group))
         .arg(consumer)
         .arg(min_idle_ms)
         .arg(start)
         .arg(count);
-    let (next, claimed, deleted, delivered, deferred): (String, redis::Value, Vec<String>, Vec<u64>, u64) =
+    type Reply = (String, redis::Value, Vec<String>, Vec<u64>, Vec<u32>, u64);
+    let (next, claimed, deleted, delivered, crashes, deferred): Reply =
         script.invoke_async(conn).await.map_err(|e| StreamError::new("claiming idle entries", e))?;
-    let claimed: redis::streams::StreamClaimReply = redis::FromRedisValue::from_redis_value(claimed)
-        .map_err(|e| StreamError::new("claiming idle entries", e.into()))?;
-    let entries = claimed
+    let entries = claimed_entries(stream, claimed, delivered, crashes)
+        .map_err(|e| StreamError::new("claiming idle entries", e))?;
+    Ok(Claimed { entries, deleted, next, deferred: deferred > 0 })
+}
+
+/// The entries of an `XCLAIM` reply, with the delivery and crash counts the
+/// claim script gave them (in the reply's order).
+fn claimed_entries(
+    stream: &str,
+    reply: redis::Value,
+    deliveries: Vec<u64>,
+    crashes: Vec<u32>,
+) -> Result<Vec<Entry>, redis::RedisError> {
+    let reply: redis::streams::StreamClaimReply = redis::FromRedisValue::from_redis_value(reply)?;
+    Ok(reply
         .ids
         .into_iter()
-        .zip(delivered)
-        .map(|(e, deliveries)| Entry {
+        .zip(deliveries.into_iter().zip(crashes))
+        .map(|(e, (deliveries, crashes))| Entry {
             deliveries,
+            crashes,
             stream: stream.to_string(),
             id: e.id,
             fields: fields_from_map(e.map),
         })
-        .collect();
-    Ok(Claimed { entries, deleted, next, deferred: deferred > 0 })
+        .collect())
 }
 
 /// How [`claim_ids`] claims.
@@ -419,12 +488,26 @@ pub struct ClaimIds<'a> {
     pub min_idle_ms: u64,
     /// Sets the claimed entries' idle time (`XCLAIM … IDLE`).
     pub set_idle_ms: Option<u64>,
-    /// `JUSTID`: no payloads returned, delivery counts unchanged.
+    /// `JUSTID`: no payloads returned, delivery counts unchanged. Without
+    /// it each entry's count goes up, unless its last delivery never
+    /// started (`started`).
     pub just_id: bool,
 }
 
+/// What [`claim_ids`] did.
+pub struct ClaimedIds {
+    /// The `XCLAIM` reply: IDs with `JUSTID`, else entries.
+    pub reply: redis::Value,
+    /// IDs whose payload was gone, recorded lost.
+    pub lost: Vec<String>,
+    /// Without `JUSTID`: each claimed entry's delivery count and crash
+    /// count, in the reply's order.
+    pub deliveries: Vec<u64>,
+    pub crashes: Vec<u32>,
+}
+
 /// `XCLAIM` of `ids`, the ones without a payload recorded in `loss` (and
-/// acked) by the same script. Returns the raw claim reply and the lost IDs.
+/// acked) by the same script.
 pub async fn claim_ids<C: ConnectionLike + Send>(
     conn: &mut C,
     stream: &str,
@@ -432,15 +515,18 @@ pub async fn claim_ids<C: ConnectionLike + Send>(
     loss: &LossRecord<'_>,
     how: &ClaimIds<'_>,
     ids: &[&str],
-) -> Result<(redis::Value, Vec<String>), StreamError> {
+) -> Result<ClaimedIds, StreamError> {
     let mut script = prepare(&CLAIM_IDS, stream, group, loss);
     script
+        .key(crate::keys::last_error_key(stream, group))
         .arg(how.consumer)
         .arg(how.min_idle_ms)
         .arg(how.set_idle_ms.map(|ms| ms.to_string()).unwrap_or_default())
         .arg(if how.just_id { "1" } else { "0" })
         .arg(ids);
-    script.invoke_async(conn).await.map_err(|e| StreamError::new("claiming entries", e))
+    let (reply, lost, deliveries, crashes) =
+        script.invoke_async(conn).await.map_err(|e| StreamError::new("claiming entries", e))?;
+    Ok(ClaimedIds { reply, lost, deliveries, crashes })
 }
 
 /// Takes back up to `count` of `consumer`'s own pending entries after
@@ -469,22 +555,8 @@ pub async fn claim_own<C: ConnectionLike + Send>(
     // XPENDING above has a fresh idle time and is left to them.
     let least_idle = pending.iter().map(|(_, _, idle, _)| *idle).min().unwrap_or(0);
     let how = ClaimIds { consumer, min_idle_ms: least_idle, set_idle_ms: None, just_id: false };
-    let (reply, deleted) = claim_ids(conn, stream, group, loss, &how, &ids).await?;
-    let reply: redis::streams::StreamClaimReply = redis::FromRedisValue::from_redis_value(reply)
-        .map_err(|e| StreamError::new("taking back own pending entries", e.into()))?;
-    let mut found: HashMap<String, HashMap<String, redis::Value>> =
-        reply.ids.into_iter().map(|e| (e.id, e.map)).collect();
-    let entries = pending
-        .into_iter()
-        .filter_map(|(id, _, _, deliveries)| {
-            // The claim was one more delivery.
-            found.remove(&id).map(|map| Entry {
-                stream: stream.to_string(),
-                deliveries: deliveries.saturating_add(1),
-                fields: fields_from_map(map),
-                id,
-            })
-        })
-        .collect();
-    Ok(Claimed { entries, deleted, next, deferred: false })
+    let claimed = claim_ids(conn, stream, group, loss, &how, &ids).await?;
+    let entries = claimed_entries(stream, claimed.reply, claimed.deliveries, claimed.crashes)
+        .map_err(|e| StreamError::new("taking back own pending entries", e))?;
+    Ok(Claimed { entries, deleted: claimed.lost, next, deferred: false })
 }

@@ -33,6 +33,9 @@ pub enum Reason {
     Malformed,
     /// The entry was pending but its payload had been trimmed or deleted.
     PayloadMissing,
+    /// The worker process died while its handler ran, as many times as the
+    /// crash limit (`started`): out of memory, an abort, a segfault.
+    CrashedWorker,
 }
 
 impl Reason {
@@ -42,6 +45,7 @@ impl Reason {
             Reason::Permanent => "permanent",
             Reason::Malformed => "malformed",
             Reason::PayloadMissing => "payload-missing",
+            Reason::CrashedWorker => "crashed-worker",
         }
     }
 }
@@ -63,7 +67,7 @@ const DEAD_LETTER: &str = r"
         local id, lost, n = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
         ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, i + 3, i + 2 + n))
         redis.call('XACK', KEYS[2], ARGV[1], id)
-        redis.call('HDEL', KEYS[3], id)
+        redis.call('HDEL', KEYS[3], id, id .. ':run', id .. ':crashes')
         if lost == '1' then
             redis.call('HINCRBY', KEYS[4], 'count', 1)
             redis.call('LPUSH', KEYS[5], id)
@@ -147,7 +151,9 @@ pub fn command(dead_letter_stream: &str, letters: &[(&Entry, &Letter<'_>)]) -> r
 }
 
 /// Records the latest handler error of a pending entry, for whoever
-/// dead-letters it later (the worker on its last delivery, or the sweep).
+/// dead-letters it later (the worker on its last delivery, or the sweep),
+/// and that this delivery's handler ended (`started`: the next delivery
+/// counts; it was no crash).
 pub async fn record_last_error<C: ConnectionLike + Send>(
     conn: &mut C,
     entry: &Entry,
@@ -158,6 +164,8 @@ pub async fn record_last_error<C: ConnectionLike + Send>(
         .arg(keys::last_error_key(&entry.stream, group))
         .arg(&entry.id)
         .arg(error)
+        .arg(crate::started::run_field(&entry.id))
+        .arg(crate::started::ended(entry.deliveries))
         .query_async(conn)
         .await
         .map_err(|e| StreamError::new("recording the last error", e))?;

@@ -13,8 +13,14 @@ pub struct Entry {
     pub stream: String,
     pub id: String,
     pub fields: Vec<(String, Vec<u8>)>,
-    /// Times delivered, this delivery included (1 on first read).
+    /// Times delivered, this delivery included (1 on first read). A
+    /// delivery that never started its handler (its worker died first, or
+    /// handed it back) is not counted.
     pub deliveries: u64,
+    /// Times the worker process died while this entry's handler ran
+    /// (`started`): a worker runs such an entry alone, and dead-letters it
+    /// as `crashed-worker` at the crash limit.
+    pub crashes: u32,
 }
 
 impl Entry {

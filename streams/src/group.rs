@@ -47,6 +47,7 @@ pub async fn destroy_group<C: ConnectionLike + Send>(
         crate::recovery::report_key(stream, group),
         crate::keys::last_error_key(stream, group),
         crate::keys::dead_consumers_key(stream, group),
+        crate::keys::alive_key(stream, group),
         crate::keys::suppressed_key(stream, group),
     ];
     let mut pipe = redis::pipe();

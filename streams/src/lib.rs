@@ -17,6 +17,7 @@ pub mod recovery;
 pub mod replay;
 pub mod retention;
 pub mod shard;
+pub mod started;
 pub mod sweep;
 pub mod version;
 

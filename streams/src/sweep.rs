@@ -124,7 +124,13 @@ pub async fn sweep<C: ConnectionLike + Send>(
         let idle_of: std::collections::HashMap<&str, u64> =
             page.iter().map(|(id, _, idle, _)| (id.as_str(), *idle)).collect();
         for (id, owner, _, deliveries) in &page {
-            let entry = Entry { stream: s.stream.into(), id: id.clone(), fields: Vec::new(), deliveries: *deliveries };
+            let entry = Entry {
+                stream: s.stream.into(),
+                id: id.clone(),
+                fields: Vec::new(),
+                deliveries: *deliveries,
+                crashes: 0,
+            };
             if !existing.contains(id.as_str()) && !beyond_present.contains(id) {
                 if !owner_alive.contains(id) {
                     lost.push((entry, owner.as_str()));

@@ -276,7 +276,7 @@ const SHAPED: &[(&str, &[Shape])] = {
         ("consumers::delete_if_empty", &[Int]),
         ("dlq::cap", &[Int]),
         ("dlq::purge", &[Int]),
-        ("destroy_group", &[Int, Int, Int, Int, Int, Int, Int]),
+        ("destroy_group", &[Int, Int, Int, Int, Int, Int, Int, Int]),
     ]
 };
 
@@ -341,10 +341,12 @@ fn shaped(shape: Shape) -> BoxedStrategy<Value> {
             entries(),
             prop::collection::vec(entry_id(), 0..3),
             prop::collection::vec(maybe_int(), 0..3),
+            prop::collection::vec((0i64..3).prop_map(Value::Int), 0..3),
             maybe_int(),
         )
-            .prop_map(|(next, claimed, deleted, counts, deferred)| {
-                Value::Array(vec![next, claimed, Value::Array(deleted), Value::Array(counts), deferred])
+            .prop_map(|(next, claimed, deleted, counts, crashes, deferred)| {
+                let lists = [Value::Array(deleted), Value::Array(counts), Value::Array(crashes)];
+                Value::Array([vec![next, claimed], lists.to_vec(), vec![deferred]].concat())
             })
             .boxed(),
         Shape::Presence => prop::collection::vec(any::<bool>(), 0..4)
@@ -373,8 +375,13 @@ fn letter(reason: Reason) -> Letter<'static> {
 /// replies `replies` gives for its name; returns which answered with a value.
 async fn every_reader(replies: impl Fn(&str) -> Vec<Value>) -> Vec<(&'static str, bool)> {
     let conn = |name: &str| Hostile { replies: replies(name).into() };
-    let entry =
-        Entry { stream: "s".into(), id: "1-0".into(), fields: vec![("f".into(), b"v".to_vec())], deliveries: 1 };
+    let entry = Entry {
+        stream: "s".into(),
+        id: "1-0".into(),
+        fields: vec![("f".into(), b"v".to_vec())],
+        deliveries: 1,
+        crashes: 0,
+    };
     let loss = claim::LossRecord { dead_letter_stream: "{s}:dead", consumer: "c1", why: "gone" };
     let idle = Duration::from_millis(10);
     let settings = sweep::SweepSettings {
@@ -559,7 +566,7 @@ fn entry_fields_keep_every_field_and_its_bytes() {
                 _ => prop_assert!(!bytes.is_empty(), "other values are rendered, not dropped"),
             }
         }
-        let entry = Entry { stream: "s".into(), id: "1-0".into(), fields: decoded.clone(), deliveries: 1 };
+        let entry = Entry { stream: "s".into(), id: "1-0".into(), fields: decoded.clone(), deliveries: 1, crashes: 0 };
         for (name, bytes) in &decoded {
             prop_assert_eq!(entry.field(name), Some(bytes.as_slice()));
             prop_assert_eq!(entry.field_str(name), std::str::from_utf8(bytes).ok());

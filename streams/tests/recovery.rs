@@ -57,7 +57,7 @@ async fn sweep_dead_letters_poison_records_lost_payloads_and_leaves_the_rest() -
     let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
     deliver(&mut conn, "w1", &ids[1], 4).await?; // poison: 5 deliveries
     deliver(&mut conn, "w1", &ids[3], 4).await?; // busy: 5 deliveries...
-    let poison = Entry { stream: "orders".into(), id: ids[1].clone(), fields: vec![], deliveries: 5 };
+    let poison = Entry { stream: "orders".into(), id: ids[1].clone(), fields: vec![], deliveries: 5, crashes: 0 };
     dl::record_last_error(&mut conn, &poison, "g", "transient: gateway timeout").await?;
     let _: i64 = conn.xdel("orders", &[&ids[2]]).await?; // lost: trimmed while pending
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -157,7 +157,7 @@ async fn replay_requeues_original_fields_and_removes_the_dead_letter() -> Result
         } else {
             vec![("order_id".to_string(), format!("o{i}").into_bytes())]
         };
-        let entry = Entry { stream: "orders".into(), id, fields, deliveries: 1 };
+        let entry = Entry { stream: "orders".into(), id, fields, deliveries: 1, crashes: 0 };
         let key = format!("o{i}");
         let letter = dl::Letter { group: "g", consumer: "w", reason, error: "no", business_key: Some(&key) };
         dead.push(dl::dead_letter(&mut conn, "{orders}:dead", &entry, &letter).await?);
@@ -208,7 +208,13 @@ async fn replay_clears_only_a_dead_owners_mark() -> Result<()> {
         let id = conn.xadd::<_, _, _, _, String>("orders", "*", &[("order_id", key)]).await?;
         let opts = redis::streams::StreamReadOptions::default().group("g", "w").count(1);
         let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
-        let entry = Entry { stream: "orders".into(), id, fields: vec![("order_id".into(), key.into())], deliveries: 1 };
+        let entry = Entry {
+            stream: "orders".into(),
+            id,
+            fields: vec![("order_id".into(), key.into())],
+            deliveries: 1,
+            crashes: 0,
+        };
         let letter = dl::Letter {
             group: "g",
             consumer: "w",

@@ -72,6 +72,12 @@ const SETTLED: u8 = 2;
 /// restarted server's claim wait (`claim::claim_rules_lua`) is covered.
 const COMMIT_RETRY_FOR: Duration = Duration::from_secs(10);
 
+/// How many times a worker process may die while one entry's handler runs
+/// (it ran alone after the first) before the entry is dead-lettered as
+/// `crashed-worker`, as Sidekiq's super_fetch quarantines a job that kills
+/// its process.
+const CRASH_LIMIT: u32 = 3;
+
 /// A batch in hand.
 struct Batch {
     entries: Vec<Entry>,
@@ -429,7 +435,15 @@ impl<H: Handler> Worker<H> {
             self.stats.add(&self.stats.payload_missing, deleted.len());
             tracing::warn!(stream, ids = ?deleted, "pending entries whose payload was trimmed or deleted: recorded as lost");
         }
-        self.process(conn, entries).await
+        // An entry whose handler was running when a process died runs alone,
+        // first: if it kills this process too, no batch-mate was running to
+        // share the blame (`started`), and it alone reaches the crash limit.
+        let (suspects, rest): (Vec<Entry>, Vec<Entry>) = entries.into_iter().partition(|e| e.crashes > 0);
+        for suspect in suspects {
+            tracing::warn!(stream, id = %suspect.id, crashes = suspect.crashes, "running alone an entry whose handler was running when a worker died");
+            self.process(conn, vec![suspect]).await?;
+        }
+        self.process(conn, rest).await
     }
 
     /// Where claims on `dead_letter_stream`'s stream record pending entries
@@ -585,6 +599,7 @@ impl<H: Handler> Worker<H> {
                         k.ids.into_iter().map(move |e| Entry {
                             stream: stream.clone(),
                             deliveries: 1,
+                            crashes: 0,
                             id: e.id,
                             fields: fields_from_map(e.map),
                         })
@@ -790,8 +805,7 @@ impl<H: Handler> Worker<H> {
     }
 
     /// Hands back every entry of the batch not settled: not started, or
-    /// abandoned at the drain deadline. An entry never started gets its
-    /// delivery count back.
+    /// abandoned at the drain deadline.
     async fn hand_back_open(&self, conn: &mut StreamConnection, batch: &Batch) -> Result<(), WorkerError> {
         if self.at_most_once {
             return Ok(());
@@ -808,11 +822,11 @@ impl<H: Handler> Worker<H> {
                     // ours, mark and all, until min-idle-time passes.
                     continue;
                 }
-                let started = phase == RUNNING;
-                let deliveries = if started { entry.deliveries } else { entry.deliveries.saturating_sub(1) };
                 // Each on its own: one failing leaves the rest handed back
                 // (a failed one is claimable once idle past min-idle-time).
-                if let Err(e) = lease.hand_back(conn, &self.held(batch, i), idle, deliveries).await {
+                // One never started is not counted by its next claim
+                // (`started`); one abandoned running is, as a crash.
+                if let Err(e) = lease.hand_back(conn, &self.held(batch, i), idle).await {
                     tracing::warn!(stream, id = %entry.id, error = %e, "handing an entry back");
                     failure.get_or_insert(WorkerError::from(e));
                 }
@@ -1007,6 +1021,15 @@ impl<H: Handler> Worker<H> {
                 }
                 return Ok(Settled::Ack);
             }
+            _ if entry.crashes >= self.crash_limit() => {
+                let error = format!(
+                    "the worker process died {} times while this entry's handler ran (out of memory, an abort, a segfault?)",
+                    entry.crashes
+                );
+                self.release(conn, batch, i).await?;
+                self.dead_letter(conn, entry, Reason::CrashedWorker, &error, key).await?;
+                return Ok(Settled::Leave);
+            }
             _ if entry.deliveries > self.config.max_deliveries => {
                 let error = deadletter::last_error(conn, &entry.stream, &self.config.group, &entry.id).await?;
                 let error = error.unwrap_or_else(|| "delivered too often".into());
@@ -1019,6 +1042,9 @@ impl<H: Handler> Worker<H> {
             // claimed again once idle past min-idle-time.
             (GuardState::Busy, _) => return Ok(Settled::Leave),
             _ => {}
+        }
+        if !self.at_most_once {
+            self.record_start(conn, entry).await?;
         }
         let started = Instant::now();
         self.stats.delivered(entry.deliveries);
@@ -1055,6 +1081,33 @@ impl<H: Handler> Worker<H> {
             Outcome::Permanent(error) => self.reject(conn, batch, i, Reason::Permanent, &error, key).await,
             Outcome::Malformed(error) => self.reject(conn, batch, i, Reason::Malformed, &error, key).await,
         }
+    }
+
+    /// Records that `entry`'s handler starts (`started`), before it runs: if
+    /// it takes the process down, the next claim knows it was running. While
+    /// Redis is unreachable (a restart, a failover) it retries with backoff
+    /// (the batch stays held meanwhile) rather than fail the batch, whose
+    /// entries would then sit unheld; it gives up only on shutdown.
+    async fn record_start(&self, conn: &mut StreamConnection, entry: &Entry) -> Result<(), WorkerError> {
+        let mut delay = RETRY_FIRST;
+        loop {
+            match streamfleet_streams::started::record_start(conn, entry, &self.config.group).await {
+                Ok(()) => return Ok(()),
+                Err(e) if stopping(&self.stop) => return Err(e.into()),
+                Err(e) => {
+                    tracing::warn!(stream = %entry.stream, id = %entry.id, error = %e, retry_in = ?delay, "recording a handler's start failed; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(RETRY_MAX);
+                }
+            }
+        }
+    }
+
+    /// How many times a process may die while an entry's handler runs before
+    /// the entry is dead-lettered as `crashed-worker`: [`CRASH_LIMIT`], or
+    /// `maxDeliveries` when lower.
+    fn crash_limit(&self) -> u32 {
+        u32::try_from(self.config.max_deliveries).unwrap_or(u32::MAX).clamp(1, CRASH_LIMIT)
     }
 
     /// Drops the guard's hold on a key entry `i` acquired; from now on the

@@ -12,7 +12,8 @@
 //!   only while this consumer still owns the entry in the PEL (another holder
 //!   that claimed it acks it itself);
 //! * `hand_back`: an entry not started (shutdown, a failed batch) is made
-//!   claimable at once with its delivery count restored, its mark dropped.
+//!   claimable at once, its mark dropped; its next claim does not count the
+//!   delivery (`started`).
 
 use streamfleet_streams::retention::StreamId;
 use streamfleet_streams::{StreamConnection, StreamError};
@@ -90,7 +91,14 @@ static COMMIT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
         local acked, lost, m = {}, {}, 3
         local function ack()
             redis.call('XACK', KEYS[1], ARGV[1], unpack(acked))
-            redis.call('HDEL', KEYS[2], unpack(acked))
+            -- The entries' records: last error, started record, crash count.
+            local fields = {}
+            for _, id in ipairs(acked) do
+                fields[#fields + 1] = id
+                fields[#fields + 1] = id .. ':run'
+                fields[#fields + 1] = id .. ':crashes'
+            end
+            redis.call('HDEL', KEYS[2], unpack(fields))
             acked = {}
         end
         for j = 6, #ARGV, 3 do
@@ -115,16 +123,18 @@ static COMMIT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
 });
 
 /// KEYS: stream, mark (may be absent). ARGV: group, consumer, ID, idle ms to
-/// set, delivery count to restore, mark ('' for none).
+/// set, mark ('' for none). The delivery count is left: whether this
+/// delivery counts is for the next claim to say (`started`: not when its
+/// handler never started).
 static HAND_BACK: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         r"
-        if ARGV[6] ~= '' and redis.call('GET', KEYS[2]) == ARGV[6] then redis.call('DEL', KEYS[2]) end
+        if ARGV[5] ~= '' and redis.call('GET', KEYS[2]) == ARGV[5] then redis.call('DEL', KEYS[2]) end
         local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
         if p[1] == nil or p[1][2] ~= ARGV[2] or #redis.call('XRANGE', KEYS[1], ARGV[3], ARGV[3]) == 0 then
             return 0
         end
-        redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'IDLE', ARGV[4], 'RETRYCOUNT', ARGV[5], 'JUSTID')
+        redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'IDLE', ARGV[4], 'JUSTID')
         return 1",
     )
 });
@@ -225,27 +235,18 @@ impl Lease<'_> {
         script.invoke_async(conn).await.map_err(|e| StreamError::new("acking entries", e))
     }
 
-    /// Hands an entry back: claimable at once (idle `idle_ms`), its delivery
-    /// count back to `deliveries` (this delivery did not count), its mark
-    /// gone. Returns whether it was still ours.
+    /// Hands an entry back: claimable at once (idle `idle_ms`), its mark
+    /// gone. The next claim counts this delivery only if its handler started
+    /// (`started`). Returns whether it was still ours.
     pub async fn hand_back(
         &self,
         conn: &mut StreamConnection,
         held: &Held<'_>,
         idle_ms: u64,
-        deliveries: u64,
     ) -> Result<bool, StreamError> {
         let mut script = HAND_BACK.prepare_invoke();
         let (key, value) = held.mark.clone().unwrap_or_else(|| (self.stream.to_string(), String::new()));
-        script
-            .key(self.stream)
-            .key(key)
-            .arg(self.group)
-            .arg(self.consumer)
-            .arg(held.id)
-            .arg(idle_ms)
-            .arg(deliveries)
-            .arg(value);
+        script.key(self.stream).key(key).arg(self.group).arg(self.consumer).arg(held.id).arg(idle_ms).arg(value);
         let done: u8 = script.invoke_async(conn).await.map_err(|e| StreamError::new("handing an entry back", e))?;
         Ok(done == 1)
     }

@@ -632,6 +632,7 @@ async fn dead_letters_are_listed_inspected_counted_replayed_and_purged_through_t
             id: e.id.clone(),
             fields: streamfleet_streams::entry::fields_from_map(e.map.clone()),
             deliveries: 1,
+            crashes: 0,
         };
         let key = format!("o-{i}");
         let letter =
@@ -723,7 +724,8 @@ async fn dead_letters_are_listed_inspected_counted_replayed_and_purged_through_t
     let mut newest = String::new();
     for e in read.keys.iter().flat_map(|k| &k.ids) {
         let fields = streamfleet_streams::entry::fields_from_map(e.map.clone());
-        let entry = streamfleet_streams::Entry { stream: "orders".into(), id: e.id.clone(), fields, deliveries: 1 };
+        let entry =
+            streamfleet_streams::Entry { stream: "orders".into(), id: e.id.clone(), fields, deliveries: 1, crashes: 0 };
         // The two replayed orders are read here too: they are not letters again.
         if !entry.field_str("order_id").is_some_and(|o| o.starts_with("late")) {
             continue;

@@ -1,0 +1,100 @@
+//! The per-entry "started" record: which delivery of a pending entry ran its
+//! handler, whether that run ended, and how many times the worker process
+//! died while it ran. Kept in the group's entry-record hash
+//! (`keys::last_error_key`, beside the entry's last error), so it is in the
+//! stream's slot and goes with the entry's ack or dead letter.
+//!
+//! What it is for: a handler that kills its process (out of memory on a big
+//! payload, `abort`, a segfault) is not a failure the worker sees. Without a
+//! record every restart re-claims the whole batch with one more delivery, and
+//! after `maxDeliveries` restarts entries that never ran are dead letters
+//! "delivered too often". With it a claim tells apart, per entry:
+//!
+//! * **never started** in its last delivery: claimed with its delivery count
+//!   unchanged (`XCLAIM … RETRYCOUNT`), since that delivery never ran;
+//! * **started and ended** (a transient failure, a timeout): a delivery like
+//!   any other, counted;
+//! * **started and never ended**: the process died while it ran: counted, and
+//!   its crash count goes up. The worker runs such an entry alone, so the
+//!   next crash is charged to it only, and dead-letters it as
+//!   `crashed-worker` once its count reaches the crash limit.
+
+use crate::entry::Entry;
+use crate::error::StreamError;
+use crate::keys;
+use redis::aio::ConnectionLike;
+
+/// The field holding the delivery whose handler started last: `<n>` while
+/// it runs, `<n>:end` once it returned.
+pub fn run_field(id: &str) -> String {
+    format!("{id}:run")
+}
+
+/// The field counting the times the process died while the entry's handler ran.
+pub fn crashes_field(id: &str) -> String {
+    format!("{id}:crashes")
+}
+
+/// The value [`run_field`] holds once delivery `deliveries`'s handler returned.
+pub fn ended(deliveries: u64) -> String {
+    format!("{deliveries}:end")
+}
+
+/// Records that the handler of `entry`'s current delivery starts now.
+/// Written (and waited for) before the handler runs: a process that dies
+/// in it leaves the record behind for the next claim to read.
+pub async fn record_start<C: ConnectionLike + Send>(
+    conn: &mut C,
+    entry: &Entry,
+    group: &str,
+) -> Result<(), StreamError> {
+    let () = redis::cmd("HSET")
+        .arg(keys::last_error_key(&entry.stream, group))
+        .arg(run_field(&entry.id))
+        .arg(entry.deliveries)
+        .query_async(conn)
+        .await
+        .map_err(|e| StreamError::new("recording a handler's start", e))?;
+    Ok(())
+}
+
+/// Lua shared by the claim scripts: `redelivery(record_key, id, count)`
+/// reads entry `id`'s record (its delivery count now is `count`) and returns
+/// the delivery count the claim gives it, its crash count, and whether that
+/// count must be set (`XCLAIM … RETRYCOUNT`: its last delivery never started)
+/// rather than counted up. Also `forget(record_key, id)`: drops the entry's
+/// whole record (its last error too), for an entry that leaves the PEL.
+pub fn redelivery_lua() -> &'static str {
+    r"
+        local function redelivery(record_key, id, count)
+            local r = redis.call('HMGET', record_key, id .. ':run', id .. ':crashes')
+            local n = string.format('%d', count)
+            local crashes = tonumber(r[2] or '0') or 0
+            if r[1] == n then
+                -- Started and never ended: the process died while it ran.
+                crashes = redis.call('HINCRBY', record_key, id .. ':crashes', 1)
+                return count + 1, crashes, false
+            elseif r[1] == n .. ':end' then
+                return count + 1, crashes, false
+            end
+            return count, crashes, true
+        end
+        local function forget(record_key, id)
+            redis.call('HDEL', record_key, id, id .. ':run', id .. ':crashes')
+        end
+        "
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fields_are_the_entrys_own() {
+        assert_eq!(run_field("5-0"), "5-0:run");
+        assert_eq!(crashes_field("5-0"), "5-0:crashes");
+        assert_eq!(ended(3), "3:end");
+        // The Lua reads the same names the Rust writes.
+        assert!(redelivery_lua().contains("id .. ':run'") && redelivery_lua().contains("':end'"));
+    }
+}
