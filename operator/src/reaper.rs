@@ -8,12 +8,16 @@
 use std::collections::HashSet;
 use streamfleet_streams::health::ConsumerState;
 
-/// How long a consumer must have been silent in Redis before it can be
-/// dead: a live worker touches Redis at least every 2 s (its blocking read,
-/// its claim cycle, the hold on its batch), so a consumer silent three times
-/// that long has no process behind it even if its pod was force-deleted (a
-/// kubelet still runs a force-deleted pod's process through its grace period).
+/// How long a consumer must have been silent in Redis (`XINFO CONSUMERS`
+/// idle) before it can be dead: a first filter only. A live worker also
+/// records a heartbeat every 2 s whether or not it reads anything
+/// (`consumers::heartbeat`), and the release itself declares nobody dead
+/// who beat within this long (`consumers::declare_dead`): idle time alone
+/// is no proof (on Redis 7.0 an idle reader's empty reads do not refresh
+/// it), nor is a pod missing from the cache (a kubelet still runs a
+/// force-deleted pod's process through its grace period).
 pub const SILENT_FOR_MS: u64 = 6_000;
+const _: () = assert!(SILENT_FOR_MS == streamfleet_streams::consumers::SILENT_FOR.as_millis() as u64);
 
 /// The consumers to reap: attributable to this resource's workloads by name,
 /// no live pod with that identity (`<pod name>.<pod UID>`, or the bare pod

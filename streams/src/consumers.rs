@@ -33,32 +33,86 @@ pub async fn pending_of<C: ConnectionLike + Send>(
         .map_err(|e| StreamError::new("reading a consumer's pending entries", e))
 }
 
-/// Declares `consumer` dead (its pod is gone): its idempotency-guard marks are
-/// void from now on (`keys::dead_consumers_key`). Old declarations expire.
+/// How often a live worker tells Redis it is alive, whether or not it has
+/// anything in hand ([`heartbeat`]; the hold on a batch does it too).
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
+
+/// How long a consumer must have been silent before it may be declared
+/// dead: three heartbeats missed.
+pub const SILENT_FOR: Duration = Duration::from_secs(6);
+
+/// KEYS: the group's alive registry, its dead-consumer registry. ARGV:
+/// consumer. Records that the consumer is alive now (the server's ms), and
+/// takes it out of the dead registry if it was declared dead while it
+/// lived (its guard marks count again).
+static HEARTBEAT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(
+        r"
+        local t = redis.call('TIME')
+        local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+        redis.call('ZADD', KEYS[1], string.format('%.0f', now), ARGV[1])
+        return redis.call('ZREM', KEYS[2], ARGV[1])",
+    )
+});
+
+/// Tells `stream`'s group that `consumer` is alive now (`keys::alive_key`).
+/// Returns whether it had been declared dead (and no longer is).
+pub async fn heartbeat<C: ConnectionLike + Send>(
+    conn: &mut C,
+    stream: &str,
+    group: &str,
+    consumer: &str,
+) -> Result<bool, StreamError> {
+    let revived: i64 = HEARTBEAT
+        .key(crate::keys::alive_key(stream, group))
+        .key(crate::keys::dead_consumers_key(stream, group))
+        .arg(consumer)
+        .invoke_async(conn)
+        .await
+        .map_err(|e| StreamError::new("recording this consumer alive", e))?;
+    Ok(revived > 0)
+}
+
+/// KEYS: alive registry, dead registry. ARGV: consumer, silent-for ms,
+/// keep-dead-for ms. Declares the consumer dead unless it was alive within
+/// silent-for (by the server's clock); trims old declarations. Returns 1
+/// when declared.
+static DECLARE_DEAD: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(
+        r"
+        local t = redis.call('TIME')
+        local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+        local alive_at = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[1]) or '')
+        if alive_at and now - alive_at < tonumber(ARGV[2]) then return 0 end
+        redis.call('ZADD', KEYS[2], string.format('%.0f', now), ARGV[1])
+        redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', string.format('(%.0f', now - tonumber(ARGV[3])))
+        return 1",
+    )
+});
+
+/// Declares `consumer` dead (its pod is gone): its idempotency-guard marks
+/// are void from now on (`keys::dead_consumers_key`); old declarations
+/// expire. Not when it told Redis it was alive within [`SILENT_FOR`]
+/// ([`heartbeat`]): `XINFO CONSUMERS` idle time is no proof of death (on
+/// Redis 7.0 an idle reader's empty reads do not refresh it), and a pod
+/// missing from a cache is no proof either. Returns whether it was declared.
 pub async fn declare_dead<C: ConnectionLike + Send>(
     conn: &mut C,
     stream: &str,
     group: &str,
     consumer: &str,
-) -> Result<(), StreamError> {
-    let key = crate::keys::dead_consumers_key(stream, group);
-    let now = crate::recovery::now_ms();
-    let expired = now.saturating_sub(u64::try_from(DEAD_FOR.as_millis()).unwrap_or(u64::MAX));
-    let () = redis::pipe()
-        .cmd("ZADD")
-        .arg(&key)
-        .arg(now)
+) -> Result<bool, StreamError> {
+    let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    let declared: i64 = DECLARE_DEAD
+        .key(crate::keys::alive_key(stream, group))
+        .key(crate::keys::dead_consumers_key(stream, group))
         .arg(consumer)
-        .ignore()
-        .cmd("ZREMRANGEBYSCORE")
-        .arg(&key)
-        .arg("-inf")
-        .arg(format!("({expired}"))
-        .ignore()
-        .query_async(conn)
+        .arg(ms(SILENT_FOR))
+        .arg(ms(DEAD_FOR))
+        .invoke_async(conn)
         .await
         .map_err(|e| StreamError::new("declaring a consumer dead", e))?;
-    Ok(())
+    Ok(declared == 1)
 }
 
 /// Makes up to `count` of `consumer`'s pending entries claimable at once, by
@@ -79,8 +133,11 @@ pub async fn release_pending<C: ConnectionLike + Send>(
 ) -> Result<Released, StreamError> {
     let pending = pending_of(conn, stream, group, consumer, "-", count).await?;
     let idle_ms = u64::try_from(min_idle.as_millis()).unwrap_or(u64::MAX).saturating_add(1);
-    // First void its guard marks, so whoever claims its entries does not wait them out.
-    declare_dead(conn, stream, group, consumer).await?;
+    // First void its guard marks, so whoever claims its entries does not
+    // wait them out; a consumer still alive is left alone.
+    if !declare_dead(conn, stream, group, consumer).await? {
+        return Ok(Released { alive: true, ..Released::default() });
+    }
     let stale: Vec<&str> =
         pending.iter().filter(|(_, _, idle, _)| *idle < idle_ms).map(|(id, ..)| id.as_str()).collect();
     if stale.is_empty() {
@@ -98,7 +155,7 @@ pub async fn release_pending<C: ConnectionLike + Send>(
     let lost = claimed.lost;
     let released: Vec<String> = redis::FromRedisValue::from_redis_value(claimed.reply)
         .map_err(|e| StreamError::new("releasing a dead consumer's entries", e.into()))?;
-    Ok(Released { released: released.len(), payload_lost: lost.len() })
+    Ok(Released { released: released.len(), payload_lost: lost.len(), alive: false })
 }
 
 /// What releasing a dead consumer's entries did.
@@ -108,6 +165,9 @@ pub struct Released {
     pub released: usize,
     /// Entries whose payload was gone: recorded as lost and dead-lettered.
     pub payload_lost: usize,
+    /// The consumer told Redis it was alive within [`SILENT_FOR`]: nothing
+    /// was released, it was not declared dead.
+    pub alive: bool,
 }
 
 /// Deletes `consumer` only if it owns no pending entry, atomically: deleting

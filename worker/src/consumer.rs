@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use streamfleet_streams::claim::{LossRecord, autoclaim, claim_own};
 use streamfleet_streams::config::{RunMode, WorkerConfig};
+use streamfleet_streams::consumers::{self, HEARTBEAT_EVERY};
 use streamfleet_streams::deadletter::{self, Letter, Reason};
 use streamfleet_streams::entry::fields_from_map;
 use streamfleet_streams::recovery::{RecoveryReport, now_ms, write_report};
@@ -53,6 +54,7 @@ struct ConsumeState {
     /// Whether this consumer's own pending entries were taken back.
     taken_back: bool,
     next_claim: Instant,
+    next_heartbeat: Instant,
 }
 
 /// Where an entry of a batch stands.
@@ -302,8 +304,9 @@ impl<H: Handler> Worker<H> {
     /// a worker that exits would only crash-loop until Redis is back.
     async fn consume(&self, conn: &mut StreamConnection, stop: &AtomicBool) -> Result<(), WorkerError> {
         let mut readers = self.readers().await?;
+        let now = Instant::now();
         let mut state =
-            ConsumeState { server_checked: false, taken_back: self.at_most_once, next_claim: Instant::now() };
+            ConsumeState { server_checked: false, taken_back: self.at_most_once, next_claim: now, next_heartbeat: now };
         let mut delay = RETRY_FIRST;
         while !stopping(stop) {
             match self.consume_step(conn, &mut readers, stop, &mut state).await {
@@ -342,6 +345,12 @@ impl<H: Handler> Worker<H> {
             tracing::info!(?version, at_most_once = self.at_most_once, "consuming");
             state.server_checked = true;
         }
+        if Instant::now() >= state.next_heartbeat {
+            // Idle or not: `XINFO CONSUMERS` idle time is no proof of life
+            // (Redis 7.0 does not refresh it on an empty read).
+            state.next_heartbeat = Instant::now() + HEARTBEAT_EVERY / 2;
+            self.heartbeat(conn).await?;
+        }
         if !state.taken_back {
             // A restart under the same name (same pod): what this consumer read
             // before and never settled is handled first, at once.
@@ -359,6 +368,19 @@ impl<H: Handler> Worker<H> {
         // PEL unseen until claimed. The short BLOCK bounds the drain instead.
         let entries = self.read(readers).await?;
         self.process(conn, entries).await
+    }
+
+    /// Tells each stream's group this consumer is alive
+    /// (`consumers::heartbeat`), which also takes it out of the dead
+    /// registry if the operator declared it dead while it lived.
+    async fn heartbeat(&self, conn: &mut StreamConnection) -> Result<(), WorkerError> {
+        for stream in &self.config.streams {
+            let revived = consumers::heartbeat(conn, stream, &self.config.group, &self.config.consumer).await?;
+            if revived {
+                tracing::warn!(stream = %stream, consumer = %self.config.consumer, "this consumer had been declared dead while alive; no longer");
+            }
+        }
+        Ok(())
     }
 
     /// Recovery mode: claim every idle entry, re-run handlers, until a full

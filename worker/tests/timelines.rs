@@ -353,3 +353,40 @@ fn crash_looping_worker_process() -> Result<()> {
         Ok(())
     })
 }
+
+/// A live worker with nothing to do, its pod missing from the operator's
+/// view (force-deleted on a partitioned node, a `kubectl debug --copy-to`).
+/// Before the fix liveness was read from `XINFO CONSUMERS` idle time alone,
+/// which on Redis 7.0 an idle reader's empty reads do not refresh: the
+/// release declared it dead, its guard marks void for 24 h (and any entry
+/// it held handed to others). Now every worker beats every second or two, the release
+/// leaves a consumer that beat within 6 s alone, and a consumer declared
+/// dead while it lived takes itself out of the dead registry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_live_worker_without_its_pod_is_not_declared_dead() -> Result<()> {
+    use streamfleet_streams::consumers;
+    let (server, mut conn) = setup().await?;
+    // Declared dead once before, while it lived.
+    let dead = streamfleet_streams::keys::dead_consumers_key("orders", "g");
+    let _: () = conn.zadd(&dead, "pod-a", 1).await?;
+    let mut cfg = config(&server, "pod-a", 60_000, 5);
+    cfg.block = Duration::from_millis(500);
+    let worker = Worker::new(cfg, Scripted::default());
+    let (stop, running) = spawn(worker);
+    streamfleet_testbed::eventually("the worker beats and leaves the dead registry", T, || async {
+        let score: Option<f64> = conn.clone().zscore(&dead, "pod-a").await?;
+        Ok(score.is_none().then_some(()))
+    })
+    .await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // What the operator's reaper does for a consumer without a pod.
+    let released =
+        consumers::release_pending(&mut conn, "orders", "g", "pod-a", "{orders}:dead", Duration::from_secs(60), 10)
+            .await?;
+    let declared: Option<f64> = conn.zscore(&dead, "pod-a").await?;
+    let _ = stop.send(());
+    running.await??;
+    assert!(released.alive && released.released == 0, "{released:?}");
+    assert_eq!(declared, None, "a live consumer was declared dead");
+    Ok(())
+}

@@ -208,6 +208,12 @@ async fn reap_consumer(
         )
         .await
         .map(|r| {
+            if r.alive {
+                // No pod in the cache, silent in `XINFO`, yet it told Redis it
+                // lives (a force-deleted pod's process, a partitioned node).
+                tracing::info!(consumer = %name, stream, "a consumer without a pod is still alive: not released");
+                return None;
+            }
             let lost = if r.payload_lost > 0 {
                 format!("; {} had lost their payload (recorded)", r.payload_lost)
             } else {
