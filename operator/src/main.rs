@@ -74,7 +74,7 @@ struct RunArgs {
     /// The sweep container's resources, as a JSON ResourceRequirements.
     #[arg(long, env = "STREAMFLEET_SWEEP_RESOURCES")]
     sweep_resources: Option<String>,
-    /// A sweep Job still running after this many seconds is stopped.
+    /// A recovery Job (sweep or `Worker` mode) still running after this many seconds is stopped.
     #[arg(long, env = "STREAMFLEET_SWEEP_DEADLINE_SECONDS")]
     sweep_deadline_seconds: Option<i64>,
     /// This replica's identity (the pod name).

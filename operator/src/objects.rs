@@ -28,7 +28,8 @@ pub struct ObjectSettings {
     pub image_pull_secrets: Vec<String>,
     /// The sweep container's resources.
     pub sweep_resources: Option<ResourceRequirements>,
-    /// A sweep Job still running after this many seconds is stopped; the next run resumes.
+    /// A recovery Job (sweep or `Worker` mode) still running after this many
+    /// seconds is stopped; the next run resumes.
     pub sweep_deadline_seconds: Option<i64>,
 }
 
@@ -217,10 +218,9 @@ pub fn recovery_cronjob(scg: &StreamConsumerGroup, settings: &ObjectSettings) ->
                 metadata: Some(ObjectMeta { labels: Some(labels(scg, "recovery")), ..ObjectMeta::default() }),
                 spec: Some(JobSpec {
                     backoff_limit: Some(2),
-                    active_deadline_seconds: match scg.spec.recovery.mode {
-                        RecoveryMode::Sweep => settings.sweep_deadline_seconds,
-                        RecoveryMode::Worker => None,
-                    },
+                    // In either mode: under `Forbid` a hung run would block
+                    // every later one. The next run resumes where it stopped.
+                    active_deadline_seconds: settings.sweep_deadline_seconds,
                     template,
                     ..JobSpec::default()
                 }),
@@ -404,10 +404,11 @@ mod tests {
         let pod = job.template.spec.unwrap();
         assert_eq!(pod.image_pull_secrets, Some(vec![LocalObjectReference { name: "regcred".into() }]));
         assert_eq!(pod.containers[0].resources, Some(resources));
-        // Worker mode runs the user's template: its own pull secrets, no deadline of ours.
+        // Worker mode runs the user's template (its own pull secrets), under
+        // the same deadline: a hung run must not block every later one.
         let worker = recovery_cronjob(&scg(json!({"recovery": {"mode": "Worker"}})), &settings).unwrap();
         let job = worker.spec.unwrap().job_template.spec.unwrap();
-        assert_eq!((job.active_deadline_seconds, job.template.spec.unwrap().image_pull_secrets), (None, None));
+        assert_eq!((job.active_deadline_seconds, job.template.spec.unwrap().image_pull_secrets), (Some(900), None));
     }
 
     #[test]
