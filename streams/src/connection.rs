@@ -146,7 +146,12 @@ impl Connections {
             return Ok(conn.clone());
         }
         // Connect outside the lock: one slow endpoint must not block the others.
-        let conn = StreamConnection::connect(endpoint).await?;
+        let mut conn = StreamConnection::connect(endpoint).await?;
+        // Once per connection: a server too old is refused (never kept, so
+        // every poll says so again until it is upgraded).
+        if let Some(version) = crate::version::server_version(&mut conn).await?.filter(|v| !v.is_supported()) {
+            return Err(StreamError::unsupported(version));
+        }
         let mut map = self.by_endpoint.lock().await;
         Ok(map.entry(endpoint.clone()).or_insert(conn).clone())
     }

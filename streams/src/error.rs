@@ -13,6 +13,8 @@ pub enum ErrorClass {
     InvalidConfig,
     /// The server answered with an error to a well-formed request.
     Server,
+    /// The server is older than streamfleet supports (`Version::is_supported`).
+    Unsupported,
 }
 
 impl ErrorClass {
@@ -23,6 +25,7 @@ impl ErrorClass {
             ErrorClass::AuthFailed => "RedisAuthFailed",
             ErrorClass::InvalidConfig => "RedisInvalidConfig",
             ErrorClass::Server => "RedisError",
+            ErrorClass::Unsupported => "RedisUnsupported",
         }
     }
 }
@@ -46,6 +49,17 @@ impl fmt::Display for StreamError {
 impl StreamError {
     pub fn new(action: &'static str, source: redis::RedisError) -> Self {
         Self { class: classify(&source), action, source }
+    }
+
+    /// A server too old to run on (`version`, what it reported).
+    pub fn unsupported(version: crate::version::Version) -> Self {
+        let oldest = crate::version::Version::OLDEST_SUPPORTED;
+        let detail = format!(
+            "the server reports version {}.{}.{}; streamfleet needs Redis {}.{} or later (or Valkey)",
+            version.major, version.minor, version.patch, oldest.major, oldest.minor
+        );
+        let source = redis::RedisError::from((redis::ErrorKind::Client, "unsupported server", detail));
+        Self { class: ErrorClass::Unsupported, action: "checking the server version", source }
     }
 }
 
@@ -97,6 +111,13 @@ mod tests {
             "cannot reach redis://***@10.0.0.1:6379/0 now"
         );
         assert_eq!(redact("plain message"), "plain message");
+    }
+
+    #[test]
+    fn a_server_older_than_7_0_is_unsupported_and_says_so() {
+        let e = StreamError::unsupported(crate::version::Version { major: 6, minor: 2, patch: 14 });
+        assert_eq!(e.class.reason(), "RedisUnsupported");
+        assert!(e.to_string().contains("version 6.2.14; streamfleet needs Redis 7.0 or later"), "{e}");
     }
 
     #[test]
