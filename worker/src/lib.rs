@@ -22,6 +22,7 @@
 pub mod consumer;
 pub mod guard;
 pub mod lease;
+pub mod phase;
 pub mod stats;
 
 pub use consumer::{Delivery, Handler, Outcome, Worker, WorkerError, current_delivery};

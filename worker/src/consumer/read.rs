@@ -1,0 +1,119 @@
+//! Reading new entries: one blocking reader per stream set (per hash slot
+//! on a cluster).
+
+use super::*;
+
+/// How long each read blocks when a worker reads several slots of a cluster.
+pub(super) const MULTI_SLOT_BLOCK: Duration = Duration::from_millis(200);
+
+/// A blocking read connection and the streams it reads together.
+pub(super) struct Reader {
+    pub(super) streams: Vec<String>,
+    pub(super) conn: StreamConnection,
+    pub(super) block: Duration,
+}
+
+impl<H: Handler> Worker<H> {
+    /// The blocking readers: one for every stream on a standalone server; on
+    /// a cluster one per hash slot (a multi-key `XREADGROUP` across slots is
+    /// refused with CROSSSLOT), each blocking a shorter time so an entry on
+    /// one slot never waits long for another slot's read to time out.
+    pub(super) async fn readers(&self) -> Result<Vec<Reader>, WorkerError> {
+        let groups: Vec<Vec<String>> = match self.config.endpoint.mode {
+            streamfleet_streams::Mode::Standalone => vec![self.config.streams.clone()],
+            streamfleet_streams::Mode::Cluster => {
+                let mut by_slot: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+                for stream in &self.config.streams {
+                    by_slot.entry(streamfleet_streams::keys::slot_text(stream)).or_default().push(stream.clone());
+                }
+                by_slot.into_values().collect()
+            }
+        };
+        let block = if groups.len() > 1 { self.config.block.min(MULTI_SLOT_BLOCK) } else { self.config.block };
+        let mut readers = Vec::with_capacity(groups.len());
+        for streams in groups {
+            let conn = StreamConnection::connect_blocking(&self.config.endpoint, block).await?;
+            readers.push(Reader { streams, conn, block });
+        }
+        Ok(readers)
+    }
+
+    /// New entries. One reader: one blocking read. Several (a cluster's
+    /// slots): first an immediate read on each, and only when all came back
+    /// empty a blocking read on each, so a slot with entries never waits on
+    /// an idle slot's block. Entries any reader delivered are returned even
+    /// when another failed (they are in our PEL now); the error only when
+    /// none delivered anything.
+    pub(super) async fn read(&self, readers: &mut [Reader]) -> Result<Vec<Entry>, StreamError> {
+        if readers.len() > 1 {
+            let entries = self.read_all(readers, false).await?;
+            if !entries.is_empty() {
+                return Ok(entries);
+            }
+        }
+        self.read_all(readers, true).await
+    }
+
+    pub(super) async fn read_all(&self, readers: &mut [Reader], block: bool) -> Result<Vec<Entry>, StreamError> {
+        let readers_count = readers.len();
+        let results = futures::future::join_all(readers.iter_mut().map(|r| self.read_from(r, block))).await;
+        let (mut entries, mut failure, mut failed) = (Vec::new(), None, 0);
+        for result in results {
+            match result {
+                Ok(mut read) => entries.append(&mut read),
+                Err(e) => {
+                    tracing::warn!(error = %e, "a read failed");
+                    failed += 1;
+                    failure.get_or_insert(e);
+                }
+            }
+        }
+        match failure {
+            // Every reader failed: the caller backs off. One slot down must
+            // not hold up the others.
+            Some(e) if entries.is_empty() && failed == readers_count => Err(e),
+            _ => Ok(entries),
+        }
+    }
+
+    /// New entries only: idle ones are taken by the claim cycle, never by
+    /// `XREADGROUP … CLAIM` (8.4), which would bypass what the claim script
+    /// checks (a young server epoch, a live holder's trimmed entry).
+    pub(super) async fn read_from(&self, reader: &mut Reader, block: bool) -> Result<Vec<Entry>, StreamError> {
+        let mut opts =
+            StreamReadOptions::default().group(&self.config.group, &self.config.consumer).count(self.config.batch_size);
+        if block {
+            opts = opts.block(usize::try_from(reader.block.as_millis()).unwrap_or(2000));
+        }
+        if self.at_most_once {
+            opts = opts.noack();
+        }
+        let ids: Vec<&str> = reader.streams.iter().map(|_| ">").collect();
+        let mut cmd = redis::cmd("XREADGROUP");
+        cmd.arg(&opts);
+        let reply: Option<StreamReadReply> = cmd
+            .arg("STREAMS")
+            .arg(&reader.streams)
+            .arg(&ids)
+            .query_async(&mut reader.conn)
+            .await
+            .map_err(|e| StreamError::new("reading new entries", e))?;
+        Ok(reply
+            .map(|r| {
+                r.keys
+                    .into_iter()
+                    .flat_map(|k| {
+                        let stream = k.key;
+                        k.ids.into_iter().map(move |e| Entry {
+                            stream: stream.clone(),
+                            deliveries: 1,
+                            crashes: 0,
+                            id: e.id,
+                            fields: fields_from_map(e.map),
+                        })
+                    })
+                    .collect()
+            })
+            .unwrap_or_default())
+    }
+}

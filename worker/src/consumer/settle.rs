@@ -1,0 +1,230 @@
+//! Deciding one entry: the guard's verdict, the crash and delivery limits,
+//! the handler with its in-process retries, and where the entry goes.
+
+use super::*;
+
+/// How many times a worker process may die while one entry's handler runs
+/// (it ran alone after the first) before the entry is dead-lettered as
+/// `crashed-worker`, as Sidekiq's super_fetch quarantines a job that kills
+/// its process.
+pub(super) const CRASH_LIMIT: u32 = 3;
+
+impl<H: Handler> Worker<H> {
+    /// Decides one entry.
+    pub(super) async fn settle(
+        &self,
+        conn: &mut StreamConnection,
+        batch: &Batch,
+        i: usize,
+    ) -> Result<Settled, WorkerError> {
+        let (entry, acquisition) = (&batch.entries[i], batch.acquisitions[i]);
+        let key = match &batch.keys[i] {
+            KeyOf::Key(key) => Some(key.as_str()),
+            KeyOf::None => None,
+            KeyOf::Panicked(why) => {
+                let error = format!("the business key extractor panicked: {why}");
+                return self.reject(conn, batch, i, Reason::Malformed, &error, None).await;
+            }
+        };
+        match (acquisition.state, &self.guard) {
+            // Completed by another delivery: acked as a duplicate, never
+            // dead-lettered (a replay of that letter would be a second effect).
+            (GuardState::Completed, Some(guard)) => {
+                self.stats.add(&self.stats.suppressed, 1);
+                if let Idempotency::Redis(guard) = guard {
+                    guard.count_suppressed(conn, &entry.stream).await?;
+                }
+                return Ok(Settled::Ack);
+            }
+            _ if entry.crashes >= self.crash_limit() => {
+                let error = format!(
+                    "the worker process died {} times while this entry's handler ran (out of memory, an abort, a segfault?)",
+                    entry.crashes
+                );
+                self.release(conn, batch, i).await?;
+                self.dead_letter(conn, entry, Reason::CrashedWorker, &error, key).await?;
+                return Ok(Settled::Leave);
+            }
+            _ if entry.deliveries > self.config.max_deliveries => {
+                let error = deadletter::last_error(conn, &entry.stream, &self.config.group, &entry.id).await?;
+                let error = error.unwrap_or_else(|| "delivered too often".into());
+                // Its mark goes too, or later entries of the key wait it out.
+                self.release(conn, batch, i).await?;
+                self.dead_letter(conn, entry, Reason::MaxDeliveries, &error, key).await?;
+                return Ok(Settled::Leave);
+            }
+            // Someone is on it (or crashed mid-way): leave it pending; it is
+            // claimed again once idle past min-idle-time.
+            (GuardState::Busy, _) => return Ok(Settled::Leave),
+            _ => {}
+        }
+        if !self.at_most_once {
+            self.record_start(conn, entry).await?;
+        }
+        let started = Instant::now();
+        self.stats.delivered(entry.deliveries);
+        let delivery = Delivery {
+            consumer: self.config.consumer.clone(),
+            stream: entry.stream.clone(),
+            id: entry.id.clone(),
+            deliveries: entry.deliveries,
+            fence: acquisition.fence,
+        };
+        let outcome = DELIVERY.scope(delivery, self.handle_with_retries(entry)).await;
+        self.stats.handler_latency.observe(started.elapsed());
+        match outcome {
+            Outcome::Done => {
+                self.stats.add(&self.stats.processed, 1);
+                fail::fail_point!("worker::after-effect", |_| Err(WorkerError::Failpoint("worker::after-effect")));
+                Ok(Settled::AckCompleted)
+            }
+            Outcome::Transient(error) => {
+                self.stats.add(&self.stats.failed, 1);
+                self.release(conn, batch, i).await?;
+                let error = format!("transient: {error}");
+                if self.at_most_once {
+                    tracing::warn!(stream = %entry.stream, id = %entry.id, error, "dropped (at-most-once delivery)");
+                    return Ok(Settled::Leave);
+                }
+                if entry.deliveries >= self.config.max_deliveries {
+                    self.dead_letter(conn, entry, Reason::MaxDeliveries, &error, key).await?;
+                } else {
+                    deadletter::record_last_error(conn, entry, &self.config.group, &error).await?;
+                }
+                Ok(Settled::Leave)
+            }
+            Outcome::Permanent(error) => self.reject(conn, batch, i, Reason::Permanent, &error, key).await,
+            Outcome::Malformed(error) => self.reject(conn, batch, i, Reason::Malformed, &error, key).await,
+        }
+    }
+
+    /// Records that `entry`'s handler starts (`started`), before it runs: if
+    /// it takes the process down, the next claim knows it was running. While
+    /// Redis is unreachable (a restart, a failover) it retries with backoff
+    /// (the batch stays held meanwhile) rather than fail the batch, whose
+    /// entries would then sit unheld; it gives up only on shutdown.
+    pub(super) async fn record_start(&self, conn: &mut StreamConnection, entry: &Entry) -> Result<(), WorkerError> {
+        let mut delay = RETRY_FIRST;
+        loop {
+            match streamfleet_streams::started::record_start(conn, entry, &self.config.group).await {
+                Ok(()) => return Ok(()),
+                Err(e) if stopping(&self.stop) => return Err(e.into()),
+                Err(e) => {
+                    tracing::warn!(stream = %entry.stream, id = %entry.id, error = %e, retry_in = ?delay, "recording a handler's start failed; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(RETRY_MAX);
+                }
+            }
+        }
+    }
+
+    /// How many times a process may die while an entry's handler runs before
+    /// the entry is dead-lettered as `crashed-worker`: [`CRASH_LIMIT`], or
+    /// `maxDeliveries` when lower.
+    pub(super) fn crash_limit(&self) -> u32 {
+        u32::try_from(self.config.max_deliveries).unwrap_or(u32::MAX).clamp(1, CRASH_LIMIT)
+    }
+
+    /// Drops the guard's hold on a key entry `i` acquired; from now on the
+    /// entry is leaving the batch (`Phase::Leaving`: no longer held).
+    pub(super) async fn release(
+        &self,
+        conn: &mut StreamConnection,
+        batch: &Batch,
+        i: usize,
+    ) -> Result<(), WorkerError> {
+        batch.advance(i, Event::Leave);
+        let (entry, acquisition) = (&batch.entries[i], batch.acquisitions[i]);
+        if acquisition.state != GuardState::Acquired {
+            return Ok(());
+        }
+        match (&self.guard, acquisition.fence) {
+            (Some(Idempotency::Redis(guard)), Some(fence)) => {
+                guard.release(conn, &entry.stream, &batch.tokens[i], fence).await?
+            }
+            (Some(Idempotency::Store(store)), _) => {
+                store.release(&entry.stream, entry.event_id()).await.map_err(store_error)?
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Permanent and malformed entries leave at once, acked by their dead letter.
+    pub(super) async fn reject(
+        &self,
+        conn: &mut StreamConnection,
+        batch: &Batch,
+        i: usize,
+        reason: Reason,
+        error: &str,
+        key: Option<&str>,
+    ) -> Result<Settled, WorkerError> {
+        self.stats.add(&self.stats.failed, 1);
+        self.release(conn, batch, i).await?;
+        self.dead_letter(conn, &batch.entries[i], reason, error, key).await?;
+        Ok(Settled::Leave)
+    }
+
+    /// Runs the handler, retrying transient failures with exponential backoff
+    /// and jitter for up to min-idle-time; the same budget is every attempt's
+    /// deadline: a handler still running then is dropped and counts as a
+    /// transient failure. The hold keeps the entry this one's meanwhile (no
+    /// other consumer claims it), so the deadline only bounds a hung handler:
+    /// an attempt dropped after its effect is run again by the next
+    /// delivery, possibly elsewhere, which the handler's idempotency absorbs.
+    pub(super) async fn handle_with_retries(&self, entry: &Entry) -> Outcome {
+        let budget = self.config.min_idle;
+        let started = Instant::now();
+        let mut delay = Duration::from_millis(50);
+        loop {
+            // A panicking handler fails this entry only (retried, and
+            // dead-lettered past maxDeliveries like any failure).
+            // Inside an async block, so a panic while building the future is caught too.
+            let attempt = async { self.handler.handle(entry).await };
+            let left = budget.saturating_sub(started.elapsed()).max(Duration::from_millis(1));
+            let outcome = match tokio::time::timeout(left, std::panic::AssertUnwindSafe(attempt).catch_unwind()).await {
+                // Past its deadline (min-idle-time): given up; the entry is
+                // left for its next delivery.
+                Err(_) => Outcome::Transient(format!("handler timed out after {left:?}")),
+                Ok(Ok(outcome)) => outcome,
+                Ok(Err(panic)) => Outcome::Transient(format!("handler panicked: {}", panic_message(panic.as_ref()))),
+            };
+            let Outcome::Transient(_) = &outcome else {
+                return outcome;
+            };
+            let jittered = delay.mul_f64(rand::rng().random_range(0.5..1.5));
+            if started.elapsed() + jittered >= budget {
+                return outcome;
+            }
+            self.stats.add(&self.stats.retried, 1);
+            tokio::time::sleep(jittered).await;
+            delay = (delay * 2).min(budget / 4);
+        }
+    }
+
+    pub(super) async fn dead_letter(
+        &self,
+        conn: &mut StreamConnection,
+        entry: &Entry,
+        reason: Reason,
+        error: &str,
+        business_key: Option<&str>,
+    ) -> Result<(), WorkerError> {
+        let letter = Letter { group: &self.config.group, consumer: &self.config.consumer, reason, error, business_key };
+        let dead_letter_stream = self.config.dead_letter_stream_of(&entry.stream);
+        match deadletter::dead_letter(conn, &dead_letter_stream, entry, &letter).await {
+            Ok(id) => {
+                self.stats.dead_lettered_as(reason.as_str());
+                tracing::warn!(stream = %entry.stream, id = %entry.id, dead_letter = %id, reason = reason.as_str(), error, "dead-lettered");
+            }
+            // Nothing was acked (the script acks only after its XADD): the
+            // entry stays pending and fails alone; the rest of the batch goes on.
+            Err(e) => {
+                self.stats.add(&self.stats.dead_letter_failed, 1);
+                tracing::error!(stream = %entry.stream, id = %entry.id, dead_letter_stream, error = %e, "dead-lettering failed; the entry stays pending");
+            }
+        }
+        Ok(())
+    }
+}
