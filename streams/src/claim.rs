@@ -212,21 +212,27 @@ pub async fn claimable<C: ConnectionLike + Send>(
 }
 
 /// `XCLAIM … JUSTID` of the given entries that are claimable
-/// ([`claim_rules_lua`], checked again here, atomically with the claim)
-/// and still have their payload (`XCLAIM` would drop one without it from
-/// the PEL without a word: a later pass records it lost). KEYS: stream,
-/// server epoch, dead-consumer registry, alive registry. ARGV: group,
-/// claimer, min idle ms, then per entry its ID, idle ms and owner. Returns
-/// the IDs claimed. Sent with `EVAL` in a pipeline
+/// ([`claim_rules_lua`], checked again here, atomically with the claim),
+/// still have their payload (`XCLAIM` would drop one without it from the
+/// PEL without a word: a later pass records it lost) and were delivered at
+/// least the given number of times, not counting a last delivery handed
+/// back unstarted (`started`). KEYS: stream, server epoch, dead-consumer
+/// registry, alive registry, entry records. ARGV: group, claimer, min idle
+/// ms, deliveries at least, then per entry its ID, idle ms, owner and
+/// delivery count. Returns the IDs claimed. Sent with `EVAL` in a pipeline
 /// ([`claim_justid_command`]), as the dead-letter script is.
 static CLAIM_JUSTID: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
         r"{}{}
         local claimable = claim_rules(KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[3]))
         local ids = {{}}
-        for j = 4, #ARGV, 3 do
-            if claimable(ARGV[j + 1], ARGV[j + 2]) and #redis.call('XRANGE', KEYS[1], ARGV[j], ARGV[j]) > 0 then
-                ids[#ids + 1] = ARGV[j]
+        for j = 5, #ARGV, 4 do
+            local id, n = ARGV[j], ARGV[j + 3]
+            local counted = tonumber(n)
+            if redis.call('HGET', KEYS[5], id .. ':run') == n .. ':back' then counted = counted - 1 end
+            if counted >= tonumber(ARGV[4]) and claimable(ARGV[j + 1], ARGV[j + 2])
+                and #redis.call('XRANGE', KEYS[1], id, id) > 0 then
+                ids[#ids + 1] = id
             end
         end
         return xclaim(ARGV[2], ARGV[3], ids, {{ 'JUSTID' }})",
@@ -235,26 +241,30 @@ static CLAIM_JUSTID: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     )
 });
 
-/// The command that claims `entries` (`(ID, idle ms, owner)`; `XCLAIM …
-/// JUSTID`, idle at least `min_idle_ms`) that are claimable, for a
-/// pipeline; replies with the IDs claimed.
+/// The command that claims `entries` (`(ID, idle ms, owner, delivery
+/// count)`; `XCLAIM … JUSTID`, idle at least `min_idle_ms`) that are
+/// claimable and were delivered at least `min_deliveries` times (a last
+/// delivery handed back unstarted not counted), for a pipeline; replies
+/// with the IDs claimed.
 pub fn claim_justid_command(
     stream: &str,
     group: &str,
     claimer: &str,
     min_idle_ms: u64,
-    entries: &[(&str, u64, &str)],
+    min_deliveries: u64,
+    entries: &[(&str, u64, &str, u64)],
 ) -> redis::Cmd {
     let mut cmd = redis::cmd("EVAL");
     cmd.arg(CLAIM_JUSTID.as_str())
-        .arg(4)
+        .arg(5)
         .arg(stream)
         .arg(crate::keys::server_epoch_key(stream))
         .arg(crate::keys::dead_consumers_key(stream, group))
-        .arg(crate::keys::alive_key(stream, group));
-    cmd.arg(group).arg(claimer).arg(min_idle_ms);
-    for (id, idle, owner) in entries {
-        cmd.arg(*id).arg(*idle).arg(*owner);
+        .arg(crate::keys::alive_key(stream, group))
+        .arg(crate::keys::last_error_key(stream, group));
+    cmd.arg(group).arg(claimer).arg(min_idle_ms).arg(min_deliveries);
+    for (id, idle, owner, deliveries) in entries {
+        cmd.arg(*id).arg(*idle).arg(*owner).arg(*deliveries);
     }
     cmd
 }

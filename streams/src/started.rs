@@ -10,14 +10,19 @@
 //! after `maxDeliveries` restarts entries that never ran are dead letters
 //! "delivered too often". With it a claim tells apart, per entry:
 //!
-//! * **never started** in its last delivery: claimed with its delivery count
-//!   unchanged (`XCLAIM … RETRYCOUNT`), since that delivery never ran;
-//! * **started and ended** (a transient failure, a timeout): a delivery like
-//!   any other, counted;
-//! * **started and never ended**: the process died while it ran: counted, and
-//!   its crash count goes up. The worker runs such an entry alone, so the
-//!   next crash is charged to it only, and dead-letters it as
-//!   `crashed-worker` once its count reaches the crash limit.
+//! * **handed back unstarted** (`<n>:back`, written by the worker that let
+//!   it go: shutdown, a failed batch, its key busy elsewhere): claimed with
+//!   its delivery count unchanged (`XCLAIM … RETRYCOUNT`), since that
+//!   delivery never ran;
+//! * **started and never ended** (`<n>`): the process died while it ran:
+//!   counted, and its crash count goes up. The worker runs such an entry
+//!   alone, so the next crash is charged to it only, and dead-letters it as
+//!   `crashed-worker` once its count reaches the crash limit;
+//! * anything else (`<n>:end`, an older delivery's record, none at all): a
+//!   delivery like any other, counted. Not starting is what must be written
+//!   down, never assumed: a process that dies before it could record
+//!   anything (out of memory decoding a huge entry) still counts, and such
+//!   an entry reaches `maxDeliveries` like any other.
 
 use crate::entry::Entry;
 use crate::error::StreamError;
@@ -38,6 +43,30 @@ pub fn crashes_field(id: &str) -> String {
 /// The value [`run_field`] holds once delivery `deliveries`'s handler returned.
 pub fn ended(deliveries: u64) -> String {
     format!("{deliveries}:end")
+}
+
+/// The value [`run_field`] holds when delivery `deliveries` was handed back
+/// (or left) without its handler starting: its next claim does not count it.
+pub fn handed_back(deliveries: u64) -> String {
+    format!("{deliveries}:back")
+}
+
+/// Records that `entry`'s current delivery ends without its handler having
+/// started (its business key busy elsewhere): its next claim does not count
+/// it.
+pub async fn record_not_started<C: ConnectionLike + Send>(
+    conn: &mut C,
+    entry: &Entry,
+    group: &str,
+) -> Result<(), StreamError> {
+    let () = redis::cmd("HSET")
+        .arg(keys::last_error_key(&entry.stream, group))
+        .arg(run_field(&entry.id))
+        .arg(handed_back(entry.deliveries))
+        .query_async(conn)
+        .await
+        .map_err(|e| StreamError::new("recording an entry left unstarted", e))?;
+    Ok(())
 }
 
 /// Records that the handler of `entry`'s current delivery starts now.
@@ -61,8 +90,8 @@ pub async fn record_start<C: ConnectionLike + Send>(
 /// Lua shared by the claim scripts: `redelivery(record_key, id, count)`
 /// reads entry `id`'s record (its delivery count now is `count`) and returns
 /// the delivery count the claim gives it, its crash count, and whether that
-/// count must be set (`XCLAIM … RETRYCOUNT`: its last delivery never started)
-/// rather than counted up. Also `forget(record_key, id)`: drops the entry's
+/// count must be set (`XCLAIM … RETRYCOUNT`: its last delivery was handed
+/// back unstarted) rather than counted up. Also `forget(record_key, id)`: drops the entry's
 /// whole record (its last error too), for an entry that leaves the PEL.
 pub fn redelivery_lua() -> &'static str {
     r"
@@ -74,10 +103,13 @@ pub fn redelivery_lua() -> &'static str {
                 -- Started and never ended: the process died while it ran.
                 crashes = redis.call('HINCRBY', record_key, id .. ':crashes', 1)
                 return count + 1, crashes, false
-            elseif r[1] == n .. ':end' then
-                return count + 1, crashes, false
+            elseif r[1] == n .. ':back' then
+                -- Used up: if this claimer dies before recording anything,
+                -- its delivery counts.
+                redis.call('HDEL', record_key, id .. ':run')
+                return count, crashes, true
             end
-            return count, crashes, true
+            return count + 1, crashes, false
         end
         local function forget(record_key, id)
             redis.call('HDEL', record_key, id, id .. ':run', id .. ':crashes')
@@ -94,7 +126,8 @@ mod tests {
         assert_eq!(run_field("5-0"), "5-0:run");
         assert_eq!(crashes_field("5-0"), "5-0:crashes");
         assert_eq!(ended(3), "3:end");
+        assert_eq!(handed_back(3), "3:back");
         // The Lua reads the same names the Rust writes.
-        assert!(redelivery_lua().contains("id .. ':run'") && redelivery_lua().contains("':end'"));
+        assert!(redelivery_lua().contains("id .. ':run'") && redelivery_lua().contains("':back'"));
     }
 }

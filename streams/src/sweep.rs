@@ -161,11 +161,18 @@ pub async fn sweep<C: ConnectionLike + Send>(
             pipe.add_command(deadletter::command(s.dead_letter_stream, &letters)).ignore();
         }
         if !poison.is_empty() {
-            let rows: Vec<(&str, u64, &str)> = poison
+            let rows: Vec<(&str, u64, &str, u64)> = poison
                 .iter()
-                .map(|(entry, owner)| (entry.id.as_str(), idle_of.get(entry.id.as_str()).copied().unwrap_or(0), *owner))
+                .map(|(entry, owner)| {
+                    let idle = idle_of.get(entry.id.as_str()).copied().unwrap_or(0);
+                    (entry.id.as_str(), idle, *owner, entry.deliveries)
+                })
                 .collect();
-            pipe.add_command(crate::claim::claim_justid_command(s.stream, s.group, s.consumer, min_idle_ms, &rows));
+            // (An entry whose last delivery was handed back unstarted is
+            // one delivery short: the script leaves it to the workers.)
+            let claim =
+                crate::claim::claim_justid_command(s.stream, s.group, s.consumer, min_idle_ms, s.max_deliveries, &rows);
+            pipe.add_command(claim);
             let errors = pipe.cmd("HMGET").arg(keys::last_error_key(s.stream, s.group));
             for (entry, _) in &poison {
                 errors.arg(&entry.id);

@@ -122,10 +122,11 @@ static COMMIT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
     )
 });
 
-/// KEYS: stream, mark (may be absent). ARGV: group, consumer, ID, idle ms to
-/// set, mark ('' for none). The delivery count is left: whether this
-/// delivery counts is for the next claim to say (`started`: not when its
-/// handler never started).
+/// KEYS: stream, mark (may be absent), the group's entry records. ARGV:
+/// group, consumer, ID, idle ms to set, mark ('' for none), how the
+/// delivery ended (`started::handed_back` or `started::ended`). The
+/// delivery count is left: whether this delivery counts is for the next
+/// claim to say (`started`: not when it was handed back unstarted).
 static HAND_BACK: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         r"
@@ -135,6 +136,7 @@ static HAND_BACK: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(
             return 0
         end
         redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'IDLE', ARGV[4], 'JUSTID')
+        redis.call('HSET', KEYS[3], ARGV[3] .. ':run', ARGV[6])
         return 1",
     )
 });
@@ -236,17 +238,35 @@ impl Lease<'_> {
     }
 
     /// Hands an entry back: claimable at once (idle `idle_ms`), its mark
-    /// gone. The next claim counts this delivery only if its handler started
-    /// (`started`). Returns whether it was still ours.
+    /// gone, and how its delivery `deliveries` ended recorded: unstarted (its
+    /// next claim does not count it) or, `started`, abandoned while its
+    /// handler ran (the drain deadline: counted, not a crash). Returns
+    /// whether it was still ours.
     pub async fn hand_back(
         &self,
         conn: &mut StreamConnection,
         held: &Held<'_>,
         idle_ms: u64,
+        deliveries: u64,
+        started: bool,
     ) -> Result<bool, StreamError> {
         let mut script = HAND_BACK.prepare_invoke();
         let (key, value) = held.mark.clone().unwrap_or_else(|| (self.stream.to_string(), String::new()));
-        script.key(self.stream).key(key).arg(self.group).arg(self.consumer).arg(held.id).arg(idle_ms).arg(value);
+        let ended = if started {
+            streamfleet_streams::started::ended(deliveries)
+        } else {
+            streamfleet_streams::started::handed_back(deliveries)
+        };
+        script
+            .key(self.stream)
+            .key(key)
+            .key(streamfleet_streams::keys::last_error_key(self.stream, self.group))
+            .arg(self.group)
+            .arg(self.consumer)
+            .arg(held.id)
+            .arg(idle_ms)
+            .arg(value)
+            .arg(ended);
         let done: u8 = script.invoke_async(conn).await.map_err(|e| StreamError::new("handing an entry back", e))?;
         Ok(done == 1)
     }

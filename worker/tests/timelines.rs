@@ -390,3 +390,66 @@ async fn an_idle_live_worker_without_its_pod_is_not_declared_dead() -> Result<()
     assert_eq!(declared, None, "a live consumer was declared dead");
     Ok(())
 }
+
+/// A worker process that dies before it could record anything about an
+/// entry (out of memory decoding a huge one), again and again, as every
+/// worker whose claim takes it does. Not starting must be written down,
+/// never assumed: each such claim counts a delivery, so the entry reaches
+/// `maxDeliveries` and the sweep dead-letters it. (Had a missing record
+/// meant "never started", the count would never grow and the entry would
+/// take down every worker that claimed it, for ever.) A delivery the worker
+/// handed back unstarted, recorded so, is the one that does not count, and
+/// the sweep does not count it either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_that_died_before_recording_anything_counts_and_one_handed_back_unstarted_does_not() -> Result<()> {
+    use streamfleet_streams::sweep::{SweepSettings, sweep};
+    let (server, mut conn) = setup().await?;
+    let huge = add(&mut conn, &[("kind", "ok")]).await?;
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("g")
+        .arg("w1")
+        .arg("STREAMS")
+        .arg("orders")
+        .arg(">")
+        .query_async(&mut conn)
+        .await?;
+    // Three more workers claim it and die before writing a word.
+    let mut seen = Vec::new();
+    for claimer in ["w2", "w3", "w4"] {
+        let claimed = autoclaim(&mut conn, "orders", "g", claimer, &LOSS, Duration::ZERO, "0-0", 10).await?;
+        seen.extend(claimed.entries.into_iter().map(|e| e.deliveries));
+    }
+    assert_eq!(seen, vec![2, 3, 4], "each claim of an entry nobody recorded counts");
+    // A fifth takes it and hands it back unstarted (shutting down).
+    let fifth = autoclaim(&mut conn, "orders", "g", "w5", &LOSS, Duration::ZERO, "0-0", 10).await?;
+    assert_eq!(fifth.entries.iter().map(|e| e.deliveries).collect::<Vec<_>>(), vec![5]);
+    let lease = streamfleet_worker::lease::Lease { stream: "orders", group: "g", consumer: "w5" };
+    let held = streamfleet_worker::lease::Held { id: &huge, mark: None };
+    let endpoint =
+        streamfleet_streams::Endpoint { url: server.url(), mode: streamfleet_streams::Mode::Standalone, ca_pem: None };
+    let mut w5 = streamfleet_streams::StreamConnection::connect(&endpoint).await?;
+    assert!(lease.hand_back(&mut w5, &held, 10, 5, false).await?);
+    let sweep_at = |max_deliveries| SweepSettings {
+        stream: "orders",
+        group: "g",
+        consumer: "sweeper",
+        dead_letter_stream: "{orders}:dead",
+        min_idle: Duration::from_millis(5),
+        max_deliveries,
+        batch: 10,
+    };
+    // Five deliveries in the PEL, four of them counted: a sweep at
+    // maxDeliveries 5 leaves it to the workers.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let report = sweep(&mut conn, &sweep_at(5)).await?;
+    assert_eq!((report.dead_lettered, dead_letters(&mut conn).await?.len()), (0, 0));
+    // The next claim does not count it either.
+    let next = autoclaim(&mut conn, "orders", "g", "w6", &LOSS, Duration::ZERO, "0-0", 10).await?;
+    assert_eq!(next.entries.iter().map(|e| e.deliveries).collect::<Vec<_>>(), vec![5]);
+    // w6 dies before recording anything: now five counted, the sweep takes it.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let report = sweep(&mut conn, &sweep_at(5)).await?;
+    assert_eq!(report.dead_lettered, 1);
+    Ok(())
+}

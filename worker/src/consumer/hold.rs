@@ -48,20 +48,22 @@ impl<H: Handler> Worker<H> {
             let lease = self.lease(stream);
             for i in open {
                 let entry = &batch.entries[i];
-                match batch.phase[i].get().hand_back() {
+                let started = match batch.phase[i].get().hand_back() {
                     // Its effect happened: never claimable early. It stays
                     // ours, mark and all, until min-idle-time passes.
                     HandBack::Keep | HandBack::Nothing => continue,
                     // Not counted by its next claim (`started`): it never ran.
-                    HandBack::NotStarted => {}
-                    // Counted by its next claim, as a crash: it was running.
+                    HandBack::NotStarted => false,
+                    // Counted by its next claim (not as a crash): it ran.
                     HandBack::Abandoned => {
                         tracing::warn!(stream, id = %entry.id, "handing back an entry whose handler was still running (the drain deadline, or a failed batch)");
+                        true
                     }
-                }
+                };
                 // Each on its own: one failing leaves the rest handed back
                 // (a failed one is claimable once idle past min-idle-time).
-                if let Err(e) = lease.hand_back(conn, &self.held(batch, i), idle).await {
+                let held = self.held(batch, i);
+                if let Err(e) = lease.hand_back(conn, &held, idle, entry.deliveries, started).await {
                     tracing::warn!(stream, id = %entry.id, error = %e, "handing an entry back");
                     failure.get_or_insert(WorkerError::from(e));
                 }

@@ -86,11 +86,21 @@ impl<H: Handler> Worker<H> {
         // first: if it kills this process too, no batch-mate was running to
         // share the blame (`started`), and it alone reaches the crash limit.
         let (suspects, rest): (Vec<Entry>, Vec<Entry>) = entries.into_iter().partition(|e| e.crashes > 0);
+        if suspects.is_empty() {
+            return self.process(conn, rest).await;
+        }
+        // Their batch-mates would wait unheld while the suspects run one by
+        // one: handed back first, unstarted (not counted), claimable at once.
+        let idle = crate::guard::millis(self.config.min_idle).saturating_add(1);
+        for entry in &rest {
+            let held = Held { id: &entry.id, mark: None };
+            self.lease(&entry.stream).hand_back(conn, &held, idle, entry.deliveries, false).await?;
+        }
         for suspect in suspects {
             tracing::warn!(stream, id = %suspect.id, crashes = suspect.crashes, "running alone an entry whose handler was running when a worker died");
             self.process(conn, vec![suspect]).await?;
         }
-        self.process(conn, rest).await
+        Ok(())
     }
 
     /// Where claims on `dead_letter_stream`'s stream record pending entries

@@ -55,7 +55,13 @@ impl<H: Handler> Worker<H> {
             }
             // Someone is on it (or crashed mid-way): leave it pending; it is
             // claimed again once idle past min-idle-time.
-            (GuardState::Busy, _) => return Ok(Settled::Leave),
+            (GuardState::Busy, _) => {
+                // Not run: its next claim does not count this delivery.
+                if !self.at_most_once {
+                    streamfleet_streams::started::record_not_started(conn, entry, &self.config.group).await?;
+                }
+                return Ok(Settled::Leave);
+            }
             _ => {}
         }
         if !self.at_most_once {
