@@ -19,12 +19,15 @@
 //! # Ok(()) }
 //! ```
 
+pub mod blocking;
 pub mod consumer;
 pub mod guard;
+mod holder;
 pub mod lease;
 pub mod phase;
 pub mod stats;
 
+pub use blocking::Blocking;
 pub use consumer::{Delivery, Handler, Outcome, Worker, WorkerError, current_delivery};
 pub use guard::{GuardState, IdempotencyStore, StoreFuture};
 pub use stats::Stats;

@@ -630,3 +630,41 @@ async fn a_guard_mark_is_released_only_by_its_own_acquisition() -> Result<()> {
     assert_eq!(mark, Some(second.mark(retaken[0].fence.unwrap())), "the new holder's mark stands");
     Ok(())
 }
+
+/// A blocking handler (`Blocking`) runs on tokio's blocking pool (here off
+/// the one thread of a current-thread runtime), sees its delivery, and its
+/// entries are acked like any other.
+#[tokio::test(flavor = "current_thread")]
+async fn a_blocking_handler_runs_on_the_blocking_pool_and_sees_its_delivery() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    let ids = vec![add(&mut conn, &[("order_id", "o-1")]).await?, add(&mut conn, &[("order_id", "o-2")]).await?];
+    // Per call: entry ID, its delivery as the handler saw it, off the runtime's thread.
+    type Seen = Vec<(String, Option<u64>, bool)>;
+    let seen: Arc<Mutex<Seen>> = Arc::default();
+    let record = seen.clone();
+    let runtime_thread = std::thread::current().id();
+    let handler = streamfleet_worker::Blocking::new(move |entry: &streamfleet_worker::Entry| {
+        // Blocks its thread, as a synchronous client would.
+        std::thread::sleep(Duration::from_millis(50));
+        let on_blocking_pool = std::thread::current().id() != runtime_thread;
+        let deliveries = streamfleet_worker::current_delivery().map(|d| d.deliveries);
+        record.lock().unwrap().push((entry.id.clone(), deliveries, on_blocking_pool));
+        streamfleet_worker::Outcome::Done
+    })
+    .with_business_key(|entry| entry.field_str("order_id").map(str::to_string));
+    let worker = Worker::new(config(&server, "c1", 10_000, 5), handler).with_idempotency_guard(Duration::from_secs(60));
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(worker.run(async move {
+        let _ = rx.await;
+    }));
+    eventually("both acked", T, || async {
+        Ok((seen.lock().unwrap().len() == 2 && pending(&mut conn.clone()).await? == 0).then_some(()))
+    })
+    .await?;
+    let _ = tx.send(());
+    running.await??;
+    let mut seen = seen.lock().unwrap().clone();
+    seen.sort();
+    assert_eq!(seen, ids.into_iter().map(|id| (id, Some(1), true)).collect::<Vec<_>>());
+    Ok(())
+}

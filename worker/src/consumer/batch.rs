@@ -11,7 +11,7 @@ pub(super) struct Batch {
     pub(super) tokens: Vec<String>,
     pub(super) acquisitions: Vec<Acquisition>,
     /// Where each entry stands (`phase`).
-    pub(super) phase: Vec<PhaseCell>,
+    pub(super) phase: Arc<[PhaseCell]>,
     /// Notified when a failpoint stops the batch where it stands (tests).
     pub(super) crash: tokio::sync::Notify,
 }
@@ -84,7 +84,7 @@ impl<H: Handler> Worker<H> {
         let groups = key_groups(&items);
         drop(items);
         let batch = Batch {
-            phase: entries.iter().map(|_| PhaseCell::default()).collect(),
+            phase: entries.iter().map(|_| PhaseCell::default()).collect::<Vec<_>>().into(),
             entries,
             keys,
             tokens,
@@ -93,7 +93,6 @@ impl<H: Handler> Worker<H> {
         };
         let (settled_tx, settled_rx) = tokio::sync::mpsc::unbounded_channel::<(usize, Settled)>();
         let failure: std::sync::Mutex<Option<WorkerError>> = std::sync::Mutex::new(None);
-        let done = tokio::sync::Notify::new();
         let handlers = async {
             let run = futures::stream::iter(groups).for_each_concurrent(self.config.concurrency.max(1), |group| {
                 let (tx, conn, failure, batch) = (settled_tx.clone(), conn.clone(), &failure, &batch);
@@ -108,17 +107,18 @@ impl<H: Handler> Worker<H> {
             drop(settled_tx);
         };
         let flushes = self.flush_settled(conn.clone(), settled_rx, &batch, &failure);
-        // The hold lasts until every done entry is committed too.
+        // Held on the hold's own thread until every done entry is committed
+        // too; released (no renewal in flight) before anything is handed back.
+        let hold = self.hold(&batch);
         let work = async {
             let ((), flushed) = tokio::join!(handlers, flushes);
-            done.notify_one();
+            if let Some(hold) = hold {
+                hold.release().await;
+            }
             flushed
         };
-        let holds = self.hold(conn.clone(), &batch, &done);
         tokio::select! {
-            (flushed, ()) = async { tokio::join!(work, holds) } => {
-                self.after_batch(conn, &batch, failure, flushed).await
-            }
+            flushed = work => self.after_batch(conn, &batch, failure, flushed).await,
             // A failpoint: stop as a crash would, writing nothing more.
             () = batch.crash.notified() => Err(WorkerError::Failpoint("crash")),
         }

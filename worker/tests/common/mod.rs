@@ -73,6 +73,12 @@ impl Handler for Scripted {
                 Some(d) if d.deliveries > 1 => Outcome::Done,
                 _ => Outcome::Transient("first delivery fails".into()),
             },
+            // Blocks its thread, as a synchronous client would.
+            "block" => {
+                let ms = entry.field_str("block_ms").and_then(|v| v.parse().ok()).unwrap_or(100);
+                std::thread::sleep(Duration::from_millis(ms));
+                Outcome::Done
+            }
             "nap" => {
                 let ms = entry.field_str("nap_ms").and_then(|v| v.parse().ok()).unwrap_or(100);
                 tokio::time::sleep(Duration::from_millis(ms)).await;
