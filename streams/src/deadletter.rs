@@ -135,7 +135,10 @@ pub fn command(dead_letter_stream: &str, letters: &[(&Entry, &Letter<'_>)]) -> r
             (F_ERROR, letter.error),
             (F_AT, now_ms.as_str()),
         ];
-        let n = 2 * (meta.len() + usize::from(letter.business_key.is_some()) + entry.fields.len());
+        // A huge entry goes packed: a script passes at most ~8,000 arguments.
+        let own: Vec<&(String, Vec<u8>)> = entry.fields.iter().collect();
+        let own = crate::entry::field_args(&own);
+        let n = 2 * (meta.len() + usize::from(letter.business_key.is_some()) + own.len());
         cmd.arg(&entry.id).arg(if lost { "1" } else { "0" }).arg(n);
         for (k, v) in meta {
             cmd.arg(k).arg(v);
@@ -143,8 +146,8 @@ pub fn command(dead_letter_stream: &str, letters: &[(&Entry, &Letter<'_>)]) -> r
         if let Some(key) = letter.business_key {
             cmd.arg(F_BUSINESS_KEY).arg(key);
         }
-        for (k, v) in &entry.fields {
-            cmd.arg(k).arg(v.as_slice());
+        for (k, v) in &own {
+            cmd.arg(k.as_ref()).arg(v.as_ref());
         }
     }
     cmd

@@ -136,8 +136,10 @@ pub async fn replay<C: ConnectionLike + Send>(
             .key(record.unwrap_or_else(|| source.clone()))
             .arg(&id)
             .arg(if lock.is_some() { "1" } else { "0" });
-        for (k, v) in original {
-            script.arg(k).arg(v.as_slice());
+        // A huge entry goes back packed (a script passes at most ~8,000
+        // arguments); readers unpack it (`entry::fields_from_map`).
+        for (k, v) in crate::entry::field_args(&original) {
+            script.arg(k.as_ref()).arg(v.as_ref());
         }
         if let Some(event) = &event {
             script.arg(F_EVENT_ID).arg(event);

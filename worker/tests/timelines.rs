@@ -494,3 +494,45 @@ async fn handlers_blocking_every_thread_past_min_idle_keep_their_entries() -> Re
     }
     Ok(())
 }
+
+/// An entry of 5,000 fields that a handler refuses. Before the fix its dead
+/// letter could never be written (a Lua script passes at most ~8,000
+/// arguments to one command): it stayed pending for ever, and a sweep that
+/// met it failed on every run. Now a huge entry's fields travel packed in
+/// one field, its dead letter shows them all, and its replay gives workers
+/// the original fields back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_5000_field_entry_is_dead_lettered_and_replayed_whole() -> Result<()> {
+    use streamfleet_streams::replay::{Replayed, Selection, replay};
+    let (server, mut conn) = setup().await?;
+    let mut fields: Vec<(String, String)> = (0..5_000).map(|i| (format!("f{i:04}"), format!("v{i}"))).collect();
+    fields.push(("kind".into(), "refused".into()));
+    let id: String = conn.xadd("orders", "*", &fields).await?;
+    let handler = Scripted::default();
+    let (stop, running) = spawn(Worker::new(config(&server, "a", 10_000, 5), handler.clone()));
+    streamfleet_testbed::eventually("dead-lettered", T, || async {
+        Ok((dead_letters(&mut conn.clone()).await?.len() == 1).then_some(()))
+    })
+    .await?;
+    let _ = stop.send(());
+    running.await??;
+    assert_eq!(pending(&mut conn).await?, 0);
+    let letters = streamfleet_streams::dlq::page(&mut conn, "{orders}:dead", &Default::default(), None, 10).await?;
+    let letter = &letters.letters[0];
+    assert_eq!((letter.source_id.as_deref(), letter.reason.as_deref()), (Some(id.as_str()), Some("permanent")));
+    assert_eq!(letter.payload.len(), 5_001, "the letter shows every field of the entry");
+    let replayed = replay(&mut conn, "{orders}:dead", &Selection::All, false).await?;
+    let Some(Replayed::Requeued { new_id, .. }) = replayed.first() else {
+        panic!("not replayed: {replayed:?}");
+    };
+    let range: redis::streams::StreamRangeReply = conn.xrange("orders", new_id, new_id).await?;
+    let back = streamfleet_streams::entry::fields_from_map(range.ids[0].map.clone());
+    let own: Vec<(String, String)> = back
+        .into_iter()
+        .filter(|(k, _)| !k.starts_with("streamfleet."))
+        .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
+        .collect();
+    fields.sort();
+    assert_eq!(own, fields, "the replay carries the original fields");
+    Ok(())
+}
