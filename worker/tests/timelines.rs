@@ -536,3 +536,65 @@ async fn a_5000_field_entry_is_dead_lettered_and_replayed_whole() -> Result<()> 
     assert_eq!(own, fields, "the replay carries the original fields");
     Ok(())
 }
+
+/// An idempotency store that fails its first `begin` (as every multi-key
+/// script fails with `TRYAGAIN` while a slot migrates), then works.
+#[derive(Default)]
+struct FailsFirstBegin {
+    failed: std::sync::atomic::AtomicBool,
+}
+
+impl streamfleet_worker::IdempotencyStore for FailsFirstBegin {
+    fn begin<'a>(
+        &'a self,
+        keys: &'a [(&'a str, &'a str)],
+    ) -> streamfleet_worker::StoreFuture<'a, Vec<streamfleet_worker::GuardState>> {
+        Box::pin(async move {
+            if !self.failed.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                return Err("TRYAGAIN Multiple keys request during rehashing of slot".into());
+            }
+            Ok(keys.iter().map(|_| streamfleet_worker::GuardState::Acquired).collect())
+        })
+    }
+    fn complete<'a>(&'a self, _: &'a [(&'a str, &'a str)]) -> streamfleet_worker::StoreFuture<'a, ()> {
+        Box::pin(async { Ok(()) })
+    }
+    fn release<'a>(&'a self, _: &'a str, _: &'a str) -> streamfleet_worker::StoreFuture<'a, ()> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+/// A batch read while its guard cannot be taken (a slot migrating: every
+/// multi-key script answers `TRYAGAIN`). Before the fix the batch was left
+/// in the PEL unheld, orphaned: claimed once idle past min-idle-time, its
+/// delivery counted though nothing ran (a migration long enough, and
+/// entries that never ran reached `maxDeliveries`). Now it is handed back
+/// unstarted at once and its next claim does not count it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_whose_guard_cannot_be_taken_is_handed_back_uncounted() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    let ids = [add(&mut conn, &[("kind", "ok")]).await?, add(&mut conn, &[("kind", "ok")]).await?];
+    let seen: std::sync::Arc<std::sync::Mutex<Vec<u64>>> = Default::default();
+    struct Records(std::sync::Arc<std::sync::Mutex<Vec<u64>>>);
+    impl streamfleet_worker::Handler for Records {
+        async fn handle(&self, _: &streamfleet_worker::Entry) -> streamfleet_worker::Outcome {
+            let deliveries = streamfleet_worker::current_delivery().map_or(0, |d| d.deliveries);
+            self.0.lock().unwrap().push(deliveries);
+            streamfleet_worker::Outcome::Done
+        }
+    }
+    let worker = Worker::new(config(&server, "a", 200, 5), Records(seen.clone()))
+        .with_idempotency_store(FailsFirstBegin::default());
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(worker.run(async move {
+        let _ = rx.await;
+    }));
+    streamfleet_testbed::eventually("both acked", T, || async {
+        Ok((seen.lock().unwrap().len() == ids.len() && pending(&mut conn.clone()).await? == 0).then_some(()))
+    })
+    .await?;
+    let _ = tx.send(());
+    running.await??;
+    assert_eq!(*seen.lock().unwrap(), vec![1, 1], "the delivery that never ran was counted");
+    Ok(())
+}

@@ -73,13 +73,23 @@ impl<H: Handler> Worker<H> {
             Some(Idempotency::Redis(guard)) => {
                 let with_events: Vec<(&str, &str, &str)> =
                     items.iter().zip(&entries).map(|((s, t), e)| (*s, *t, e.event_id())).collect();
-                guard.begin_all(conn, &with_events).await?
+                guard.begin_all(conn, &with_events).await.map_err(WorkerError::from)
             }
             Some(Idempotency::Store(store)) => {
                 let events: Vec<(&str, &str)> = entries.iter().map(|e| (e.stream.as_str(), e.event_id())).collect();
-                store.begin(&events).await.map_err(store_error)?.into_iter().map(acquired).collect()
+                store.begin(&events).await.map_err(store_error).map(|s| s.into_iter().map(acquired).collect())
             }
-            None => vec![acquired(GuardState::Acquired); entries.len()],
+            None => Ok(vec![acquired(GuardState::Acquired); entries.len()]),
+        };
+        let acquisitions = match acquisitions {
+            Ok(acquisitions) => acquisitions,
+            Err(e) => {
+                // Read, and nothing started (a slot migrating, the store
+                // down): handed back unstarted rather than orphaned, so their
+                // next claim does not count the delivery. The loop backs off.
+                self.hand_back_unstarted(conn, &entries).await;
+                return Err(e);
+            }
         };
         let groups = key_groups(&items);
         drop(items);

@@ -18,6 +18,22 @@ impl<H: Handler> Worker<H> {
         Some(holder.hold(Arc::new(entries), batch.phase.clone()))
     }
 
+    /// Hands back entries read or claimed but never started (no guard mark
+    /// taken): claimable at once, their delivery not counted. Best effort:
+    /// one that fails is claimed once idle past min-idle-time, and counted.
+    pub(super) async fn hand_back_unstarted(&self, conn: &mut StreamConnection, entries: &[Entry]) {
+        if self.at_most_once {
+            return;
+        }
+        let idle = crate::guard::millis(self.config.min_idle).saturating_add(1);
+        for entry in entries {
+            let held = Held { id: &entry.id, mark: None };
+            if let Err(e) = self.lease(&entry.stream).hand_back(conn, &held, idle, entry.deliveries, false).await {
+                tracing::warn!(stream = %entry.stream, id = %entry.id, error = %e, "handing an entry back");
+            }
+        }
+    }
+
     /// Hands back every entry of the batch not settled: not started, or
     /// abandoned at the drain deadline.
     pub(super) async fn hand_back_open(&self, conn: &mut StreamConnection, batch: &Batch) -> Result<(), WorkerError> {

@@ -91,11 +91,7 @@ impl<H: Handler> Worker<H> {
         }
         // Their batch-mates would wait unheld while the suspects run one by
         // one: handed back first, unstarted (not counted), claimable at once.
-        let idle = crate::guard::millis(self.config.min_idle).saturating_add(1);
-        for entry in &rest {
-            let held = Held { id: &entry.id, mark: None };
-            self.lease(&entry.stream).hand_back(conn, &held, idle, entry.deliveries, false).await?;
-        }
+        self.hand_back_unstarted(conn, &rest).await;
         for suspect in suspects {
             tracing::warn!(stream, id = %suspect.id, crashes = suspect.crashes, "running alone an entry whose handler was running when a worker died");
             self.process(conn, vec![suspect]).await?;
