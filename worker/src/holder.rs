@@ -42,6 +42,7 @@ struct HoldJob {
 pub(crate) struct Holder {
     jobs: mpsc::UnboundedSender<HoldJob>,
     wake: Arc<Notify>,
+    patience: Duration,
 }
 
 /// Holds a batch while it lives; [`HoldHandle::release`] stops the hold and
@@ -50,6 +51,8 @@ pub(crate) struct Holder {
 pub(crate) struct HoldHandle {
     release: Option<oneshot::Sender<oneshot::Sender<()>>>,
     wake: Arc<Notify>,
+    /// How long a release waits for a renewal in flight.
+    patience: Duration,
 }
 
 impl HoldHandle {
@@ -59,8 +62,13 @@ impl HoldHandle {
             && release.send(ack).is_ok()
         {
             self.wake.notify_one();
-            // An error: the thread is gone, and with it any renewal.
-            let _ = acked.await;
+            // An error: the thread is gone, and with it any renewal. A
+            // renewal stuck on a server that does not answer must not stall
+            // the consume loop: past the patience, the worst a late renewal
+            // does is delay a handed-back entry's next claim by min-idle-time.
+            if tokio::time::timeout(self.patience, acked).await.is_err() {
+                tracing::warn!("the hold did not let go in time (a renewal in flight); going on");
+            }
         }
     }
 }
@@ -83,13 +91,14 @@ impl Holder {
         let (jobs, receiver) = mpsc::unbounded_channel();
         let wake = Arc::new(Notify::new());
         let woken = wake.clone();
+        let patience = (settings.every * 2).max(Duration::from_secs(1));
         std::thread::Builder::new().name("streamfleet-hold".into()).spawn(move || {
             match tokio::runtime::Builder::new_current_thread().enable_all().build() {
                 Ok(runtime) => runtime.block_on(run(settings, receiver, woken)),
                 Err(e) => tracing::error!(error = %e, "the hold thread could not start its runtime"),
             }
         })?;
-        Ok(Self { jobs, wake })
+        Ok(Self { jobs, wake, patience })
     }
 
     /// Holds `entries` (their phases in `phases`) until the handle is released.
@@ -97,7 +106,7 @@ impl Holder {
         let (release, receiver) = oneshot::channel();
         let _ = self.jobs.send(HoldJob { entries, phases, release: receiver });
         self.wake.notify_one();
-        HoldHandle { release: Some(release), wake: self.wake.clone() }
+        HoldHandle { release: Some(release), wake: self.wake.clone(), patience: self.patience }
     }
 }
 
