@@ -59,14 +59,7 @@ pub async fn record_not_started<C: ConnectionLike + Send>(
     entry: &Entry,
     group: &str,
 ) -> Result<(), StreamError> {
-    let () = redis::cmd("HSET")
-        .arg(keys::last_error_key(&entry.stream, group))
-        .arg(run_field(&entry.id))
-        .arg(handed_back(entry.deliveries))
-        .query_async(conn)
-        .await
-        .map_err(|e| StreamError::new("recording an entry left unstarted", e))?;
-    Ok(())
+    record_run(conn, entry, group, handed_back(entry.deliveries), "recording an entry left unstarted").await
 }
 
 /// Records that the handler of `entry`'s current delivery starts now.
@@ -77,13 +70,23 @@ pub async fn record_start<C: ConnectionLike + Send>(
     entry: &Entry,
     group: &str,
 ) -> Result<(), StreamError> {
+    record_run(conn, entry, group, entry.deliveries.to_string(), "recording a handler's start").await
+}
+
+async fn record_run<C: ConnectionLike + Send>(
+    conn: &mut C,
+    entry: &Entry,
+    group: &str,
+    value: String,
+    action: &'static str,
+) -> Result<(), StreamError> {
     let () = redis::cmd("HSET")
         .arg(keys::last_error_key(&entry.stream, group))
         .arg(run_field(&entry.id))
-        .arg(entry.deliveries)
+        .arg(value)
         .query_async(conn)
         .await
-        .map_err(|e| StreamError::new("recording a handler's start", e))?;
+        .map_err(|e| StreamError::new(action, e))?;
     Ok(())
 }
 
