@@ -66,8 +66,12 @@ pub fn pack(fields: &[(String, Vec<u8>)]) -> Vec<u8> {
     out
 }
 
-/// The fields [`pack`] packed; `None` when `bytes` is not such a value.
+/// The fields [`pack`] packed; `None` when `bytes` is not such a value
+/// (an empty one included: a packed entry has at least one field).
 pub fn unpack(mut bytes: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
+    if bytes.is_empty() {
+        return None;
+    }
     fn take<'a>(bytes: &mut &'a [u8]) -> Option<&'a [u8]> {
         let colon = bytes.iter().position(|b| *b == b':')?;
         let len: usize = std::str::from_utf8(&bytes[..colon]).ok()?.parse().ok()?;
@@ -138,6 +142,7 @@ mod tests {
         assert_eq!(unpack(&pack(&fields)), Some(fields));
         assert_eq!(unpack(b"3:ab"), None, "a short value is no packed value");
         assert_eq!(unpack(b"x:ab"), None);
+        assert_eq!(unpack(b""), None, "an empty value is a field of its own, not no fields");
     }
 
     #[test]

@@ -102,6 +102,12 @@ pub async fn replay<C: ConnectionLike + Send>(
             out.push(Replayed::Skipped { dead_letter_id: id, why: "payload-missing: nothing to replay".into() });
             continue;
         }
+        if fields.iter().any(|(k, _)| k == crate::entry::F_PACKED_FIELDS) {
+            // Still there: it did not unpack (`entry::fields_from_map`).
+            // Replaying would requeue an entry without its fields.
+            out.push(Replayed::Skipped { dead_letter_id: id, why: "its packed fields do not unpack".into() });
+            continue;
+        }
         let original: Vec<&(String, Vec<u8>)> = fields.iter().filter(|(k, _)| !k.starts_with(PREFIX)).collect();
         let business_key = text(F_BUSINESS_KEY);
         if dry_run {

@@ -22,7 +22,6 @@
 pub mod blocking;
 pub mod consumer;
 pub mod guard;
-mod holder;
 pub mod lease;
 pub mod phase;
 pub mod stats;

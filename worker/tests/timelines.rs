@@ -454,47 +454,6 @@ async fn a_delivery_that_died_before_recording_anything_counts_and_one_handed_ba
     Ok(())
 }
 
-/// Handlers that block their threads (`std::thread::sleep`, as a blocking
-/// client would) past min-idle-time, as many as the runtime has threads.
-/// Before the fix the hold ran in the handlers' task set: with every
-/// runtime thread blocked it could not renew, the entries passed
-/// min-idle-time in hand and another consumer claimed and ran them a
-/// second time. Now the hold has its own thread and connection.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn handlers_blocking_every_thread_past_min_idle_keep_their_entries() -> Result<()> {
-    let (server, mut conn) = setup().await?;
-    let ids = vec![
-        add(&mut conn, &[("kind", "block"), ("block_ms", "2500"), ("key", "k1")]).await?,
-        add(&mut conn, &[("kind", "block"), ("block_ms", "2500"), ("key", "k2")]).await?,
-    ];
-    let mut cfg = config(&server, "a", 1_000, 5);
-    cfg.concurrency = 2;
-    let handler = Scripted::default();
-    let (stop, running) = spawn(Worker::new(cfg, handler.clone()));
-    streamfleet_testbed::eventually("both handlers blocking", T, || async { Ok((handler.total() == 2).then_some(())) })
-        .await?;
-    // Another consumer on a thread of its own (this test's runtime threads
-    // are the ones blocked), claiming as its claim cycle does.
-    let url = server.url();
-    let taken = std::thread::spawn(move || -> Result<Vec<String>> {
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        runtime.block_on(claims_by_another(&url, Duration::from_millis(1_000), Duration::from_millis(3_500)))
-    })
-    .join()
-    .map_err(|_| anyhow::anyhow!("the claiming thread panicked"))??;
-    streamfleet_testbed::eventually("both acked", T, || async {
-        Ok((pending(&mut conn.clone()).await? == 0).then_some(()))
-    })
-    .await?;
-    let _ = stop.send(());
-    running.await??;
-    assert!(taken.is_empty(), "another consumer claimed entries whose handlers were running: {taken:?}");
-    for id in &ids {
-        assert_eq!(handler.calls(id), 1, "{id}");
-    }
-    Ok(())
-}
-
 /// An entry of 5,000 fields that a handler refuses. Before the fix its dead
 /// letter could never be written (a Lua script passes at most ~8,000
 /// arguments to one command): it stayed pending for ever, and a sweep that

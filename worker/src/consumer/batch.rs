@@ -11,7 +11,7 @@ pub(super) struct Batch {
     pub(super) tokens: Vec<String>,
     pub(super) acquisitions: Vec<Acquisition>,
     /// Where each entry stands (`phase`).
-    pub(super) phase: Arc<[PhaseCell]>,
+    pub(super) phase: Vec<PhaseCell>,
     /// Notified when a failpoint stops the batch where it stands (tests).
     pub(super) crash: tokio::sync::Notify,
 }
@@ -53,7 +53,12 @@ impl<H: Handler> Worker<H> {
         let (foreign, entries): (Vec<Entry>, Vec<Entry>) = entries.into_iter().partition(|e| {
             e.field_str(streamfleet_streams::replay::F_REPLAY_FOR).is_some_and(|group| group != self.config.group)
         });
-        self.skip_foreign_replays(conn, &foreign).await?;
+        if let Err(e) = self.skip_foreign_replays(conn, &foreign).await {
+            // Nothing started: handed back rather than orphaned (counted).
+            self.hand_back_unstarted(conn, &foreign).await;
+            self.hand_back_unstarted(conn, &entries).await;
+            return Err(e);
+        }
         if entries.is_empty() {
             return Ok(());
         }
@@ -94,7 +99,7 @@ impl<H: Handler> Worker<H> {
         let groups = key_groups(&items);
         drop(items);
         let batch = Batch {
-            phase: entries.iter().map(|_| PhaseCell::default()).collect::<Vec<_>>().into(),
+            phase: entries.iter().map(|_| PhaseCell::default()).collect(),
             entries,
             keys,
             tokens,
@@ -103,6 +108,7 @@ impl<H: Handler> Worker<H> {
         };
         let (settled_tx, settled_rx) = tokio::sync::mpsc::unbounded_channel::<(usize, Settled)>();
         let failure: std::sync::Mutex<Option<WorkerError>> = std::sync::Mutex::new(None);
+        let done = tokio::sync::Notify::new();
         let handlers = async {
             let run = futures::stream::iter(groups).for_each_concurrent(self.config.concurrency.max(1), |group| {
                 let (tx, conn, failure, batch) = (settled_tx.clone(), conn.clone(), &failure, &batch);
@@ -117,18 +123,17 @@ impl<H: Handler> Worker<H> {
             drop(settled_tx);
         };
         let flushes = self.flush_settled(conn.clone(), settled_rx, &batch, &failure);
-        // Held on the hold's own thread until every done entry is committed
-        // too; released (no renewal in flight) before anything is handed back.
-        let hold = self.hold(&batch);
+        // The hold lasts until every done entry is committed too.
         let work = async {
             let ((), flushed) = tokio::join!(handlers, flushes);
-            if let Some(hold) = hold {
-                hold.release().await;
-            }
+            done.notify_one();
             flushed
         };
+        let holds = self.hold(conn.clone(), &batch, &done);
         tokio::select! {
-            flushed = work => self.after_batch(conn, &batch, failure, flushed).await,
+            (flushed, ()) = async { tokio::join!(work, holds) } => {
+                self.after_batch(conn, &batch, failure, flushed).await
+            }
             // A failpoint: stop as a crash would, writing nothing more.
             () = batch.crash.notified() => Err(WorkerError::Failpoint("crash")),
         }

@@ -1,21 +1,39 @@
-//! Holding a batch's entries while it is in hand (on the hold's own
-//! thread, `holder`), and handing back what it leaves open.
+//! Holding a batch's entries while it is in hand, and handing back what it
+//! leaves open.
 
 use super::*;
 
 impl<H: Handler> Worker<H> {
-    /// Holds the batch's entries in hand on the hold's own thread
-    /// (`holder`): a handler that blocks its thread cannot starve it.
-    pub(super) fn hold(&self, batch: &Batch) -> Option<crate::holder::HoldHandle> {
-        let holder = self.holder.get()?;
-        let entries = (0..batch.entries.len())
-            .map(|i| crate::holder::HeldEntry {
-                stream: batch.entries[i].stream.clone(),
-                id: batch.entries[i].id.clone(),
-                mark: self.mark_of(batch, i),
-            })
-            .collect();
-        Some(holder.hold(Arc::new(entries), batch.phase.clone()))
+    /// Extends the hold on the batch's unsettled entries every third of
+    /// min-idle-time (2 s at most) until the handlers are done.
+    pub(super) async fn hold(&self, mut conn: StreamConnection, batch: &Batch, done: &tokio::sync::Notify) {
+        if self.at_most_once {
+            return;
+        }
+        // At least every 2 s: the hold is also what shows the operator this
+        // consumer is alive while it reads nothing (`reaper::SILENT_FOR_MS`).
+        let every = (self.config.min_idle / 3).clamp(Duration::from_millis(30), Duration::from_secs(2));
+        loop {
+            tokio::select! {
+                () = done.notified() => return,
+                () = tokio::time::sleep(every) => {}
+            }
+            for (stream, open) in batch.open_by_stream() {
+                let held: Vec<Held> = open.iter().map(|&i| self.held(batch, i)).collect();
+                let lease = self.lease(stream);
+                let ttl = crate::guard::millis(self.config.min_idle);
+                match lease.extend(&mut conn, ttl, &held).await {
+                    Ok(owned) => {
+                        for (i, ours) in open.into_iter().zip(owned) {
+                            if !ours && batch.phase[i].get() != Phase::Settled {
+                                tracing::warn!(stream, id = %batch.entries[i].id, "an entry in hand was claimed by another consumer");
+                            }
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "extending the hold on the batch"),
+                }
+            }
+        }
     }
 
     /// Hands back entries read or claimed but never started (no guard mark

@@ -157,9 +157,6 @@ pub enum WorkerError {
     /// The server cannot run the protocol (older than 7.0).
     #[error("{0}")]
     Unsupported(String),
-    /// The hold's thread could not be started.
-    #[error("starting the hold thread: {0}")]
-    Hold(String),
     /// A failpoint (tests only) stopped the worker where it stood, as a crash would.
     #[error("stopped at failpoint {0}")]
     Failpoint(&'static str),
@@ -185,8 +182,6 @@ pub struct Worker<H> {
     at_most_once: bool,
     /// Set on shutdown: no handler starts after it.
     stop: Arc<AtomicBool>,
-    /// The hold's own thread (`holder`), started by `run`.
-    holder: std::sync::OnceLock<crate::holder::Holder>,
 }
 
 impl<H: Handler> Worker<H> {
@@ -199,7 +194,6 @@ impl<H: Handler> Worker<H> {
             stats,
             at_most_once: false,
             stop: Arc::new(AtomicBool::new(false)),
-            holder: std::sync::OnceLock::new(),
         }
     }
 
@@ -249,19 +243,6 @@ impl<H: Handler> Worker<H> {
             flag.store(true, Ordering::SeqCst);
         });
         let mut conn = StreamConnection::connect(&self.config.endpoint).await?;
-        if !self.at_most_once {
-            let settings = crate::holder::HoldSettings {
-                endpoint: self.config.endpoint.clone(),
-                group: self.config.group.clone(),
-                consumer: self.config.consumer.clone(),
-                mark_ttl_ms: crate::guard::millis(self.config.min_idle),
-                // At least every 2 s: the hold is also this consumer's heartbeat
-                // while a long batch keeps the loop from beating.
-                every: (self.config.min_idle / 3).clamp(Duration::from_millis(30), Duration::from_secs(2)),
-            };
-            let holder = crate::holder::Holder::start(settings).map_err(|e| WorkerError::Hold(e.to_string()))?;
-            let _ = self.holder.set(holder);
-        }
         let result = match self.config.mode {
             RunMode::Recovery => self.recover(&mut conn, &stop).await,
             RunMode::Consume => self.consume(&mut conn, &stop).await,
