@@ -22,8 +22,20 @@ pub const POD_UID: &str = "STREAMFLEET_POD_UID";
 pub const CONSUMER: &str = "STREAMFLEET_CONSUMER";
 /// Milliseconds an entry must be idle before it may be claimed.
 pub const MIN_IDLE_MS: &str = "STREAMFLEET_MIN_IDLE_MS";
-/// Deliveries after which an entry is dead-lettered.
+/// Deliveries after which an entry is dead-lettered (default 10).
 pub const MAX_DELIVERIES: &str = "STREAMFLEET_MAX_DELIVERIES";
+/// The retry schedule of transiently failed entries (`docs/retries.md`):
+/// `Exponential` (the default) or `Fixed`.
+pub const RETRY_BACKOFF: &str = "STREAMFLEET_RETRY_BACKOFF";
+/// Milliseconds before the first retry (default: [`MIN_IDLE_MS`]).
+pub const RETRY_INITIAL_DELAY_MS: &str = "STREAMFLEET_RETRY_INITIAL_DELAY_MS";
+/// The longest delay between two attempts, in milliseconds (default 900000).
+pub const RETRY_MAX_DELAY_MS: &str = "STREAMFLEET_RETRY_MAX_DELAY_MS";
+/// Each delay is lengthened by a random 0 to this many percent (default 20).
+pub const RETRY_JITTER_PERCENT: &str = "STREAMFLEET_RETRY_JITTER_PERCENT";
+/// No attempt starts later than this many milliseconds after the entry
+/// first failed (absent: only [`MAX_DELIVERIES`] bounds the retries).
+pub const RETRY_FOR_MS: &str = "STREAMFLEET_RETRY_FOR_MS";
 /// Where dead letters go.
 pub const DEAD_LETTER_STREAM: &str = "STREAMFLEET_DEAD_LETTER_STREAM";
 /// Handlers in flight per worker process (default 10); entries with the

@@ -275,6 +275,9 @@ impl Default for ScalingSpec {
 
 /// The recovery CronJob.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[x_kube(validation = Rule::new("!has(self.retry) || !has(self.retry.initialDelayMs) || self.retry.initialDelayMs >= self.minIdleTimeMs").message("spec.recovery.retry.initialDelayMs must not be shorter than spec.recovery.minIdleTimeMs: an entry is claimed again only after min-idle-time anyway"))]
+#[x_kube(validation = Rule::new("!has(self.retry) || !has(self.retry.maxDelayMs) || self.retry.maxDelayMs >= (has(self.retry.initialDelayMs) ? self.retry.initialDelayMs : self.minIdleTimeMs)").message("spec.recovery.retry.maxDelayMs must not be shorter than the first delay (spec.recovery.retry.initialDelayMs, or spec.recovery.minIdleTimeMs when unset)"))]
+#[x_kube(validation = Rule::new("!has(self.retry) || !has(self.retry.retryForSeconds) || self.retry.retryForSeconds * 1000 >= (has(self.retry.initialDelayMs) ? self.retry.initialDelayMs : self.minIdleTimeMs)").message("spec.recovery.retry.retryForSeconds must not be shorter than the first delay: no entry would ever be retried"))]
 #[serde(rename_all = "camelCase")]
 pub struct RecoverySpec {
     /// Cron schedule of the sweep (five fields, as in a CronJob).
@@ -291,10 +294,18 @@ pub struct RecoverySpec {
     #[schemars(range(min = 1000))]
     pub min_idle_time_ms: i64,
 
-    /// Deliveries after which an entry is dead-lettered.
+    /// Deliveries after which an entry is dead-lettered: the retry
+    /// schedule's horizon by count (`retry`). The default, 10, with the
+    /// default schedule spans 90 minutes: an hour's outage is ridden out.
     #[serde(default = "default_max_deliveries")]
     #[schemars(range(min = 1, max = 1000))]
     pub max_deliveries: i32,
+
+    /// When an entry whose handler failed transiently is tried again
+    /// (`docs/retries.md`). Kept in the PEL: the entry keeps its ID and its
+    /// delivery count is its attempt count.
+    #[serde(default)]
+    pub retry: RetrySpec,
 
     /// Entries claimed per XAUTOCLAIM call.
     #[serde(default = "default_batch_size")]
@@ -325,6 +336,64 @@ pub struct RecoverySpec {
     pub mode: RecoveryMode,
 }
 
+/// The retry schedule of transiently failed entries.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RetrySpec {
+    /// `Exponential` (each delay twice the one before, at most
+    /// `maxDelayMs`) or `Fixed` (always `initialDelayMs`).
+    #[serde(default)]
+    pub backoff: Backoff,
+    /// Milliseconds from the first failure to the second attempt. Unset:
+    /// `minIdleTimeMs`; never shorter.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1000))]
+    pub initial_delay_ms: Option<i64>,
+    /// The longest delay between two attempts, in milliseconds.
+    #[serde(default = "default_max_delay_ms")]
+    #[schemars(range(min = 1000))]
+    pub max_delay_ms: i64,
+    /// Each delay is lengthened by a random 0 to this many percent, so
+    /// entries that failed together do not come back together.
+    #[serde(default = "default_jitter_percent")]
+    #[schemars(range(min = 0, max = 100))]
+    pub jitter_percent: i32,
+    /// No attempt starts later than this many seconds after the entry
+    /// first failed: the last delay is cut short to land on it, and an
+    /// entry failing then is dead-lettered `retries-exhausted`. Unset:
+    /// `maxDeliveries` alone bounds the retries.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub retry_for_seconds: Option<i64>,
+}
+
+/// How a retry delay grows.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum Backoff {
+    #[default]
+    Exponential,
+    Fixed,
+}
+
+fn default_max_delay_ms() -> i64 {
+    900_000
+}
+fn default_jitter_percent() -> i32 {
+    20
+}
+
+impl Default for RetrySpec {
+    fn default() -> Self {
+        Self {
+            backoff: Backoff::default(),
+            initial_delay_ms: None,
+            max_delay_ms: default_max_delay_ms(),
+            jitter_percent: default_jitter_percent(),
+            retry_for_seconds: None,
+        }
+    }
+}
+
 fn default_schedule() -> String {
     "*/5 * * * *".to_string()
 }
@@ -332,7 +401,7 @@ fn default_min_idle_ms() -> i64 {
     60_000
 }
 fn default_max_deliveries() -> i32 {
-    5
+    10
 }
 fn default_batch_size() -> i32 {
     100
@@ -344,6 +413,7 @@ impl Default for RecoverySpec {
             schedule: default_schedule(),
             min_idle_time_ms: default_min_idle_ms(),
             max_deliveries: default_max_deliveries(),
+            retry: RetrySpec::default(),
             batch_size: default_batch_size(),
             dead_letter_stream: None,
             dead_letter_max_length: None,
@@ -578,7 +648,8 @@ mod tests {
         let spec: StreamConsumerGroupSpec = serde_json::from_value(minimal()).unwrap();
         assert_eq!(spec.start_id, "$");
         assert_eq!(spec.scaling, ScalingSpec::default());
-        assert_eq!(spec.recovery.max_deliveries, 5);
+        assert_eq!(spec.recovery.max_deliveries, 10);
+        assert_eq!(spec.recovery.retry, RetrySpec::default());
         assert_eq!(spec.deletion_policy, DeletionPolicy::Retain);
         assert_eq!(spec.redis.mode, RedisMode::Standalone);
         assert_eq!(spec.recovery.dead_letter_stream, None);
@@ -592,6 +663,9 @@ mod tests {
         assert!(crd.contains("spec.recovery.deadLetterStream must differ from spec.stream"));
         assert!(crd.contains("the minute field takes 0-59") && crd.contains("the hour field takes 0-23"));
         assert!(crd.contains("spec.stream is immutable"));
+        assert!(
+            crd.contains("spec.recovery.retry.initialDelayMs must not be shorter than spec.recovery.minIdleTimeMs")
+        );
         assert!(crd.contains("x-kubernetes-preserve-unknown-fields"));
     }
 }

@@ -67,7 +67,10 @@ local page = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[3], ARGV[4], 
 local existing = {}
 for _, p in ipairs(page) do
   local alive_at = tonumber(redis.call('ZSCORE', KEYS[6], p[2]) or '')
-  if #redis.call('XRANGE', KEYS[1], p[1], p[1]) > 0 then
+  if string.sub(p[2], 1, 18) == 'streamfleet:retry:' then
+    -- Parked by a Rust worker for a retry on the schedule (env contract
+    -- rule 10): this minimal worker leaves it to them, taken when due.
+  elseif #redis.call('XRANGE', KEYS[1], p[1], p[1]) > 0 then
     existing[#existing + 1] = p[1]
   elseif not (alive_at and now - alive_at < tonumber(ARGV[3])) then
     redis.call('XADD', KEYS[2], '*',

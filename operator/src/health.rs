@@ -121,6 +121,7 @@ mod tests {
             before_oldest_pending: None,
             stream_length: 100,
             dead_letter_length: 0,
+            retrying: 0,
         }
     }
 

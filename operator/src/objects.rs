@@ -12,7 +12,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, 
 use kube::{Resource as _, ResourceExt as _};
 use std::collections::BTreeMap;
 use streamfleet_contract as env;
-use streamfleet_crd::{RecoveryMode, RedisMode, StreamConsumerGroup};
+use streamfleet_crd::{Backoff, RecoveryMode, RedisMode, StreamConsumerGroup};
 
 /// Label carrying the owning resource's name on every object and pod.
 pub const GROUP_LABEL: &str = "streamfleet.io/consumer-group";
@@ -127,6 +127,23 @@ pub fn contract_env(scg: &StreamConsumerGroup, mode: &str) -> Vec<EnvVar> {
         value(env::BATCH_SIZE, spec.recovery.batch_size.to_string()),
         value(env::MODE, mode.into()),
     ];
+    let retry = &spec.recovery.retry;
+    out.push(value(
+        env::RETRY_BACKOFF,
+        match retry.backoff {
+            Backoff::Exponential => "Exponential",
+            Backoff::Fixed => "Fixed",
+        }
+        .into(),
+    ));
+    if let Some(ms) = retry.initial_delay_ms {
+        out.push(value(env::RETRY_INITIAL_DELAY_MS, ms.to_string()));
+    }
+    out.push(value(env::RETRY_MAX_DELAY_MS, retry.max_delay_ms.to_string()));
+    out.push(value(env::RETRY_JITTER_PERCENT, retry.jitter_percent.to_string()));
+    if let Some(s) = retry.retry_for_seconds {
+        out.push(value(env::RETRY_FOR_MS, s.saturating_mul(1000).to_string()));
+    }
     // Sharded: unset, so each shard dead-letters into its own slot.
     if shard_streams(scg).len() == 1 {
         out.push(value(env::DEAD_LETTER_STREAM, dead_letter_stream(scg)));

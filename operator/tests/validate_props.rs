@@ -59,6 +59,7 @@ fn snapshot(lag: Lag, pending: u64, n: u64) -> GroupSnapshot {
         before_oldest_pending: None,
         stream_length: pending,
         dead_letter_length: n,
+        retrying: pending / 2,
     }
 }
 

@@ -40,7 +40,7 @@ pub struct LossRecord<'a> {
 /// record (`started::redelivery_lua`'s `forget`, which must come first).
 /// KEYS: stream, dead-letter stream, loss count, loss IDs. ARGV[1] group,
 /// ARGV[3] why.
-fn lost_lua() -> String {
+pub(crate) fn lost_lua() -> String {
     use crate::deadletter::*;
     format!(
         r"
@@ -336,12 +336,15 @@ fn take_lua() -> &'static str {
 static CLAIM_IDLE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(&format!(
         r"{}{}{}{}{}
+        local PARKED = '{parked}'
         local claimable, alive = claim_rules(KEYS[5], KEYS[6], KEYS[7], tonumber(ARGV[5]))
         local n = tonumber(ARGV[7])
         local page = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[5], ARGV[6], '+', n)
         local existing, counts, gone, deferred = {{}}, {{}}, {{}}, 0
         for _, p in ipairs(page) do
-            if not claimable(p[3], p[2]) then
+            if string.sub(p[2], 1, #PARKED) == PARKED then
+                -- Parked for a retry (`retry`): taken when due, by `claim_due`.
+            elseif not claimable(p[3], p[2]) then
                 deferred = deferred + 1
             elseif #redis.call('XRANGE', KEYS[1], p[1], p[1]) > 0 then
                 existing[#existing + 1] = p[1]
@@ -363,7 +366,8 @@ static CLAIM_IDLE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new
         lost_lua(),
         claim_rules_lua(),
         xclaim_lua(),
-        take_lua()
+        take_lua(),
+        parked = crate::retry::PARKED_PREFIX,
     ))
 });
 
@@ -413,7 +417,7 @@ static CLAIM_IDS: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(
     ))
 });
 
-fn prepare<'a>(
+pub(crate) fn prepare<'a>(
     script: &'a redis::Script,
     stream: &str,
     group: &str,
@@ -466,6 +470,89 @@ pub async fn autoclaim<C: ConnectionLike + Send>(
     let entries = claimed_entries(stream, claimed, delivered, crashes)
         .map_err(|e| StreamError::new("claiming idle entries", e))?;
     Ok(Claimed { entries, deleted, next, deferred: deferred > 0 })
+}
+
+/// Takes parked entries whose retry is due (`retry`): per parking consumer
+/// `streamfleet:retry:<n>` with entries, `XPENDING … IDLE <threshold(n)>`
+/// of that consumer, then `XCLAIM` (counted: their delivery ended, so the
+/// next counts). Payloads gone meanwhile are recorded lost. KEYS: stream,
+/// dead-letter stream, loss count, loss IDs, entry records. ARGV[4]
+/// claimer, ARGV[5] count, then the thresholds (ms) for deliveries 1, 2, …
+/// (the last one serves every higher count). Returns the claimed entries,
+/// the lost IDs, the delivery and crash counts, and how many entries stay
+/// parked.
+static CLAIM_DUE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(&format!(
+        r"{}{}{}{}
+        local PARKED = '{parked}'
+        local want = tonumber(ARGV[5])
+        local existing, counts, gone, parked = {{}}, {{}}, {{}}, 0
+        for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+            local info = {{}}
+            for k = 1, #c, 2 do info[c[k]] = c[k + 1] end
+            local n = string.sub(info['name'], 1, #PARKED) == PARKED and tonumber(string.sub(info['name'], #PARKED + 1))
+            if n and tonumber(info['pending']) > 0 then
+                parked = parked + tonumber(info['pending'])
+                local left = want - #existing - #gone
+                if left > 0 then
+                    local threshold = ARGV[5 + math.max(1, math.min(n, #ARGV - 5))]
+                    local page = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', threshold, '-', '+', left, info['name'])
+                    for _, p in ipairs(page) do
+                        if #redis.call('XRANGE', KEYS[1], p[1], p[1]) > 0 then
+                            existing[#existing + 1] = p[1]
+                            counts[p[1]] = p[4]
+                        else
+                            lost(p[1], p[2], KEYS[5])
+                            gone[#gone + 1] = p[1]
+                        end
+                    end
+                end
+            end
+        end
+        local claimed, delivered, crashes = take(ARGV[4], 0, existing, counts, KEYS[5], {{}})
+        return {{claimed, gone, delivered, crashes, parked - #claimed - #gone}}",
+        crate::started::redelivery_lua(),
+        lost_lua(),
+        xclaim_lua(),
+        take_lua(),
+        parked = crate::retry::PARKED_PREFIX,
+    ))
+});
+
+/// What [`claim_due`] took.
+pub struct Due {
+    /// Entries whose retry was due, now the claimer's, delivery counted.
+    pub entries: Vec<Entry>,
+    /// Parked IDs whose payload was gone: recorded lost.
+    pub deleted: Vec<String>,
+    /// Entries still parked, waiting for their retry.
+    pub waiting: u64,
+}
+
+/// Claims up to `count` parked entries whose retry is due under `schedule`
+/// (`retry`), in one script whatever the number of entries waiting.
+#[allow(clippy::too_many_arguments)]
+pub async fn claim_due<C: ConnectionLike + Send>(
+    conn: &mut C,
+    stream: &str,
+    group: &str,
+    consumer: &str,
+    loss: &LossRecord<'_>,
+    schedule: &crate::retry::Schedule,
+    max_deliveries: u64,
+    count: usize,
+) -> Result<Due, StreamError> {
+    let mut script = prepare(&CLAIM_DUE, stream, group, loss);
+    script.key(crate::keys::last_error_key(stream, group)).arg(consumer).arg(count);
+    for n in 1..=max_deliveries.clamp(1, 1_000) {
+        script.arg(u64::try_from(schedule.threshold(n).as_millis()).unwrap_or(u64::MAX));
+    }
+    type Reply = (redis::Value, Vec<String>, Vec<u64>, Vec<u32>, i64);
+    let (claimed, deleted, delivered, crashes, waiting): Reply =
+        script.invoke_async(conn).await.map_err(|e| StreamError::new("claiming entries due for a retry", e))?;
+    let entries = claimed_entries(stream, claimed, delivered, crashes)
+        .map_err(|e| StreamError::new("claiming entries due for a retry", e))?;
+    Ok(Due { entries, deleted, waiting: u64::try_from(waiting).unwrap_or(0) })
 }
 
 /// The entries of an `XCLAIM` reply, with the delivery and crash counts the

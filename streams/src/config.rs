@@ -30,7 +30,18 @@ pub struct WorkerConfig {
     /// How long handlers in flight may run on after shutdown begins.
     pub drain_timeout: Duration,
     pub mode: RunMode,
+    /// When a transiently failed entry is tried again (`retry`).
+    pub retry: crate::retry::Schedule,
 }
+
+/// The default delay cap between two attempts: 15 minutes.
+pub const DEFAULT_RETRY_MAX_DELAY: Duration = Duration::from_secs(15 * 60);
+/// The default jitter: up to 20% longer.
+pub const DEFAULT_RETRY_JITTER_PERCENT: u32 = 20;
+/// The default delivery bound: with the other defaults (first retry after
+/// min-idle-time, 60 s, doubling to 15 minutes) ten deliveries span 90
+/// minutes, so an hour's outage is ridden out with ten attempts per entry.
+pub const DEFAULT_MAX_DELIVERIES: u64 = 10;
 
 /// `consume`: the Deployment's long-running loop; `recovery`: claim idle
 /// entries, re-run handlers, exit when the PEL holds nothing claimable.
@@ -86,7 +97,7 @@ impl WorkerConfig {
         };
         let streams: Vec<String> =
             required(env::STREAMS)?.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
-        let max_deliveries = number(env::MAX_DELIVERIES, 5)?;
+        let max_deliveries = number(env::MAX_DELIVERIES, DEFAULT_MAX_DELIVERIES)?;
         if max_deliveries == 0 {
             return Err(ConfigError::Invalid { name: env::MAX_DELIVERIES, why: "must be at least 1".into() });
         }
@@ -115,6 +126,7 @@ impl WorkerConfig {
                 why: format!("{dead_letter_stream:?} is also a stream this worker consumes"),
             });
         }
+        let retry = retry_schedule(&get, min_idle)?;
         Ok(Self {
             endpoint: Endpoint {
                 url: required(env::REDIS_URL)?,
@@ -133,8 +145,51 @@ impl WorkerConfig {
             drain_timeout: Duration::from_millis(number(env::DRAIN_TIMEOUT_MS, 25_000)?),
             mode: run_mode,
             streams,
+            retry,
         })
     }
+}
+
+/// The retry schedule from the contract (`STREAMFLEET_RETRY_*`), with its
+/// defaults; the first delay may not be shorter than min-idle-time.
+fn retry_schedule(
+    get: &impl Fn(&str) -> Option<String>,
+    min_idle: Duration,
+) -> Result<crate::retry::Schedule, ConfigError> {
+    use crate::retry::{Backoff, Schedule};
+    let ms = |name: &'static str| -> Result<Option<Duration>, ConfigError> {
+        get(name)
+            .map(|v| v.trim().parse::<u64>().map(Duration::from_millis))
+            .transpose()
+            .map_err(|e| ConfigError::Invalid { name, why: e.to_string() })
+    };
+    let backoff = match get(env::RETRY_BACKOFF).as_deref().map(str::trim) {
+        None | Some("Exponential") => Backoff::Exponential,
+        Some("Fixed") => Backoff::Fixed,
+        Some(other) => {
+            return Err(ConfigError::Invalid {
+                name: env::RETRY_BACKOFF,
+                why: format!("{other:?} is not Exponential or Fixed"),
+            });
+        }
+    };
+    let initial = ms(env::RETRY_INITIAL_DELAY_MS)?.unwrap_or(min_idle);
+    if initial < min_idle {
+        return Err(ConfigError::Invalid {
+            name: env::RETRY_INITIAL_DELAY_MS,
+            why: format!("{} ms is shorter than min-idle-time ({} ms)", initial.as_millis(), min_idle.as_millis()),
+        });
+    }
+    let max = ms(env::RETRY_MAX_DELAY_MS)?.unwrap_or(DEFAULT_RETRY_MAX_DELAY).max(initial);
+    let jitter_percent = match get(env::RETRY_JITTER_PERCENT) {
+        None => DEFAULT_RETRY_JITTER_PERCENT,
+        Some(v) => v.trim().parse::<u32>().ok().filter(|p| *p <= 100).ok_or_else(|| ConfigError::Invalid {
+            name: env::RETRY_JITTER_PERCENT,
+            why: format!("{v:?} is not a whole number from 0 to 100"),
+        })?,
+    };
+    let retry_for = ms(env::RETRY_FOR_MS)?.filter(|d| !d.is_zero());
+    Ok(Schedule { backoff, initial, max, jitter_percent, retry_for })
 }
 
 #[cfg(test)]
@@ -160,7 +215,15 @@ mod tests {
     fn parses_the_contract_with_defaults() {
         let c = WorkerConfig::from_lookup(lookup(&base())).unwrap();
         assert_eq!(c.streams, vec!["orders", "refunds"]);
-        assert_eq!(c.max_deliveries, 5);
+        assert_eq!(c.max_deliveries, 10);
+        let retry = &c.retry;
+        assert_eq!(
+            (retry.backoff, retry.initial, retry.max),
+            (crate::retry::Backoff::Exponential, c.min_idle, DEFAULT_RETRY_MAX_DELAY)
+        );
+        assert_eq!((retry.jitter_percent, retry.retry_for), (20, None));
+        // The defaults ride out an hour's outage.
+        assert!(retry.horizon(c.max_deliveries) >= Duration::from_secs(3600), "{:?}", retry.horizon(c.max_deliveries));
         assert_eq!(c.min_idle, Duration::from_secs(60));
         assert_eq!(c.dead_letter_stream, "{orders}:dead");
         assert_eq!(c.mode, RunMode::Consume);
@@ -183,5 +246,38 @@ mod tests {
         pairs.push((env::DEAD_LETTER_STREAM, "refunds"));
         let err = WorkerConfig::from_lookup(lookup(&pairs)).unwrap_err().to_string();
         assert!(err.starts_with(env::DEAD_LETTER_STREAM) && err.contains("also a stream"), "{err}");
+        for (name, value) in [
+            (env::RETRY_BACKOFF, "Linear"),
+            (env::RETRY_INITIAL_DELAY_MS, "1000"),
+            (env::RETRY_JITTER_PERCENT, "101"),
+            (env::RETRY_FOR_MS, "soon"),
+        ] {
+            let mut pairs = base();
+            pairs.push((name, value));
+            let err = WorkerConfig::from_lookup(lookup(&pairs)).unwrap_err().to_string();
+            assert!(err.starts_with(name), "{name}={value}: {err}");
+        }
+    }
+
+    #[test]
+    fn the_retry_schedule_is_read_from_the_contract() {
+        let mut pairs = base();
+        pairs.extend([
+            (env::MIN_IDLE_MS, "1000"),
+            (env::RETRY_BACKOFF, "Fixed"),
+            (env::RETRY_INITIAL_DELAY_MS, "2000"),
+            (env::RETRY_MAX_DELAY_MS, "20000"),
+            (env::RETRY_JITTER_PERCENT, "0"),
+            (env::RETRY_FOR_MS, "60000"),
+        ]);
+        let c = WorkerConfig::from_lookup(lookup(&pairs)).unwrap();
+        let expected = crate::retry::Schedule {
+            backoff: crate::retry::Backoff::Fixed,
+            initial: Duration::from_secs(2),
+            max: Duration::from_secs(20),
+            jitter_percent: 0,
+            retry_for: Some(Duration::from_secs(60)),
+        };
+        assert_eq!(c.retry, expected);
     }
 }

@@ -25,8 +25,12 @@ pub const PREFIX: &str = "streamfleet.";
 /// Why an entry left the pipeline.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reason {
-    /// The handler kept failing transiently until `maxDeliveries`.
+    /// Delivered `maxDeliveries` times without settling (its deliveries
+    /// ended without a verdict: the worker died, or could not record one).
     MaxDeliveries,
+    /// The handler kept failing transiently through its whole retry
+    /// schedule (`retry`): `maxDeliveries` attempts, or its `retryFor`.
+    RetriesExhausted,
     /// The handler reported a permanent failure (a business rule said no).
     Permanent,
     /// The entry could not be parsed.
@@ -42,6 +46,7 @@ impl Reason {
     pub fn as_str(self) -> &'static str {
         match self {
             Reason::MaxDeliveries => "max-deliveries",
+            Reason::RetriesExhausted => "retries-exhausted",
             Reason::Permanent => "permanent",
             Reason::Malformed => "malformed",
             Reason::PayloadMissing => "payload-missing",
@@ -67,7 +72,7 @@ const DEAD_LETTER: &str = r"
         local id, lost, n = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
         ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, i + 3, i + 2 + n))
         redis.call('XACK', KEYS[2], ARGV[1], id)
-        redis.call('HDEL', KEYS[3], id, id .. ':run', id .. ':crashes')
+        redis.call('HDEL', KEYS[3], id, id .. ':run', id .. ':crashes', id .. ':since')
         if lost == '1' then
             redis.call('HINCRBY', KEYS[4], 'count', 1)
             redis.call('LPUSH', KEYS[5], id)

@@ -75,6 +75,10 @@ pub struct GroupSnapshot {
     pub before_oldest_pending: Option<String>,
     pub stream_length: u64,
     pub dead_letter_length: u64,
+    /// Entries parked for a retry on the schedule (`retry`): pending, but
+    /// waiting by design, so neither in the oldest sample nor among the
+    /// consumers.
+    pub retrying: u64,
 }
 
 impl GroupSnapshot {
@@ -107,6 +111,7 @@ impl GroupSnapshot {
             before_oldest_pending: first.before_oldest_pending.clone(),
             stream_length: total(|p| p.stream_length),
             dead_letter_length: total(|p| p.dead_letter_length),
+            retrying: total(|p| p.retrying),
         })
     }
 }
@@ -136,8 +141,14 @@ pub async fn inspect<C: ConnectionLike + Send>(
     let mut pipe = redis::pipe();
     pipe.cmd("XPENDING").arg(stream).arg(group).arg("-").arg("+").arg(OLDEST_SAMPLE);
     pipe.cmd("XINFO").arg("CONSUMERS").arg(stream).arg(group);
-    let (oldest, consumers): (Vec<(String, String, u64, u64)>, StreamInfoConsumersReply) =
-        pipe.query_async(conn).await.map_err(err)?;
+    let (oldest, consumers): (Vec<Pending>, StreamInfoConsumersReply) = pipe.query_async(conn).await.map_err(err)?;
+    let (parked, consumers): (Vec<_>, Vec<_>) = consumers
+        .consumers
+        .into_iter()
+        .map(|c| ConsumerState { name: c.name, pending: to_u64(c.pending), idle_ms: to_u64(c.idle) })
+        .partition(|c| crate::retry::parked_deliveries(&c.name).is_some());
+    let retrying = parked.iter().map(|c| c.pending).fold(0, u64::saturating_add);
+    let oldest = if retrying == 0 { oldest } else { oldest_unparked(conn, stream, group, oldest, &consumers).await? };
 
     let lag = match info.lag {
         Some(n) => Lag::Known(to_u64(n)),
@@ -156,15 +167,45 @@ pub async fn inspect<C: ConnectionLike + Send>(
         last_delivered_id: info.last_delivered_id,
         oldest_pending_idle_ms,
         max_delivery_count,
-        consumers: consumers
-            .consumers
-            .into_iter()
-            .map(|c| ConsumerState { name: c.name, pending: to_u64(c.pending), idle_ms: to_u64(c.idle) })
-            .collect(),
+        consumers,
         before_oldest_pending,
         stream_length,
         dead_letter_length,
+        retrying,
     }))
+}
+
+/// One `XPENDING` row: ID, owner, idle ms, delivery count.
+type Pending = (String, String, u64, u64);
+
+/// The oldest pending entries not parked for a retry: the group's sample
+/// without parked ones when it still has [`OLDEST_SAMPLE`] of them, else
+/// the oldest of each consumer's own (one more round trip).
+async fn oldest_unparked<C: ConnectionLike + Send>(
+    conn: &mut C,
+    stream: &str,
+    group: &str,
+    sample: Vec<Pending>,
+    consumers: &[ConsumerState],
+) -> Result<Vec<Pending>, StreamError> {
+    let unparked = |rows: Vec<Pending>| -> Vec<Pending> {
+        rows.into_iter().filter(|(_, owner, ..)| crate::retry::parked_deliveries(owner).is_none()).collect()
+    };
+    let sample = unparked(sample);
+    let holding: Vec<&ConsumerState> = consumers.iter().filter(|c| c.pending > 0).collect();
+    if sample.len() >= OLDEST_SAMPLE || holding.is_empty() {
+        return Ok(sample);
+    }
+    let mut pipe = redis::pipe();
+    for c in &holding {
+        pipe.cmd("XPENDING").arg(stream).arg(group).arg("-").arg("+").arg(OLDEST_SAMPLE).arg(&c.name);
+    }
+    let per_consumer: Vec<Vec<Pending>> =
+        pipe.query_async(conn).await.map_err(|e| StreamError::new("inspecting the group", e))?;
+    let mut rows: Vec<Pending> = per_consumer.into_iter().flatten().collect();
+    rows.sort_by_key(|(id, ..)| crate::retention::StreamId::parse(id));
+    rows.truncate(OLDEST_SAMPLE);
+    Ok(rows)
 }
 
 /// Counts entries after `last_delivered` with one bounded XRANGE.
@@ -218,6 +259,7 @@ mod tests {
             before_oldest_pending: Some(format!("{pending}-1")),
             stream_length: 10,
             dead_letter_length: 1,
+            retrying: 2,
         }
     }
 
@@ -231,7 +273,7 @@ mod tests {
         .unwrap();
         assert_eq!((merged.lag, merged.pending, merged.entries_read), (Lag::Known(7), 7, Some(7)));
         assert_eq!((merged.oldest_pending_idle_ms, merged.max_delivery_count), (Some(900), Some(9)));
-        assert_eq!((merged.stream_length, merged.dead_letter_length), (30, 3));
+        assert_eq!((merged.stream_length, merged.dead_letter_length, merged.retrying), (30, 3, 6));
         assert_eq!((merged.last_delivered_id.as_str(), merged.before_oldest_pending.as_deref()), ("2-0", Some("2-1")));
         let a = merged.consumers.iter().find(|c| c.name == "a").unwrap();
         assert_eq!((a.pending, a.idle_ms), (3, 10));

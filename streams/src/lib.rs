@@ -16,6 +16,7 @@ pub mod payload_loss;
 pub mod recovery;
 pub mod replay;
 pub mod retention;
+pub mod retry;
 pub mod shard;
 pub mod started;
 pub mod sweep;

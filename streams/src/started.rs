@@ -115,7 +115,7 @@ pub fn redelivery_lua() -> &'static str {
             return count + 1, crashes, false
         end
         local function forget(record_key, id)
-            redis.call('HDEL', record_key, id, id .. ':run', id .. ':crashes')
+            redis.call('HDEL', record_key, id, id .. ':run', id .. ':crashes', id .. ':since')
         end
         "
 }

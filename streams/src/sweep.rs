@@ -4,7 +4,8 @@
 //!   one keeps it; dead letter and ack are atomic);
 //! * record pending entries whose payload was trimmed or deleted as
 //!   `payload-missing` dead letters — counted, never success;
-//! * leave everything else to the workers' own claim loops.
+//! * leave everything else to the workers' own claim loops, entries parked
+//!   for a retry (`retry`) included, whatever their delivery count.
 //!
 //! Handlers are never run here.
 
@@ -135,7 +136,9 @@ pub async fn sweep<C: ConnectionLike + Send>(
                 if !owner_alive.contains(id) {
                     lost.push((entry, owner.as_str()));
                 }
-            } else if *deliveries >= s.max_deliveries {
+            } else if *deliveries >= s.max_deliveries && crate::retry::parked_deliveries(owner).is_none() {
+                // (A parked entry waits for its retry, inside its horizon:
+                // its next delivery decides.)
                 poison.push((entry, owner.as_str()));
             }
         }

@@ -641,6 +641,7 @@ fn shard_snapshots_merge_whatever_their_counts() {
                 consumers: vec![health::ConsumerState { name: "c".into(), pending, idle_ms: pending }],
                 before_oldest_pending: None,
                 stream_length,
+                retrying: dead_letter_length / 2,
                 dead_letter_length,
             });
     let result = runner(512).run(&prop::collection::vec(part, 0..4), |parts| {

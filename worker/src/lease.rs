@@ -91,12 +91,14 @@ static COMMIT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
         local acked, lost, m = {}, {}, 3
         local function ack()
             redis.call('XACK', KEYS[1], ARGV[1], unpack(acked))
-            -- The entries' records: last error, started record, crash count.
+            -- The entries' records: last error, started record, crash count,
+            -- first failure.
             local fields = {}
             for _, id in ipairs(acked) do
                 fields[#fields + 1] = id
                 fields[#fields + 1] = id .. ':run'
                 fields[#fields + 1] = id .. ':crashes'
+                fields[#fields + 1] = id .. ':since'
             end
             redis.call('HDEL', KEYS[2], unpack(fields))
             acked = {}

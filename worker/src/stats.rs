@@ -23,6 +23,7 @@ pub struct Stats {
     pub processed: Counter,
     pub failed: Counter,
     pub retried: Counter,
+    pub parked: Counter,
     /// In-process total (tests, the recovery report); exported by reason as
     /// `streamfleet_worker_dead_letters_total{reason}`.
     pub dead_lettered: Counter,
@@ -63,6 +64,8 @@ impl Stats {
         let processed = counter("processed", "Entries handled and acked");
         let failed = counter("failed", "Handler attempts that failed (transient, permanent or malformed)");
         let retried = counter("retried", "In-process retries of transient failures");
+        let parked =
+            counter("parked", "Transiently failed entries parked for their next attempt on the retry schedule");
         let suppressed = counter("suppressed_duplicates", "Redeliveries acked without running the handler (guard)");
         let claimed = counter("claimed", "Idle entries claimed from other consumers");
         let payload_missing = counter("payloads_lost", "Pending entries found with their payload gone");
@@ -86,6 +89,7 @@ impl Stats {
             processed,
             failed,
             retried,
+            parked,
             dead_lettered: Counter::default(),
             dead_letters,
             suppressed,

@@ -277,11 +277,12 @@ impl Flows {
         for id in [&abandoned[0], &abandoned[1], &released[0], &own, &fine[0], &fine[1]] {
             assert_eq!(handler.calls(id), 1, "{id}");
         }
-        assert_eq!(self.letters("max-deliveries").await?.len(), 2, "the dependency down, the hung handler");
+        assert_eq!(self.letters("retries-exhausted").await?.len(), 2, "the dependency down, the hung handler");
         assert_eq!(handler.calls(&duplicate), 0, "the duplicate event is suppressed");
         assert_eq!(handler.calls(&abandoned[2]), 0);
         assert_eq!(self.letters("permanent").await?[0].source_id.as_ref(), Some(&refused));
-        let gave_up: Vec<_> = self.letters("max-deliveries").await?.into_iter().filter_map(|l| l.source_id).collect();
+        let gave_up: Vec<_> =
+            self.letters("retries-exhausted").await?.into_iter().filter_map(|l| l.source_id).collect();
         assert_eq!(gave_up, [down, hung]);
         assert_eq!(self.letters("payload-missing").await?.len(), 2);
         assert_eq!(Stats::get(&stats.payload_missing), 1);

@@ -39,6 +39,7 @@ pub fn snapshot(lag: u64, pending: u64, consumers: &[(&str, u64)]) -> GroupSnaps
         before_oldest_pending: (pending > 0).then(|| "4-0".into()),
         stream_length: 1000,
         dead_letter_length: 0,
+        retrying: 0,
     }
 }
 

@@ -160,7 +160,7 @@ mod tests {
         let v = validate(&scg(json!({"retention": {"maxAgeSeconds": 60}}))).unwrap();
         assert_eq!(v.dead_letter_stream, "{orders}:dead");
         assert_eq!(v.min_idle, Duration::from_secs(60));
-        assert_eq!((v.max_deliveries, v.batch, v.target_per_replica), (5, 100, 100));
+        assert_eq!((v.max_deliveries, v.batch, v.target_per_replica), (10, 100, 100));
         assert_eq!(v.poll_interval, Duration::from_secs(10));
         assert_eq!(v.retention, Some(RetentionLimits { max_length: None, max_age_ms: Some(60_000) }));
         assert!(!v.delete_group);

@@ -25,12 +25,13 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
-use streamfleet_streams::claim::{LossRecord, autoclaim, claim_own};
+use streamfleet_streams::claim::{LossRecord, autoclaim, claim_due, claim_own};
 use streamfleet_streams::config::{RunMode, WorkerConfig};
 use streamfleet_streams::consumers::{self, HEARTBEAT_EVERY};
 use streamfleet_streams::deadletter::{self, Letter, Reason};
 use streamfleet_streams::entry::fields_from_map;
 use streamfleet_streams::recovery::{RecoveryReport, now_ms, write_report};
+use streamfleet_streams::retry::Parked;
 use streamfleet_streams::{Entry, StreamConnection, StreamError};
 
 /// What becomes of one entry of a batch.

@@ -109,6 +109,48 @@ impl<H: Handler> Worker<H> {
         }
     }
 
+    /// Claims `stream`'s parked entries whose retry is due (`retry`), page
+    /// by page, and handles them. Returns how many were claimed.
+    async fn claim_due_retries(
+        &self,
+        conn: &mut StreamConnection,
+        stream: &str,
+        dead_letter_stream: &str,
+        stop: &AtomicBool,
+    ) -> Result<usize, WorkerError> {
+        let mut total = 0;
+        while !stopping(stop) {
+            let due = match claim_due(
+                conn,
+                stream,
+                &self.config.group,
+                &self.config.consumer,
+                &self.loss_record(dead_letter_stream),
+                &self.config.retry,
+                self.config.max_deliveries,
+                self.config.batch_size,
+            )
+            .await
+            {
+                Ok(due) => due,
+                // As for idle claims: one shard failing must not stop the others.
+                Err(e) if self.config.mode == RunMode::Consume => {
+                    tracing::warn!(stream, error = %e, "claiming entries due for a retry");
+                    break;
+                }
+                Err(e) => return Err(e.into()),
+            };
+            let taken = due.entries.len() + due.deleted.len();
+            total += due.entries.len();
+            self.stats.add(&self.stats.claimed, due.entries.len());
+            self.settle_claimed(conn, stream, due.deleted, due.entries).await?;
+            if taken < self.config.batch_size {
+                break;
+            }
+        }
+        Ok(total)
+    }
+
     /// One pass of idle claims over each stream's PEL, from `0-0` until the
     /// cursor returns to `0-0` (`claim::autoclaim`). Returns how many
     /// entries were claimed, and whether idle entries were deferred (after
@@ -122,6 +164,7 @@ impl<H: Handler> Worker<H> {
         let (mut total, mut deferred) = (0, false);
         for stream in &self.config.streams {
             let dead_letter_stream = self.config.dead_letter_stream_of(stream);
+            total += self.claim_due_retries(conn, stream, &dead_letter_stream, stop).await?;
             let mut cursor = "0-0".to_string();
             loop {
                 let claimed = match autoclaim(

@@ -9,6 +9,11 @@ use super::*;
 /// its process.
 pub(super) const CRASH_LIMIT: u32 = 3;
 
+/// How long a transient failure is retried in process before the entry
+/// waits for its next delivery on the schedule (at most a quarter of
+/// min-idle-time).
+pub(super) const IN_PROCESS_RETRIES_FOR: Duration = Duration::from_secs(1);
+
 impl<H: Handler> Worker<H> {
     /// Decides one entry.
     pub(super) async fn settle(
@@ -92,16 +97,64 @@ impl<H: Handler> Worker<H> {
                     tracing::warn!(stream = %entry.stream, id = %entry.id, error, "dropped (at-most-once delivery)");
                     return Ok(Settled::Leave);
                 }
-                if entry.deliveries >= self.config.max_deliveries {
-                    self.dead_letter(conn, entry, Reason::MaxDeliveries, &error, key).await?;
-                } else {
-                    deadletter::record_last_error(conn, entry, &self.config.group, &error).await?;
-                }
+                self.retry_later(conn, entry, &error, key).await?;
                 Ok(Settled::Leave)
             }
             Outcome::Permanent(error) => self.reject(conn, batch, i, Reason::Permanent, &error, key).await,
             Outcome::Malformed(error) => self.reject(conn, batch, i, Reason::Malformed, &error, key).await,
         }
+    }
+
+    /// A transient failure: the entry is parked until its next attempt is
+    /// due on the retry schedule (`retry`), or dead-lettered
+    /// `retries-exhausted` when this was its last delivery or its
+    /// `retryFor` horizon has passed.
+    pub(super) async fn retry_later(
+        &self,
+        conn: &mut StreamConnection,
+        entry: &Entry,
+        error: &str,
+        key: Option<&str>,
+    ) -> Result<(), WorkerError> {
+        let schedule = &self.config.retry;
+        let exhausted = |why: String| format!("{error} (gave up: {why})");
+        if entry.deliveries >= self.config.max_deliveries {
+            let why = exhausted(format!("{} attempts, the most maxDeliveries allows", entry.deliveries));
+            return self.dead_letter(conn, entry, Reason::RetriesExhausted, &why, key).await;
+        }
+        let dead_letter_stream = self.config.dead_letter_stream_of(&entry.stream);
+        let loss = self.loss_record(&dead_letter_stream);
+        let jitter = rand::rng().random_range(0.0..1.0);
+        let parked = streamfleet_streams::retry::park(
+            conn,
+            entry,
+            &self.config.group,
+            &self.config.consumer,
+            &loss,
+            schedule,
+            error,
+            jitter,
+        )
+        .await?;
+        match parked {
+            Parked::Until(delay) => {
+                self.stats.add(&self.stats.parked, 1);
+                tracing::info!(stream = %entry.stream, id = %entry.id, deliveries = entry.deliveries, retry_in = ?delay, error, "failed; retrying on the schedule");
+            }
+            Parked::HorizonPassed => {
+                let limit = schedule.retry_for.unwrap_or_default();
+                let why = exhausted(format!("{} attempts, retryFor {limit:?} passed", entry.deliveries));
+                self.dead_letter(conn, entry, Reason::RetriesExhausted, &why, key).await?;
+            }
+            Parked::NotOurs => {
+                tracing::info!(stream = %entry.stream, id = %entry.id, "failed, and no longer this consumer's: left to its holder");
+            }
+            Parked::Lost => {
+                self.stats.add(&self.stats.payload_missing, 1);
+                tracing::warn!(stream = %entry.stream, id = %entry.id, "failed, and its payload was trimmed or deleted meanwhile: recorded as lost");
+            }
+        }
+        Ok(())
     }
 
     /// Records that `entry`'s handler starts (`started`), before it runs: if
@@ -172,15 +225,19 @@ impl<H: Handler> Worker<H> {
         Ok(Settled::Leave)
     }
 
-    /// Runs the handler, retrying transient failures with exponential backoff
-    /// and jitter for up to min-idle-time; the same budget is every attempt's
-    /// deadline: a handler still running then is dropped and counts as a
-    /// transient failure. The hold keeps the entry this one's meanwhile (no
-    /// other consumer claims it), so the deadline only bounds a hung handler:
-    /// an attempt dropped after its effect is run again by the next
+    /// Runs the handler, retrying a transient failure in process for a short
+    /// while only ([`IN_PROCESS_RETRIES_FOR`], a blip); past that the entry
+    /// waits for its next delivery on the retry schedule (`retry_later`), so
+    /// the horizon is the schedule's whatever the batch size, the
+    /// concurrency or the handler time. Every attempt's deadline is
+    /// min-idle-time: a handler still running then is dropped and counts as
+    /// a transient failure. The hold keeps the entry this one's meanwhile
+    /// (no other consumer claims it), so the deadline only bounds a hung
+    /// handler: an attempt dropped after its effect is run again by the next
     /// delivery, possibly elsewhere, which the handler's idempotency absorbs.
     pub(super) async fn handle_with_retries(&self, entry: &Entry) -> Outcome {
-        let budget = self.config.min_idle;
+        let deadline = self.config.min_idle;
+        let budget = IN_PROCESS_RETRIES_FOR.min(deadline / 4);
         let started = Instant::now();
         let mut delay = Duration::from_millis(50);
         loop {
@@ -188,11 +245,12 @@ impl<H: Handler> Worker<H> {
             // dead-lettered past maxDeliveries like any failure).
             // Inside an async block, so a panic while building the future is caught too.
             let attempt = async { self.handler.handle(entry).await };
-            let left = budget.saturating_sub(started.elapsed()).max(Duration::from_millis(1));
-            let outcome = match tokio::time::timeout(left, std::panic::AssertUnwindSafe(attempt).catch_unwind()).await {
+            let outcome = match tokio::time::timeout(deadline, std::panic::AssertUnwindSafe(attempt).catch_unwind())
+                .await
+            {
                 // Past its deadline (min-idle-time): given up; the entry is
                 // left for its next delivery.
-                Err(_) => Outcome::Transient(format!("handler timed out after {left:?}")),
+                Err(_) => Outcome::Transient(format!("handler timed out after {deadline:?}")),
                 Ok(Ok(outcome)) => outcome,
                 Ok(Err(panic)) => Outcome::Transient(format!("handler panicked: {}", panic_message(panic.as_ref()))),
             };
@@ -205,7 +263,7 @@ impl<H: Handler> Worker<H> {
             }
             self.stats.add(&self.stats.retried, 1);
             tokio::time::sleep(jittered).await;
-            delay = (delay * 2).min(budget / 4);
+            delay = (delay * 2).min(budget / 2);
         }
     }
 

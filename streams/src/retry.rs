@@ -1,0 +1,272 @@
+//! Retries on a schedule, kept in the PEL.
+//!
+//! An entry whose handler failed transiently is *parked*: claimed (`XCLAIM …
+//! JUSTID`, its delivery count unchanged) to the group's parking consumer
+//! for its delivery count, `streamfleet:retry:<n>`, with an idle time chosen
+//! so that it reaches that consumer's threshold, [`Schedule::threshold`]`(n)`,
+//! when its next attempt is due. A claim takes it back only then
+//! (`XPENDING … IDLE threshold … streamfleet:retry:<n>`, one call per
+//! parking consumer): its ID and delivery count stay what they are (the
+//! count is the retry count), no second stream, no mover, and a page of
+//! due entries costs what a page of idle ones does however many wait.
+//!
+//! Every parking consumer holds entries with one delivery count, so they
+//! share one threshold; the entry's own delay (with jitter, cut short at
+//! its `retryFor` horizon) is in the idle time it is parked with: `threshold
+//! − delay`. A parked entry has no holder: the claim rules for live holders
+//! (`claim::claim_rules_lua`) do not apply to it, the reaper never touches
+//! its consumer (no pod is named `streamfleet:…`), and the health snapshot
+//! counts it as retrying, not stuck.
+
+use crate::entry::Entry;
+use crate::error::StreamError;
+use redis::aio::ConnectionLike;
+use std::time::Duration;
+
+/// Parking consumers are named this, then the delivery count of the
+/// entries they hold. A pod name (a DNS label) never has a colon.
+pub const PARKED_PREFIX: &str = "streamfleet:retry:";
+
+/// The parking consumer for entries that failed at delivery `deliveries`.
+pub fn parked_consumer(deliveries: u64) -> String {
+    format!("{PARKED_PREFIX}{deliveries}")
+}
+
+/// The delivery count a parking consumer holds entries at; `None` for
+/// any other consumer.
+pub fn parked_deliveries(consumer: &str) -> Option<u64> {
+    consumer.strip_prefix(PARKED_PREFIX)?.parse().ok()
+}
+
+/// How the delay grows from one delivery to the next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backoff {
+    /// `initial · 2^(n−1)`, at most `max`.
+    Exponential,
+    /// Always `initial`.
+    Fixed,
+}
+
+/// When a transiently failed entry is tried again, and until when.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Schedule {
+    pub backoff: Backoff,
+    /// The delay after the first failed delivery.
+    pub initial: Duration,
+    /// No delay is longer (before jitter).
+    pub max: Duration,
+    /// Each delay is lengthened by a random 0 to this many percent, so
+    /// entries that failed together do not all come back together.
+    pub jitter_percent: u32,
+    /// No attempt starts later than this after the entry's first failure:
+    /// the last delay is cut short to land on it, and an entry that fails
+    /// past it is dead-lettered `retries-exhausted`. `None`: only the
+    /// delivery count bounds it.
+    pub retry_for: Option<Duration>,
+}
+
+impl Schedule {
+    /// The delay after delivery `deliveries` failed, before jitter. Never
+    /// overflows: doubling stops at `max`.
+    pub fn base(&self, deliveries: u64) -> Duration {
+        match self.backoff {
+            Backoff::Fixed => self.initial,
+            Backoff::Exponential => {
+                let mut delay = self.initial;
+                for _ in 1..deliveries.max(1) {
+                    if delay >= self.max {
+                        break;
+                    }
+                    delay = delay.saturating_mul(2);
+                }
+                delay.min(self.max)
+            }
+        }
+    }
+
+    /// The longest delay after delivery `deliveries` (jitter at its most):
+    /// the idle time at which that delivery's parking consumer releases an
+    /// entry.
+    pub fn threshold(&self, deliveries: u64) -> Duration {
+        let base = self.base(deliveries);
+        base.saturating_add(base.mul_f64(f64::from(self.jitter_percent.min(100)) / 100.0))
+    }
+
+    /// The delay after delivery `deliveries` failed, for a jitter draw `u`
+    /// in `[0, 1)`: between [`Schedule::base`] and [`Schedule::threshold`].
+    pub fn delay(&self, deliveries: u64, u: f64) -> Duration {
+        let base = self.base(deliveries);
+        let extra = self.threshold(deliveries).saturating_sub(base);
+        base.saturating_add(extra.mul_f64(u.clamp(0.0, 1.0)))
+    }
+
+    /// How long an entry that keeps failing is retried before its last
+    /// attempt, when every attempt fails at once: the sum of the delays
+    /// (before jitter) up to `max_deliveries`, or `retry_for` when shorter.
+    pub fn horizon(&self, max_deliveries: u64) -> Duration {
+        let by_count = (1..max_deliveries).map(|n| self.base(n)).fold(Duration::ZERO, Duration::saturating_add);
+        self.retry_for.map_or(by_count, |limit| by_count.min(limit))
+    }
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// The field recording when an entry first failed (ms), for `retryFor`.
+pub fn failing_since_field(id: &str) -> String {
+    format!("{id}:since")
+}
+
+/// What [`park`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Parked {
+    /// Parked: tried again after this long.
+    Until(Duration),
+    /// Its `retryFor` horizon has passed: dead-letter it.
+    HorizonPassed,
+    /// It is no longer this consumer's (another consumer claimed it, or it
+    /// was acked): left as it is.
+    NotOurs,
+    /// Its payload was trimmed or deleted: recorded lost.
+    Lost,
+}
+
+/// KEYS: stream, dead-letter stream, loss count, loss IDs, entry records.
+/// ARGV[1] group, ARGV[2] the consumer named in a loss record, ARGV[3] why,
+/// ARGV[4] owner, ARGV[5] ID, ARGV[6] delivery count, ARGV[7] error,
+/// ARGV[8] parking consumer, ARGV[9] its threshold ms, ARGV[10] delay ms,
+/// ARGV[11] retryFor ms (0: none). Owner-checked: an entry another
+/// consumer took since is left alone, its records too. Returns the delay
+/// (ms) it was parked for, -1 past the horizon, -2 not ours, -3 lost.
+static PARK: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(&format!(
+        r"{}{}
+        local id = ARGV[5]
+        local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)[1]
+        if p == nil or p[2] ~= ARGV[4] then return -2 end
+        if #redis.call('XRANGE', KEYS[1], id, id) == 0 then
+            lost(id, p[2], KEYS[5])
+            return -3
+        end
+        local t = redis.call('TIME')
+        local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+        redis.call('HSET', KEYS[5], id, ARGV[7], id .. ':run', ARGV[6] .. ':end')
+        redis.call('HSETNX', KEYS[5], id .. ':since', string.format('%.0f', now))
+        local delay = tonumber(ARGV[10])
+        local limit = tonumber(ARGV[11])
+        if limit > 0 then
+            local left = tonumber(redis.call('HGET', KEYS[5], id .. ':since')) + limit - now
+            if left <= 0 then return -1 end
+            delay = math.min(delay, left)
+        end
+        local idle = math.max(0, tonumber(ARGV[9]) - delay)
+        redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[8], 0, id, 'IDLE', string.format('%.0f', idle), 'JUSTID')
+        return delay",
+        crate::started::redelivery_lua(),
+        crate::claim::lost_lua(),
+    ))
+});
+
+/// Parks `entry`, which this consumer (`owner`) holds and whose current
+/// delivery's handler failed with `error`, until its next attempt is due
+/// (its delay drawn from `schedule` with jitter `u`, cut short at its
+/// `retryFor` horizon). Also records the error and that the delivery ended
+/// (`started`), in the same script.
+#[allow(clippy::too_many_arguments)]
+pub async fn park<C: ConnectionLike + Send>(
+    conn: &mut C,
+    entry: &Entry,
+    group: &str,
+    owner: &str,
+    loss: &crate::claim::LossRecord<'_>,
+    schedule: &Schedule,
+    error: &str,
+    u: f64,
+) -> Result<Parked, StreamError> {
+    let n = entry.deliveries;
+    let mut script = crate::claim::prepare(&PARK, &entry.stream, group, loss);
+    script
+        .key(crate::keys::last_error_key(&entry.stream, group))
+        .arg(owner)
+        .arg(&entry.id)
+        .arg(n)
+        .arg(error)
+        .arg(parked_consumer(n))
+        .arg(ms(schedule.threshold(n)))
+        .arg(ms(schedule.delay(n, u)))
+        .arg(schedule.retry_for.map_or(0, ms));
+    let parked: i64 =
+        script.invoke_async(conn).await.map_err(|e| StreamError::new("parking an entry for its retry", e))?;
+    Ok(match parked {
+        -1 => Parked::HorizonPassed,
+        -2 => Parked::NotOurs,
+        -3 => Parked::Lost,
+        delay => Parked::Until(Duration::from_millis(u64::try_from(delay).unwrap_or(0))),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn schedule(backoff: Backoff) -> Schedule {
+        Schedule {
+            backoff,
+            initial: Duration::from_secs(1),
+            max: Duration::from_secs(20),
+            jitter_percent: 20,
+            retry_for: None,
+        }
+    }
+
+    #[test]
+    fn exponential_doubles_up_to_its_cap_and_never_overflows() {
+        let s = schedule(Backoff::Exponential);
+        let secs: Vec<u64> = (1..=7).map(|n| s.base(n).as_secs()).collect();
+        assert_eq!(secs, vec![1, 2, 4, 8, 16, 20, 20]);
+        assert_eq!(s.base(0), Duration::from_secs(1));
+        assert_eq!(s.base(u64::MAX), Duration::from_secs(20));
+        let huge = Schedule { max: Duration::MAX, ..s };
+        assert_eq!(huge.base(200), Duration::MAX);
+    }
+
+    #[test]
+    fn fixed_is_always_the_initial_delay() {
+        let s = schedule(Backoff::Fixed);
+        assert!((1..50).all(|n| s.base(n) == Duration::from_secs(1)));
+    }
+
+    #[test]
+    fn jitter_lengthens_a_delay_by_at_most_its_percentage() {
+        let s = schedule(Backoff::Exponential);
+        assert_eq!(s.delay(3, 0.0), Duration::from_secs(4));
+        assert_eq!(s.threshold(3), Duration::from_millis(4_800));
+        for u in [0.0, 0.25, 0.5, 0.999, 1.0, 7.0, -1.0] {
+            let d = s.delay(3, u);
+            assert!(d >= s.base(3) && d <= s.threshold(3), "{u}: {d:?}");
+        }
+        let none = Schedule { jitter_percent: 0, ..s.clone() };
+        assert_eq!(none.threshold(3), none.base(3));
+        let silly = Schedule { jitter_percent: 1_000, ..s };
+        assert_eq!(silly.threshold(1), Duration::from_secs(2));
+    }
+
+    #[test]
+    fn the_horizon_is_the_delays_up_to_the_last_delivery_or_retry_for() {
+        let s = schedule(Backoff::Exponential);
+        // Deliveries 1..=5: four delays, 1 + 2 + 4 + 8.
+        assert_eq!(s.horizon(5), Duration::from_secs(15));
+        assert_eq!(s.horizon(1), Duration::ZERO);
+        let capped = Schedule { retry_for: Some(Duration::from_secs(10)), ..s };
+        assert_eq!(capped.horizon(5), Duration::from_secs(10));
+    }
+
+    #[test]
+    fn parking_consumers_are_told_apart_from_pods() {
+        assert_eq!(parked_consumer(3), "streamfleet:retry:3");
+        assert_eq!(parked_deliveries("streamfleet:retry:3"), Some(3));
+        assert_eq!(parked_deliveries("orders-worker-abc-1.uid"), None);
+        assert_eq!(parked_deliveries("streamfleet:retry:x"), None);
+    }
+}
