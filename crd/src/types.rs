@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
     printcolumn = r#"{"name":"Group","type":"string","jsonPath":".spec.group"}"#,
     printcolumn = r#"{"name":"Lag","type":"integer","jsonPath":".status.lag"}"#,
     printcolumn = r#"{"name":"Pending","type":"integer","jsonPath":".status.pending"}"#,
+    printcolumn = r#"{"name":"Retrying","type":"integer","description":"Pending entries waiting for a retry on the schedule","jsonPath":".status.retrying.entries"}"#,
     printcolumn = r#"{"name":"Oldest","type":"integer","description":"Idle seconds of the oldest pending entry","jsonPath":".status.oldestPendingIdleSeconds"}"#,
     printcolumn = r#"{"name":"Replicas","type":"string","jsonPath":".status.replicas.summary"}"#,
     printcolumn = r#"{"name":"Dead","type":"integer","description":"Entries in the dead-letter stream","jsonPath":".status.deadLetterLength"}"#,
@@ -345,14 +346,16 @@ pub struct RetrySpec {
     #[serde(default)]
     pub backoff: Backoff,
     /// Milliseconds from the first failure to the second attempt. Unset:
-    /// `minIdleTimeMs`; never shorter.
+    /// `minIdleTimeMs`; never shorter. At most 7 days.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1000))]
+    #[schemars(range(min = 1000, max = 604800000))]
     pub initial_delay_ms: Option<i64>,
-    /// The longest delay between two attempts, in milliseconds.
-    #[serde(default = "default_max_delay_ms")]
-    #[schemars(range(min = 1000))]
-    pub max_delay_ms: i64,
+    /// The longest delay between two attempts, in milliseconds. Unset: 15
+    /// minutes (900000), or the first delay when that is longer. At most 7
+    /// days.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1000, max = 604800000))]
+    pub max_delay_ms: Option<i64>,
     /// Each delay is lengthened by a random 0 to this many percent, so
     /// entries that failed together do not come back together.
     #[serde(default = "default_jitter_percent")]
@@ -361,9 +364,9 @@ pub struct RetrySpec {
     /// No attempt starts later than this many seconds after the entry
     /// first failed: the last delay is cut short to land on it, and an
     /// entry failing then is dead-lettered `retries-exhausted`. Unset:
-    /// `maxDeliveries` alone bounds the retries.
+    /// `maxDeliveries` alone bounds the retries. At most a year.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = 31536000))]
     pub retry_for_seconds: Option<i64>,
 }
 
@@ -375,9 +378,6 @@ pub enum Backoff {
     Fixed,
 }
 
-fn default_max_delay_ms() -> i64 {
-    900_000
-}
 fn default_jitter_percent() -> i32 {
     20
 }
@@ -387,7 +387,7 @@ impl Default for RetrySpec {
         Self {
             backoff: Backoff::default(),
             initial_delay_ms: None,
-            max_delay_ms: default_max_delay_ms(),
+            max_delay_ms: None,
             jitter_percent: default_jitter_percent(),
             retry_for_seconds: None,
         }
@@ -507,7 +507,7 @@ pub struct StreamConsumerGroupStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas: Option<ReplicaStatus>,
 
-    /// Overall classification: Healthy, Backlogged, Stalled, PoisonForming,
+    /// Overall classification: Healthy, Backlogged, Stalled, Retrying, PoisonForming,
     /// PayloadLost, Unknown or Suspended (`spec.suspend`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub health: Option<Health>,
@@ -522,6 +522,11 @@ pub struct StreamConsumerGroupStatus {
     /// acknowledged (annotation `streamfleet.io/payload-lost-acknowledged`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub payload_lost: Option<PayloadLostStatus>,
+
+    /// Pending entries waiting for a retry on the schedule
+    /// (`spec.recovery.retry`); absent when none wait, or when unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retrying: Option<RetryingStatus>,
 
     /// Where the group would be created again if it vanished (its stream
     /// deleted, Redis restarted without persistence): just before its oldest
@@ -574,6 +579,38 @@ pub struct PayloadLostStatus {
     pub latest_ids: Vec<String>,
 }
 
+/// Pending entries waiting for a retry on the schedule (`spec.recovery.retry`).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RetryingStatus {
+    /// Entries waiting for their next attempt.
+    pub entries: i64,
+    /// Of those, entries whose next attempt is their last (`maxDeliveries`):
+    /// dead-lettered `retries-exhausted` if it fails too.
+    pub on_last_attempt: i64,
+    /// When the next of them is due (of the first 100 waiting at each
+    /// delivery count).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_attempt_time: Option<Time>,
+    /// The last error of that entry (at most 256 characters).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
+    pub last_error: Option<String>,
+    /// Entries waiting, by the delivery count they failed at.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub by_delivery: Vec<RetryingAtDelivery>,
+}
+
+/// Entries waiting for a retry after failing at one delivery count.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RetryingAtDelivery {
+    /// The delivery they failed at; their next attempt is the one after.
+    pub deliveries: i64,
+    pub entries: i64,
+}
+
 /// Pending entries owned by one consumer.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -605,6 +642,9 @@ pub enum Health {
     Backlogged,
     /// Work waiting and no progress.
     Stalled,
+    /// Many entries wait for a retry after failing transiently: a
+    /// downstream is likely failing (`status.retrying` names the error).
+    Retrying,
     /// Entries are being redelivered towards the dead-letter threshold.
     PoisonForming,
     /// Pending entries whose payload was trimmed or deleted.

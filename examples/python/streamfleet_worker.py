@@ -67,7 +67,7 @@ local page = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[3], ARGV[4], 
 local existing = {}
 for _, p in ipairs(page) do
   local alive_at = tonumber(redis.call('ZSCORE', KEYS[6], p[2]) or '')
-  if string.sub(p[2], 1, 18) == 'streamfleet:retry:' then
+  if string.match(p[2], '^streamfleet:retry:%d+$') then
     -- Parked by a Rust worker for a retry on the schedule (env contract
     -- rule 10): this minimal worker leaves it to them, taken when due.
   elseif #redis.call('XRANGE', KEYS[1], p[1], p[1]) > 0 then

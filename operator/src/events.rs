@@ -19,11 +19,17 @@ const NOTE_LIMIT: usize = 1000;
 
 /// `note` cut at a character boundary to at most [`NOTE_LIMIT`] bytes.
 fn bounded(note: &str) -> String {
-    let mut end = note.len().min(NOTE_LIMIT);
-    while !note.is_char_boundary(end) {
+    cut(note, NOTE_LIMIT)
+}
+
+/// `text` cut at a character boundary to at most `limit` bytes (a handler's
+/// error quoted in a message or the status).
+pub fn cut(text: &str, limit: usize) -> String {
+    let mut end = text.len().min(limit);
+    while !text.is_char_boundary(end) {
         end -= 1;
     }
-    note[..end].to_string()
+    text[..end].to_string()
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -5,7 +5,8 @@
 //! |---|---|
 //! | `Unknown` | the group could not be inspected, or its lag is unknown |
 //! | `PayloadLost` | pending entries were found with their payload gone (by anyone), and not all are acknowledged |
-//! | `Stalled` | work is waiting and nothing moves: the oldest pending entry has been idle for over twice min-idle-time, or lag > 0 and the group's read counter has not moved for ≥ 30 s over ≥ 3 polls |
+//! | `Stalled` | work is waiting and nothing moves: the oldest pending entry not waiting for a retry has been idle for over twice min-idle-time, or lag > 0 and the group's read counter has not moved for ≥ 30 s over ≥ 3 polls |
+//! | `Retrying` | at least 10 entries wait for a retry after failing transiently: a downstream is likely failing |
 //! | `PoisonForming` | a pending entry has been delivered at least max(2, maxDeliveries − 1) times |
 //! | `Backlogged` | lag + pending exceed what the running replicas are meant to carry |
 //! | `Healthy` | otherwise |
@@ -15,6 +16,9 @@ use streamfleet_crd::Health;
 use streamfleet_streams::health::{GroupSnapshot, Lag};
 
 const STALL_MIN_SPAN: Duration = Duration::from_secs(30);
+/// Entries waiting for a retry from which the pipeline is `Retrying`: a
+/// few failures are everyday life, this many at once is an outage.
+pub const RETRYING_MANY: u64 = 10;
 /// Polls that must agree before reading is called stopped.
 const STALL_MIN_POLLS: usize = 3;
 
@@ -80,13 +84,19 @@ pub fn classify(i: &Inputs<'_>) -> (Health, String) {
             ),
         );
     }
-    let work = lag.saturating_add(s.pending);
+    // Entries waiting for a retry are not work more workers could do.
+    let work = lag.saturating_add(s.pending.saturating_sub(s.retrying));
     let stuck_ms = u64::try_from(i.min_idle.as_millis()).unwrap_or(u64::MAX).saturating_mul(2);
     if let Some(idle) = s.oldest_pending_idle_ms.filter(|idle| *idle > stuck_ms) {
         return (Health::Stalled, format!("the oldest pending entry has been idle {}s", idle / 1000));
     }
     if lag > 0 && i.memory.reading_stopped() {
         return (Health::Stalled, format!("lag {lag} and nothing read for the last polls"));
+    }
+    if s.retrying >= RETRYING_MANY {
+        let error = s.parked.iter().max_by_key(|p| p.most_idle_ms).and_then(|p| p.last_error.as_deref());
+        let error = error.map(|e| format!("; last error: {}", crate::events::cut(e, 200))).unwrap_or_default();
+        return (Health::Retrying, format!("{} entries wait for a retry after failing transiently{error}", s.retrying));
     }
     let poison_at = i.max_deliveries.saturating_sub(1).max(2);
     if let Some(count) = s.max_delivery_count.filter(|c| *c >= poison_at) {
@@ -122,6 +132,7 @@ mod tests {
             stream_length: 100,
             dead_letter_length: 0,
             retrying: 0,
+            parked: Vec::new(),
         }
     }
 
@@ -136,6 +147,36 @@ mod tests {
             payload_lost_unacknowledged: u64::from(lost),
         })
         .0
+    }
+
+    #[test]
+    fn many_entries_waiting_for_a_retry_read_retrying_and_are_no_backlog() {
+        let m = HealthMemory::default();
+        let parked = |entries, error: &str| streamfleet_streams::health::ParkedState {
+            deliveries: 2,
+            entries,
+            most_idle_ms: 500,
+            last_error: Some(error.into()),
+        };
+        let mut s = snap(Lag::Known(0), 400);
+        s.retrying = 390;
+        s.parked = vec![parked(390, "transient: payment provider down")];
+        let (health, message) = classify(&Inputs {
+            snapshot: Some(&s),
+            memory: &m,
+            min_idle: Duration::from_secs(10),
+            max_deliveries: 5,
+            target_per_replica: 100,
+            replicas: 2,
+            payload_lost_unacknowledged: 0,
+        });
+        assert_eq!(health, Health::Retrying);
+        assert!(message.contains("390 entries") && message.contains("payment provider down"), "{message}");
+        // A few are everyday life, and waiting entries are not a backlog.
+        s.retrying = RETRYING_MANY - 1;
+        s.parked = vec![parked(RETRYING_MANY - 1, "x")];
+        s.pending = 200 + s.retrying;
+        assert_eq!(classify_one(Some(&s), &m, false), Health::Healthy);
     }
 
     #[test]

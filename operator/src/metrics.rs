@@ -48,10 +48,11 @@ pub struct ReasonLabels {
     pub reason: String,
 }
 
-const HEALTHS: [Health; 7] = [
+const HEALTHS: [Health; 8] = [
     Health::Healthy,
     Health::Backlogged,
     Health::Stalled,
+    Health::Retrying,
     Health::PoisonForming,
     Health::PayloadLost,
     Health::Unknown,
@@ -78,7 +79,7 @@ pub struct Metrics {
 
 /// Per-resource gauges: (metric name, help, how to read it from the status).
 type Reader = fn(&StreamConsumerGroup, &StreamConsumerGroupStatus) -> Option<i64>;
-const GAUGES: [(&str, &str, Reader); 13] = [
+const GAUGES: [(&str, &str, Reader); 15] = [
     ("streamfleet_group_lag", "Entries not yet delivered to the group (absent when unknown)", |_, s| s.lag),
     ("streamfleet_group_pending", "Entries delivered and not acknowledged", |_, s| s.pending),
     ("streamfleet_group_oldest_pending_idle_seconds", "Idle time of the oldest pending entry", |_, s| {
@@ -94,6 +95,14 @@ const GAUGES: [(&str, &str, Reader); 13] = [
         Some(scg.spec.recovery.min_idle_time_ms / 1000)
     }),
     ("streamfleet_group_consumers", "Consumers in the group", |_, s| s.consumers),
+    ("streamfleet_group_retrying", "Pending entries waiting for a retry on the schedule", |_, s| {
+        s.retrying.as_ref().map(|r| r.entries)
+    }),
+    (
+        "streamfleet_group_retrying_last_attempt",
+        "Entries waiting for a retry that is their last (maxDeliveries): dead-lettered if it fails",
+        |_, s| s.retrying.as_ref().map(|r| r.on_last_attempt),
+    ),
     ("streamfleet_dead_letter_length", "Entries in the dead-letter stream", |_, s| s.dead_letter_length),
     ("streamfleet_stream_length", "Entries in the stream", |_, s| s.stream_length),
     (

@@ -139,7 +139,9 @@ pub fn contract_env(scg: &StreamConsumerGroup, mode: &str) -> Vec<EnvVar> {
     if let Some(ms) = retry.initial_delay_ms {
         out.push(value(env::RETRY_INITIAL_DELAY_MS, ms.to_string()));
     }
-    out.push(value(env::RETRY_MAX_DELAY_MS, retry.max_delay_ms.to_string()));
+    if let Some(ms) = retry.max_delay_ms {
+        out.push(value(env::RETRY_MAX_DELAY_MS, ms.to_string()));
+    }
     out.push(value(env::RETRY_JITTER_PERCENT, retry.jitter_percent.to_string()));
     if let Some(s) = retry.retry_for_seconds {
         out.push(value(env::RETRY_FOR_MS, s.saturating_mul(1000).to_string()));

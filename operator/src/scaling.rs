@@ -1,7 +1,11 @@
 //! The scaling policy: a pure function of the spec, the replicas running,
 //! the group's lag and pending count, and a short memory of past decisions.
 //!
-//! * desired = clamp(ceil((lag + pending) / targetPerReplica), min, max);
+//! * desired = clamp(ceil((lag + pending) / targetPerReplica), min, max),
+//!   where pending leaves out entries parked for a retry (`retry`): more
+//!   workers would only call a failing downstream more often;
+//! * never zero while entries wait for a retry: someone must take them
+//!   when they are due;
 //! * from zero, only when lag + pending exceeds `activationThreshold`;
 //! * up at once; down to the highest recommendation of the last
 //!   `scaleDownStabilizationSeconds` (as the HPA does);
@@ -29,12 +33,13 @@ pub struct Decision {
     pub reason: String,
 }
 
-/// `observed`: (lag, pending) from this poll, `None` when inspection failed.
-/// `now`: a monotonic clock reading.
+/// `observed`: (lag, pending, of those pending how many are parked for a
+/// retry) from this poll, `None` when inspection failed. `now`: a
+/// monotonic clock reading.
 pub fn decide(
     spec: &ScalingSpec,
     current: i32,
-    observed: Option<(Lag, u64)>,
+    observed: Option<(Lag, u64, u64)>,
     now: Duration,
     memory: &mut ScalingMemory,
 ) -> Decision {
@@ -42,15 +47,17 @@ pub fn decide(
     if spec.paused {
         return hold("scaling paused");
     }
-    let Some((lag, pending)) = observed else {
+    let Some((lag, all_pending, retrying)) = observed else {
         return hold("group metrics unavailable: holding replicas");
     };
+    let retrying = retrying.min(all_pending);
+    let pending = all_pending - retrying;
     let min = spec.min_replicas.max(0);
     let max = spec.max_replicas.max(min).max(1);
     let target = u64::try_from(spec.target_per_replica.max(1)).unwrap_or(1);
     let per_target = |work: u64| i32::try_from(work.div_ceil(target)).unwrap_or(i32::MAX);
 
-    let idle = lag.is_known_zero() && pending == 0;
+    let idle = lag.is_known_zero() && all_pending == 0;
     if idle {
         memory.idle_since.get_or_insert(now);
     } else {
@@ -70,9 +77,10 @@ pub fn decide(
                 Lag::AtLeast(_) => format!(">={lag_n}"),
                 _ => lag_n.to_string(),
             };
-            let numbers = format!("lag={lag_text} pending={pending} target={target}/replica");
+            let retrying_text = if retrying > 0 { format!(" retrying={retrying}") } else { String::new() };
+            let numbers = format!("lag={lag_text} pending={pending}{retrying_text} target={target}/replica");
             let activation = u64::try_from(spec.activation_threshold.max(0)).unwrap_or(0);
-            if current == 0 && min == 0 && work <= activation {
+            if current == 0 && min == 0 && work <= activation && retrying == 0 {
                 (0, format!("{numbers}: at zero, below activation threshold {activation}"))
             } else if work == 0 && min == 0 && idle && idle_for >= cooldown {
                 // The cooldown is the stabilization for the last step to zero.
@@ -126,7 +134,7 @@ mod tests {
     }
 
     fn run(spec: &ScalingSpec, current: i32, lag: Lag, pending: u64, now: u64, m: &mut ScalingMemory) -> i32 {
-        decide(spec, current, Some((lag, pending)), at(now), m).replicas
+        decide(spec, current, Some((lag, pending, 0)), at(now), m).replicas
     }
 
     #[test]
@@ -182,7 +190,7 @@ mod tests {
         assert_eq!(run(&s, 3, Lag::Unknown, 0, 10_000, &mut m), 3);
         assert_eq!(run(&s, 0, Lag::Unknown, 0, 10_001, &mut m), 1, "not provably idle: wake");
         assert_eq!(run(&s, 1, Lag::Unknown, 450, 10_002, &mut m), 5, "pending still drives scale-up");
-        let d = decide(&s, 3, Some((Lag::Unknown, 0)), at(0), &mut ScalingMemory::default());
+        let d = decide(&s, 3, Some((Lag::Unknown, 0, 0)), at(0), &mut ScalingMemory::default());
         assert!(d.reason.contains("lag unknown"), "{}", d.reason);
     }
 
@@ -204,8 +212,23 @@ mod tests {
 
     #[test]
     fn reason_carries_the_numbers() {
-        let d = decide(&spec(1, 10), 1, Some((Lag::Known(250), 7)), at(0), &mut ScalingMemory::default());
+        let d = decide(&spec(1, 10), 1, Some((Lag::Known(250), 7, 0)), at(0), &mut ScalingMemory::default());
         assert_eq!(d.replicas, 3);
         assert!(d.reason.contains("lag=250") && d.reason.contains("pending=7"), "{}", d.reason);
+    }
+
+    #[test]
+    fn entries_waiting_for_a_retry_add_no_replicas_but_keep_one() {
+        let s = spec(0, 10);
+        let mut m = ScalingMemory::default();
+        // A downstream outage: 900 entries parked, 50 being read.
+        let d = decide(&s, 1, Some((Lag::Known(50), 950, 900)), at(0), &mut m);
+        assert_eq!(d.replicas, 1, "{}", d.reason);
+        assert!(d.reason.contains("pending=50 retrying=900"), "{}", d.reason);
+        // Nothing else to do, long past the cooldown: one stays to take them when due.
+        for t in [400, 800] {
+            assert_eq!(decide(&s, 1, Some((Lag::Known(0), 900, 900)), at(t), &mut m).replicas, 1);
+        }
+        assert_eq!(decide(&s, 0, Some((Lag::Known(0), 900, 900)), at(900), &mut m).replicas, 1, "woken at zero");
     }
 }

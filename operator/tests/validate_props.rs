@@ -60,6 +60,7 @@ fn snapshot(lag: Lag, pending: u64, n: u64) -> GroupSnapshot {
         stream_length: pending,
         dead_letter_length: n,
         retrying: pending / 2,
+        parked: Vec::new(),
     }
 }
 
@@ -126,7 +127,9 @@ fn no_decodable_resource_makes_validation_or_the_builders_panic() {
                 replicas: current,
                 payload_lost_unacknowledged: at_s % 2,
             });
-            let decision = scaling::decide(&scg.spec.scaling, current, seen, Duration::from_secs(at_s), &mut memory);
+            let seen_with_retries = seen.map(|(lag, pending)| (lag, pending, pending / 2));
+            let decision =
+                scaling::decide(&scg.spec.scaling, current, seen_with_retries, Duration::from_secs(at_s), &mut memory);
             let held = seen.is_none() || scg.spec.scaling.paused;
             prop_assert!(
                 held || decision.replicas == current || decision.replicas <= max.max(min).max(1),

@@ -317,7 +317,7 @@ fn take_lua() -> &'static str {
 /// One claim step over the PEL, with what it meets recorded in the same
 /// script. KEYS: stream, dead-letter stream, loss count, loss IDs, server
 /// epoch, dead-consumer registry, alive registry, entry records. ARGV[4]
-/// claimer, ARGV[5] min idle, ARGV[6] start (inclusive, or `(ID`), ARGV[7]
+/// claimer, ARGV[5] min idle, ARGV[6] cursor (`0-0` to start), ARGV[7]
 /// count.
 ///
 /// Not `XAUTOCLAIM`: it drops a deleted ID from the PEL whatever its idle
@@ -335,16 +335,38 @@ fn take_lua() -> &'static str {
 /// count, and how many idle entries were deferred.
 static CLAIM_IDLE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(&format!(
-        r"{}{}{}{}{}
-        local PARKED = '{parked}'
+        r"{}{}{}{}{}{}
         local claimable, alive = claim_rules(KEYS[5], KEYS[6], KEYS[7], tonumber(ARGV[5]))
         local n = tonumber(ARGV[7])
-        local page = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[5], ARGV[6], '+', n)
+        -- Consumer by consumer (their own PELs), parking consumers left
+        -- out: entries waiting for a retry are never scanned here, however
+        -- many. The cursor is `<consumer>\n<last ID>`.
+        local from_consumer, from_id = nil, '-'
+        if ARGV[6] ~= '0-0' then
+            local consumer, id = string.match(ARGV[6], '^(.*)\n([^\n]*)$')
+            from_consumer, from_id = consumer or '', '(' .. (id or '0-0')
+        end
+        local page, next, started = {{}}, '0-0', from_consumer == nil
+        for _, c in ipairs(consumers(KEYS[1], ARGV[1])) do
+            local start = '-'
+            if not started and c.name == from_consumer then
+                started, start = true, from_id
+            elseif not started and c.name > from_consumer then
+                started = true
+            end
+            if started and c.pending > 0 and not parked_count(c.name) then
+                local left = n - #page
+                local rows = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[5], start, '+', left, c.name)
+                for _, p in ipairs(rows) do page[#page + 1] = p end
+                if #rows >= left then
+                    next = c.name .. '\n' .. rows[#rows][1]
+                    break
+                end
+            end
+        end
         local existing, counts, gone, deferred = {{}}, {{}}, {{}}, 0
         for _, p in ipairs(page) do
-            if string.sub(p[2], 1, #PARKED) == PARKED then
-                -- Parked for a retry (`retry`): taken when due, by `claim_due`.
-            elseif not claimable(p[3], p[2]) then
+            if not claimable(p[3], p[2]) then
                 deferred = deferred + 1
             elseif #redis.call('XRANGE', KEYS[1], p[1], p[1]) > 0 then
                 existing[#existing + 1] = p[1]
@@ -359,15 +381,13 @@ static CLAIM_IDLE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new
             end
         end
         local claimed, delivered, crashes = take(ARGV[4], ARGV[5], existing, counts, KEYS[8], {{}})
-        local next = '0-0'
-        if #page >= n and n > 0 then next = '(' .. page[#page][1] end
         return {{next, claimed, gone, delivered, crashes, deferred}}",
         crate::started::redelivery_lua(),
         lost_lua(),
         claim_rules_lua(),
         xclaim_lua(),
         take_lua(),
-        parked = crate::retry::PARKED_PREFIX,
+        crate::retry::consumers_lua(),
     ))
 });
 
@@ -453,7 +473,6 @@ pub async fn autoclaim<C: ConnectionLike + Send>(
     count: usize,
 ) -> Result<Claimed, StreamError> {
     let min_idle_ms = u64::try_from(min_idle.as_millis()).unwrap_or(u64::MAX);
-    let start = if start == "0-0" { "-" } else { start };
     let mut script = prepare(&CLAIM_IDLE, stream, group, loss);
     script
         .key(crate::keys::server_epoch_key(stream))
@@ -483,20 +502,17 @@ pub async fn autoclaim<C: ConnectionLike + Send>(
 /// parked.
 static CLAIM_DUE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(&format!(
-        r"{}{}{}{}
-        local PARKED = '{parked}'
+        r"{}{}{}{}{}
         local want = tonumber(ARGV[5])
         local existing, counts, gone, parked = {{}}, {{}}, {{}}, 0
-        for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
-            local info = {{}}
-            for k = 1, #c, 2 do info[c[k]] = c[k + 1] end
-            local n = string.sub(info['name'], 1, #PARKED) == PARKED and tonumber(string.sub(info['name'], #PARKED + 1))
-            if n and tonumber(info['pending']) > 0 then
-                parked = parked + tonumber(info['pending'])
+        for _, c in ipairs(consumers(KEYS[1], ARGV[1])) do
+            local n = parked_count(c.name)
+            if n and c.pending > 0 then
+                parked = parked + c.pending
                 local left = want - #existing - #gone
                 if left > 0 then
                     local threshold = ARGV[5 + math.max(1, math.min(n, #ARGV - 5))]
-                    local page = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', threshold, '-', '+', left, info['name'])
+                    local page = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', threshold, '-', '+', left, c.name)
                     for _, p in ipairs(page) do
                         if #redis.call('XRANGE', KEYS[1], p[1], p[1]) > 0 then
                             existing[#existing + 1] = p[1]
@@ -515,7 +531,7 @@ static CLAIM_DUE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(
         lost_lua(),
         xclaim_lua(),
         take_lua(),
-        parked = crate::retry::PARKED_PREFIX,
+        crate::retry::consumers_lua(),
     ))
 });
 

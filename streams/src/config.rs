@@ -34,10 +34,6 @@ pub struct WorkerConfig {
     pub retry: crate::retry::Schedule,
 }
 
-/// The default delay cap between two attempts: 15 minutes.
-pub const DEFAULT_RETRY_MAX_DELAY: Duration = Duration::from_secs(15 * 60);
-/// The default jitter: up to 20% longer.
-pub const DEFAULT_RETRY_JITTER_PERCENT: u32 = 20;
 /// The default delivery bound: with the other defaults (first retry after
 /// min-idle-time, 60 s, doubling to 15 minutes) ten deliveries span 90
 /// minutes, so an hour's outage is ridden out with ten attempts per entry.
@@ -157,6 +153,8 @@ fn retry_schedule(
     min_idle: Duration,
 ) -> Result<crate::retry::Schedule, ConfigError> {
     use crate::retry::{Backoff, Schedule};
+    // (The defaults and bounds are `Schedule::with_defaults`'s, shared with
+    // the operator's status.)
     let ms = |name: &'static str| -> Result<Option<Duration>, ConfigError> {
         get(name)
             .map(|v| v.trim().parse::<u64>().map(Duration::from_millis))
@@ -180,16 +178,16 @@ fn retry_schedule(
             why: format!("{} ms is shorter than min-idle-time ({} ms)", initial.as_millis(), min_idle.as_millis()),
         });
     }
-    let max = ms(env::RETRY_MAX_DELAY_MS)?.unwrap_or(DEFAULT_RETRY_MAX_DELAY).max(initial);
     let jitter_percent = match get(env::RETRY_JITTER_PERCENT) {
-        None => DEFAULT_RETRY_JITTER_PERCENT,
-        Some(v) => v.trim().parse::<u32>().ok().filter(|p| *p <= 100).ok_or_else(|| ConfigError::Invalid {
+        None => None,
+        Some(v) => Some(v.trim().parse::<u32>().ok().filter(|p| *p <= 100).ok_or_else(|| ConfigError::Invalid {
             name: env::RETRY_JITTER_PERCENT,
             why: format!("{v:?} is not a whole number from 0 to 100"),
-        })?,
+        })?),
     };
-    let retry_for = ms(env::RETRY_FOR_MS)?.filter(|d| !d.is_zero());
-    Ok(Schedule { backoff, initial, max, jitter_percent, retry_for })
+    let max = ms(env::RETRY_MAX_DELAY_MS)?;
+    let retry_for = ms(env::RETRY_FOR_MS)?;
+    Ok(Schedule::with_defaults(backoff, Some(initial), max, jitter_percent, retry_for, min_idle))
 }
 
 #[cfg(test)]
@@ -219,7 +217,7 @@ mod tests {
         let retry = &c.retry;
         assert_eq!(
             (retry.backoff, retry.initial, retry.max),
-            (crate::retry::Backoff::Exponential, c.min_idle, DEFAULT_RETRY_MAX_DELAY)
+            (crate::retry::Backoff::Exponential, c.min_idle, crate::retry::DEFAULT_MAX_DELAY)
         );
         assert_eq!((retry.jitter_percent, retry.retry_for), (20, None));
         // The defaults ride out an hour's outage.

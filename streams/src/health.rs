@@ -79,7 +79,49 @@ pub struct GroupSnapshot {
     /// waiting by design, so neither in the oldest sample nor among the
     /// consumers.
     pub retrying: u64,
+    /// Per delivery count, the entries waiting for their retry.
+    pub parked: Vec<ParkedState>,
 }
+
+/// The entries parked after failing at one delivery count (`retry`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParkedState {
+    /// The delivery count they failed at: their next attempt is `deliveries + 1`.
+    pub deliveries: u64,
+    pub entries: u64,
+    /// The longest idle time among the first [`PARKED_SAMPLE`] of them
+    /// (by ID): the next of them due is due at the parking threshold
+    /// less this.
+    pub most_idle_ms: u64,
+    /// That entry's last error.
+    pub last_error: Option<String>,
+}
+
+/// How many entries of each parking consumer are looked at for the next due.
+pub const PARKED_SAMPLE: usize = 100;
+
+/// KEYS: stream, entry records. ARGV: group, sample size. Per parking
+/// consumer with entries: its delivery count, its entries, the longest idle
+/// time among its first entries and that entry's last error ('' for none).
+static PARKED_SUMMARY: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(&format!(
+        r"{}
+        local out = {{}}
+        for _, c in ipairs(consumers(KEYS[1], ARGV[1])) do
+            local n = parked_count(c.name)
+            if n and c.pending > 0 then
+                local most, id = -1, nil
+                for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', tonumber(ARGV[2]), c.name)) do
+                    if p[3] > most then most, id = p[3], p[1] end
+                end
+                local error = id and redis.call('HGET', KEYS[2], id) or false
+                out[#out + 1] = {{ n, c.pending, math.max(most, 0), error or '' }}
+            end
+        end
+        return out",
+        crate::retry::consumers_lua()
+    ))
+});
 
 impl GroupSnapshot {
     /// One view of a group over the shards of a pipeline (shard 0 first):
@@ -112,8 +154,29 @@ impl GroupSnapshot {
             stream_length: total(|p| p.stream_length),
             dead_letter_length: total(|p| p.dead_letter_length),
             retrying: total(|p| p.retrying),
+            parked: merge_parked(parts.iter().flat_map(|p| &p.parked)),
         })
     }
+}
+
+/// The parked entries of several shards per delivery count: counts summed,
+/// the most idle (and its error) kept.
+fn merge_parked<'a>(parts: impl Iterator<Item = &'a ParkedState>) -> Vec<ParkedState> {
+    let mut merged: Vec<ParkedState> = Vec::new();
+    for p in parts {
+        match merged.iter_mut().find(|m| m.deliveries == p.deliveries) {
+            Some(m) => {
+                m.entries = m.entries.saturating_add(p.entries);
+                if p.most_idle_ms > m.most_idle_ms {
+                    m.most_idle_ms = p.most_idle_ms;
+                    m.last_error.clone_from(&p.last_error);
+                }
+            }
+            None => merged.push(p.clone()),
+        }
+    }
+    merged.sort_by_key(|p| p.deliveries);
+    merged
 }
 
 /// Inspects `group` on `stream`. `Ok(None)`: the group (or stream) does not exist.
@@ -148,7 +211,15 @@ pub async fn inspect<C: ConnectionLike + Send>(
         .map(|c| ConsumerState { name: c.name, pending: to_u64(c.pending), idle_ms: to_u64(c.idle) })
         .partition(|c| crate::retry::parked_deliveries(&c.name).is_some());
     let retrying = parked.iter().map(|c| c.pending).fold(0, u64::saturating_add);
-    let oldest = if retrying == 0 { oldest } else { oldest_unparked(conn, stream, group, oldest, &consumers).await? };
+    // Where a recreated group resumes: before the oldest pending entry,
+    // parked or not (a parked entry is unfinished work too).
+    let before_oldest_pending =
+        oldest.first().and_then(|(id, ..)| crate::retention::StreamId::parse(id)).map(|id| id.prev().to_string());
+    let (oldest, parked) = if retrying == 0 {
+        (oldest, Vec::new())
+    } else {
+        (oldest_unparked(conn, stream, group, oldest, &consumers).await?, parked_summary(conn, stream, group).await?)
+    };
 
     let lag = match info.lag {
         Some(n) => Lag::Known(to_u64(n)),
@@ -158,8 +229,6 @@ pub async fn inspect<C: ConnectionLike + Send>(
     // longest since first delivery; its idle times tell how stuck it is.
     let oldest_pending_idle_ms = oldest.iter().map(|(_, _, idle, _)| *idle).max();
     let max_delivery_count = oldest.iter().map(|(_, _, _, count)| *count).max();
-    let before_oldest_pending =
-        oldest.first().and_then(|(id, ..)| crate::retention::StreamId::parse(id)).map(|id| id.prev().to_string());
     Ok(Some(GroupSnapshot {
         lag,
         pending: to_u64(info.pending),
@@ -172,7 +241,35 @@ pub async fn inspect<C: ConnectionLike + Send>(
         stream_length,
         dead_letter_length,
         retrying,
+        parked,
     }))
+}
+
+/// Per delivery count, the entries parked for a retry ([`PARKED_SUMMARY`]).
+async fn parked_summary<C: ConnectionLike + Send>(
+    conn: &mut C,
+    stream: &str,
+    group: &str,
+) -> Result<Vec<ParkedState>, StreamError> {
+    let rows: Vec<(u64, u64, u64, String)> = PARKED_SUMMARY
+        .key(stream)
+        .key(crate::keys::last_error_key(stream, group))
+        .arg(group)
+        .arg(PARKED_SAMPLE)
+        .invoke_async(conn)
+        .await
+        .map_err(|e| StreamError::new("inspecting entries waiting for a retry", e))?;
+    let mut parked: Vec<ParkedState> = rows
+        .into_iter()
+        .map(|(deliveries, entries, most_idle_ms, error)| ParkedState {
+            deliveries,
+            entries,
+            most_idle_ms,
+            last_error: (!error.is_empty()).then_some(error),
+        })
+        .collect();
+    parked.sort_by_key(|p| p.deliveries);
+    Ok(parked)
 }
 
 /// One `XPENDING` row: ID, owner, idle ms, delivery count.
@@ -260,6 +357,12 @@ mod tests {
             stream_length: 10,
             dead_letter_length: 1,
             retrying: 2,
+            parked: vec![ParkedState {
+                deliveries: 1,
+                entries: 2,
+                most_idle_ms: pending * 10,
+                last_error: Some(format!("e{pending}")),
+            }],
         }
     }
 
@@ -274,6 +377,8 @@ mod tests {
         assert_eq!((merged.lag, merged.pending, merged.entries_read), (Lag::Known(7), 7, Some(7)));
         assert_eq!((merged.oldest_pending_idle_ms, merged.max_delivery_count), (Some(900), Some(9)));
         assert_eq!((merged.stream_length, merged.dead_letter_length, merged.retrying), (30, 3, 6));
+        let parked = ParkedState { deliveries: 1, entries: 6, most_idle_ms: 50, last_error: Some("e5".into()) };
+        assert_eq!(merged.parked, vec![parked], "counts summed, the most idle kept with its error");
         assert_eq!((merged.last_delivered_id.as_str(), merged.before_oldest_pending.as_deref()), ("2-0", Some("2-1")));
         let a = merged.consumers.iter().find(|c| c.name == "a").unwrap();
         assert_eq!((a.pending, a.idle_ms), (3, 10));

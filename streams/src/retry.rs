@@ -33,9 +33,38 @@ pub fn parked_consumer(deliveries: u64) -> String {
 }
 
 /// The delivery count a parking consumer holds entries at; `None` for
-/// any other consumer.
+/// any other consumer. The same test as [`consumers_lua`]'s `parked_count`.
 pub fn parked_deliveries(consumer: &str) -> Option<u64> {
-    consumer.strip_prefix(PARKED_PREFIX)?.parse().ok()
+    let digits = consumer.strip_prefix(PARKED_PREFIX)?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// Lua shared by the scripts that tell parked entries apart:
+/// `parked_count(name)` is the delivery count a parking consumer holds
+/// entries at, `nil` for any other consumer ([`parked_deliveries`]);
+/// `consumers(stream, group)` lists the group's consumers (`name`,
+/// `pending`) in Redis's order (by name).
+pub(crate) fn consumers_lua() -> String {
+    format!(
+        r"
+        local function parked_count(name)
+            local n = string.match(name, '^{PARKED_PREFIX}(%d+)$')
+            return n and tonumber(n)
+        end
+        local function consumers(stream, group)
+            local out = {{}}
+            for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', stream, group)) do
+                local info = {{}}
+                for k = 1, #c, 2 do info[c[k]] = c[k + 1] end
+                out[#out + 1] = {{ name = info['name'], pending = tonumber(info['pending']) or 0 }}
+            end
+            return out
+        end
+        "
+    )
 }
 
 /// How the delay grows from one delivery to the next.
@@ -65,7 +94,37 @@ pub struct Schedule {
     pub retry_for: Option<Duration>,
 }
 
+/// The longest first or largest delay a schedule takes: 7 days.
+pub const LONGEST_DELAY: Duration = Duration::from_secs(7 * 24 * 3600);
+/// The default delay cap between two attempts: 15 minutes.
+pub const DEFAULT_MAX_DELAY: Duration = Duration::from_secs(15 * 60);
+/// The default jitter: up to 20% longer.
+pub const DEFAULT_JITTER_PERCENT: u32 = 20;
+
 impl Schedule {
+    /// A schedule from what a user set (the CRD's `spec.recovery.retry`, or
+    /// the env contract), with the defaults for what they did not: the
+    /// first delay min-idle-time, the cap [`DEFAULT_MAX_DELAY`] (or the
+    /// first delay when longer), the jitter [`DEFAULT_JITTER_PERCENT`].
+    /// Delays are kept within [`LONGEST_DELAY`], the jitter within 100%.
+    pub fn with_defaults(
+        backoff: Backoff,
+        initial: Option<Duration>,
+        max: Option<Duration>,
+        jitter_percent: Option<u32>,
+        retry_for: Option<Duration>,
+        min_idle: Duration,
+    ) -> Schedule {
+        let initial = initial.unwrap_or(min_idle).min(LONGEST_DELAY);
+        Schedule {
+            backoff,
+            initial,
+            max: max.unwrap_or(DEFAULT_MAX_DELAY).max(initial).min(LONGEST_DELAY),
+            jitter_percent: jitter_percent.unwrap_or(DEFAULT_JITTER_PERCENT).min(100),
+            retry_for: retry_for.filter(|d| !d.is_zero()),
+        }
+    }
+
     /// The delay after delivery `deliveries` failed, before jitter. Never
     /// overflows: doubling stops at `max`.
     pub fn base(&self, deliveries: u64) -> Duration {
@@ -267,6 +326,9 @@ mod tests {
         assert_eq!(parked_consumer(3), "streamfleet:retry:3");
         assert_eq!(parked_deliveries("streamfleet:retry:3"), Some(3));
         assert_eq!(parked_deliveries("orders-worker-abc-1.uid"), None);
-        assert_eq!(parked_deliveries("streamfleet:retry:x"), None);
+        for foreign in ["streamfleet:retry:x", "streamfleet:retry:", "streamfleet:retry:+5", "streamfleet:retry:1.5"] {
+            assert_eq!(parked_deliveries(foreign), None, "{foreign}");
+        }
+        assert!(consumers_lua().contains("'^streamfleet:retry:(%d+)$'"));
     }
 }

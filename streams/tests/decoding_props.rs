@@ -642,6 +642,7 @@ fn shard_snapshots_merge_whatever_their_counts() {
                 before_oldest_pending: None,
                 stream_length,
                 retrying: dead_letter_length / 2,
+                parked: Vec::new(),
                 dead_letter_length,
             });
     let result = runner(512).run(&prop::collection::vec(part, 0..4), |parts| {

@@ -104,7 +104,7 @@ fn assert_on_schedule(attempts: &Attempts, schedule: &Schedule, slack: Duration)
 }
 
 /// The downstream is down for 3 s while 20 entries arrive; the schedule
-/// (first retry after 400 ms, doubling to 1.6 s, 6 deliveries) spans 5.2 s.
+/// (first retry after 400 ms, doubling to 1.6 s, 6 deliveries) spans 6 s.
 /// Every entry waits parked between attempts (`streamfleet:retry:<n>`,
 /// counted as retrying, not as stuck), keeps its ID, is charged once after
 /// the outage, and nothing is dead-lettered. The same at batch 1 and at
@@ -130,7 +130,7 @@ async fn an_outage_shorter_than_the_horizon_dead_letters_nothing_at_any_batch_si
         // Mid-outage: the entries wait parked, and the group says so.
         let snapshot = streamfleet_testbed::eventually("entries parked", common::T, || async {
             let s = streamfleet_streams::health::inspect(&mut conn.clone(), "orders", "g", "{orders}:dead").await?;
-            Ok(s.filter(|s| s.retrying >= 10))
+            Ok(s.filter(|s| s.retrying >= 3))
         })
         .await?;
         assert!(snapshot.consumers.iter().all(|c| !c.name.starts_with("streamfleet:")), "{:?}", snapshot.consumers);
@@ -161,7 +161,7 @@ async fn an_outage_shorter_than_the_horizon_dead_letters_nothing_at_any_batch_si
         }
         let retried = attempts.values().filter(|a| a.last().is_some_and(|(n, _)| *n >= 3)).count();
         assert!(retried >= 10, "batch {batch}: most entries went through several deliveries: {retried}");
-        assert_on_schedule(&attempts, &schedule, Duration::from_millis(1_500));
+        assert_on_schedule(&attempts, &schedule, Duration::from_millis(1_000));
         let records: HashMap<String, String> =
             conn.hgetall(streamfleet_streams::keys::last_error_key("orders", "g")).await?;
         assert!(records.is_empty(), "batch {batch}: records left behind: {records:?}");
@@ -216,8 +216,10 @@ async fn an_outage_longer_than_the_horizon_dead_letters_at_the_horizon_not_befor
         if max_deliveries == 4 {
             assert_eq!(deliveries, 4);
         } else {
-            // 400 ms, 800 ms, then 1.6 s cut to the 800 ms left: four deliveries.
-            assert_eq!(deliveries, 4, "{attempts:?}");
+            // 400 ms, 800 ms, then 1.6 s cut to what is left: four
+            // deliveries, or three when the claims ran late enough that the
+            // third failed at the horizon.
+            assert!((3..=4).contains(&deliveries), "{attempts:?}");
         }
         assert_eq!(pending(&mut conn).await?, 0);
     }

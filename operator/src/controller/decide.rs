@@ -19,10 +19,11 @@ use std::time::Duration;
 use streamfleet_crd::{
     Health, PAYLOAD_LOST_ACKNOWLEDGED, PayloadLostStatus, RecoveryStatus, ShardStatus, StreamConsumerGroup,
 };
-use streamfleet_streams::health::{GroupSnapshot, Lag};
+use streamfleet_streams::health::{GroupSnapshot, Lag, ParkedState};
 use streamfleet_streams::payload_loss::PayloadLoss;
 use streamfleet_streams::recovery::RecoveryReport;
 use streamfleet_streams::retention::{self, Retention, StreamId};
+use streamfleet_streams::retry::Schedule;
 
 /// What the policies remember about one resource between polls.
 #[derive(Default)]
@@ -98,9 +99,47 @@ pub struct Convergence {
     /// Whether a dead-letter stream is at its cap (`None`: no cap).
     pub dead_letter_cap_reached: Option<bool>,
     pub reap: Vec<Reap>,
+    /// Entries waiting for a retry, read against the schedule.
+    pub retrying: Retrying,
     pub deployment: Deployment,
     pub cronjob: CronJob,
     pub events: Vec<PlannedEvent>,
+}
+
+/// Entries parked for a retry on the schedule (`streams::retry`), as the
+/// status shows them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Retrying {
+    pub entries: u64,
+    /// Entries whose next attempt is their last (`maxDeliveries`).
+    pub on_last_attempt: u64,
+    /// How long until the next of them is due (of the sampled ones).
+    pub due_in: Option<Duration>,
+    /// That entry's last error.
+    pub last_error: Option<String>,
+    /// (delivery count failed at, entries), by delivery count.
+    pub by_delivery: Vec<(u64, u64)>,
+}
+
+/// What the snapshot's parked entries mean under the schedule: each
+/// parking consumer releases an entry at its threshold, so the most idle of
+/// its entries is the next due.
+pub fn retrying(snapshot: &GroupSnapshot, schedule: &Schedule, max_deliveries: u64) -> Retrying {
+    let due_in =
+        |p: &ParkedState| schedule.threshold(p.deliveries).saturating_sub(Duration::from_millis(p.most_idle_ms));
+    let soonest = snapshot.parked.iter().min_by_key(|p| due_in(p));
+    Retrying {
+        entries: snapshot.retrying,
+        on_last_attempt: snapshot
+            .parked
+            .iter()
+            .filter(|p| p.deliveries.saturating_add(1) >= max_deliveries)
+            .map(|p| p.entries)
+            .fold(0, u64::saturating_add),
+        due_in: soonest.map(due_in),
+        last_error: soonest.and_then(|p| p.last_error.clone()),
+        by_delivery: snapshot.parked.iter().map(|p| (p.deliveries, p.entries)).collect(),
+    }
 }
 
 /// A consumer whose pod is gone.
@@ -150,7 +189,7 @@ pub fn decide(
         scaling::decide(
             &spec.scaling,
             current_replicas.unwrap_or(0),
-            Some((snapshot.lag, snapshot.pending)),
+            Some((snapshot.lag, snapshot.pending, snapshot.retrying)),
             at.now,
             &mut memory.scaling,
         )
@@ -185,6 +224,7 @@ pub fn decide(
         dead_letter_trims,
         dead_letter_cap_reached,
         reap: reap_plan(at.scg, &snapshot, observed),
+        retrying: retrying(&snapshot, &spec.retry, spec.max_deliveries),
         deployment: objects::worker_deployment(at.scg, scaling.replicas)?,
         cronjob: objects::recovery_cronjob(at.scg, at.settings)?,
         snapshot,
@@ -484,6 +524,35 @@ mod tests {
     use super::super::observe::RetentionBounds;
     use super::*;
     use streamfleet_crd::StreamConsumerGroupStatus;
+
+    #[test]
+    fn parked_entries_are_read_against_the_schedule() {
+        use streamfleet_streams::retry::Backoff;
+        let schedule = Schedule {
+            backoff: Backoff::Fixed,
+            initial: Duration::from_secs(10),
+            max: Duration::from_secs(10),
+            jitter_percent: 0,
+            retry_for: None,
+        };
+        let parked = |deliveries, entries, most_idle_ms, error: &str| ParkedState {
+            deliveries,
+            entries,
+            most_idle_ms,
+            last_error: Some(error.into()),
+        };
+        let mut s = snapshot(0, 5, &[]);
+        s.retrying = 5;
+        s.parked = vec![parked(1, 3, 4_000, "a"), parked(4, 2, 9_000, "b")];
+        let r = retrying(&s, &schedule, 5);
+        assert_eq!((r.entries, r.on_last_attempt), (5, 2), "delivery 5 is the last");
+        assert_eq!((r.due_in, r.last_error.as_deref()), (Some(Duration::from_secs(1)), Some("b")));
+        assert_eq!(r.by_delivery, vec![(1, 3), (4, 2)]);
+        // Overdue (no consumer took it yet): due now, not negative.
+        s.parked = vec![parked(1, 3, 60_000, "a")];
+        assert_eq!(retrying(&s, &schedule, 5).due_in, Some(Duration::ZERO));
+        assert_eq!(retrying(&snapshot(0, 0, &[]), &schedule, 5), Retrying::default());
+    }
 
     #[test]
     fn a_recovery_run_is_announced_once_even_before_the_cache_shows_the_status() {

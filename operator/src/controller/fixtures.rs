@@ -40,6 +40,7 @@ pub fn snapshot(lag: u64, pending: u64, consumers: &[(&str, u64)]) -> GroupSnaps
         stream_length: 1000,
         dead_letter_length: 0,
         retrying: 0,
+        parked: Vec::new(),
     }
 }
 

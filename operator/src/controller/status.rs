@@ -4,14 +4,17 @@
 
 use super::Context;
 use super::act::Outcome;
-use super::decide::{Conflict, Convergence};
+use super::decide::{Conflict, Convergence, Retrying};
 use crate::conditions;
 use crate::error::Error;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, ResourceExt as _};
 use serde_json::json;
-use streamfleet_crd::{ConsumerPending, Health, ReplicaStatus, StreamConsumerGroup, StreamConsumerGroupStatus};
+use streamfleet_crd::{
+    ConsumerPending, Health, ReplicaStatus, RetryingAtDelivery, RetryingStatus, StreamConsumerGroup,
+    StreamConsumerGroupStatus,
+};
 use streamfleet_streams::health::{GroupSnapshot, Lag};
 use streamfleet_streams::retention::{Retention, StreamId};
 
@@ -84,8 +87,31 @@ pub fn converged(
         Some(plan.snapshot.before_oldest_pending.clone().unwrap_or_else(|| plan.snapshot.last_delivered_id.clone()));
     status.replicas = Some(ReplicaStatus { desired, current: available, summary: format!("{available}/{desired}") });
     set_figures(&mut status, Some(&plan.snapshot));
+    status.retrying = Some(retrying_status(&plan.retrying, now));
     status.shards = plan.shard_figures.clone();
     status
+}
+
+/// The status of entries waiting for a retry; the next due time in whole
+/// seconds (a status rewritten for milliseconds would be a write per poll).
+fn retrying_status(r: &Retrying, now: &Time) -> RetryingStatus {
+    let int = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+    let next_attempt_time = r.due_in.and_then(|d| {
+        let seconds = now.0.as_second().saturating_add(i64::try_from(d.as_millis().div_ceil(1000)).unwrap_or(i64::MAX));
+        k8s_openapi::jiff::Timestamp::from_second(seconds).ok().map(Time)
+    });
+    RetryingStatus {
+        entries: int(r.entries),
+        on_last_attempt: int(r.on_last_attempt),
+        next_attempt_time,
+        last_error: r.last_error.as_deref().map(|e| crate::events::cut(e, 256)),
+        by_delivery: r
+            .by_delivery
+            .iter()
+            .take(32)
+            .map(|(deliveries, entries)| RetryingAtDelivery { deliveries: int(*deliveries), entries: int(*entries) })
+            .collect(),
+    }
 }
 
 fn retention_condition(r: &Retention) -> (&'static str, String) {
@@ -119,6 +145,7 @@ fn set_figures(status: &mut StreamConsumerGroupStatus, snapshot: Option<&GroupSn
         status.consumers = None;
         status.consumer_pending = Vec::new();
         status.payload_lost = None;
+        status.retrying = None;
         return;
     };
     status.lag = s.lag.floor().map(int);

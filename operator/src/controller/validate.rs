@@ -5,8 +5,9 @@
 
 use crate::error::Error;
 use std::time::Duration;
-use streamfleet_crd::{DeletionPolicy, RedisMode, ScalingSpec, StreamConsumerGroup};
+use streamfleet_crd::{Backoff, DeletionPolicy, RedisMode, RetrySpec, ScalingSpec, StreamConsumerGroup};
 use streamfleet_streams::keys;
+use streamfleet_streams::retry::{self, Schedule};
 
 /// A spec the controller can act on.
 #[derive(Clone, Debug, PartialEq)]
@@ -21,6 +22,9 @@ pub struct ValidSpec {
     pub dead_letter_stream: String,
     pub min_idle: Duration,
     pub max_deliveries: u64,
+    /// `spec.recovery.retry` with its defaults: what the workers are told
+    /// (`objects`) and what the status reads parked entries against.
+    pub retry: Schedule,
     /// Entries released per reaped consumer per poll.
     pub batch: usize,
     pub target_per_replica: u64,
@@ -54,6 +58,37 @@ fn positive(field: &str, value: i64) -> Result<u64, Error> {
         .ok()
         .filter(|v| *v > 0)
         .ok_or_else(|| Error::InvalidSpec(format!("{field} must be positive, is {value}")))
+}
+
+/// `spec.recovery.retry` checked as admission does (for an API server that
+/// let it through), with the defaults the workers apply.
+fn retry_schedule(spec: &RetrySpec, min_idle: Duration) -> Result<Schedule, Error> {
+    let ms = |field: &str, v: Option<i64>| v.map(|v| positive(field, v).map(Duration::from_millis)).transpose();
+    let initial = ms("spec.recovery.retry.initialDelayMs", spec.initial_delay_ms)?;
+    let max = ms("spec.recovery.retry.maxDelayMs", spec.max_delay_ms)?;
+    let retry_for = spec
+        .retry_for_seconds
+        .map(|s| positive("spec.recovery.retry.retryForSeconds", s).map(Duration::from_secs))
+        .transpose()?;
+    let first = initial.unwrap_or(min_idle);
+    if first < min_idle {
+        return Err(Error::InvalidSpec(
+            "spec.recovery.retry.initialDelayMs must not be shorter than spec.recovery.minIdleTimeMs".into(),
+        ));
+    }
+    if max.is_some_and(|max| max < first) || retry_for.is_some_and(|limit| limit < first) {
+        return Err(Error::InvalidSpec(
+            "spec.recovery.retry.maxDelayMs and retryForSeconds must not be shorter than the first delay".into(),
+        ));
+    }
+    let jitter = u32::try_from(spec.jitter_percent).ok().filter(|p| *p <= 100).ok_or_else(|| {
+        Error::InvalidSpec(format!("spec.recovery.retry.jitterPercent must be 0 to 100, is {}", spec.jitter_percent))
+    })?;
+    let backoff = match spec.backoff {
+        Backoff::Exponential => retry::Backoff::Exponential,
+        Backoff::Fixed => retry::Backoff::Fixed,
+    };
+    Ok(Schedule::with_defaults(backoff, initial, max, Some(jitter), retry_for, min_idle))
 }
 
 pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
@@ -98,12 +133,15 @@ pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
         }),
         None => None,
     };
+    let min_idle = Duration::from_millis(positive("spec.recovery.minIdleTimeMs", spec.recovery.min_idle_time_ms)?);
+    let retry = retry_schedule(&spec.recovery.retry, min_idle)?;
     Ok(ValidSpec {
         stream: spec.stream.clone(),
         streams: streamfleet_streams::shard::shard_keys(&spec.stream, shards),
         group: spec.group.clone(),
         start_id: spec.start_id.clone(),
-        min_idle: Duration::from_millis(positive("spec.recovery.minIdleTimeMs", spec.recovery.min_idle_time_ms)?),
+        min_idle,
+        retry,
         max_deliveries: positive("spec.recovery.maxDeliveries", spec.recovery.max_deliveries.into())?,
         batch: usize::try_from(positive("spec.recovery.batchSize", spec.recovery.batch_size.into())?)
             .unwrap_or(usize::MAX),
@@ -164,6 +202,25 @@ mod tests {
         assert_eq!(v.poll_interval, Duration::from_secs(10));
         assert_eq!(v.retention, Some(RetentionLimits { max_length: None, max_age_ms: Some(60_000) }));
         assert!(!v.delete_group);
+    }
+
+    #[test]
+    fn the_retry_schedule_takes_its_defaults_and_is_checked_as_admission_does() {
+        let v = validate(&scg(json!({"recovery": {"minIdleTimeMs": 2000}}))).unwrap();
+        assert_eq!((v.retry.initial, v.retry.max), (Duration::from_secs(2), retry::DEFAULT_MAX_DELAY));
+        assert_eq!((v.retry.jitter_percent, v.retry.retry_for), (20, None));
+        // A min-idle-time above the default cap raises the cap with it.
+        let long = validate(&scg(json!({"recovery": {"minIdleTimeMs": 1_800_000}}))).unwrap();
+        assert_eq!(long.retry.max, Duration::from_secs(1_800));
+        for (retry, field) in [
+            (json!({"initialDelayMs": 1000}), "initialDelayMs"),
+            (json!({"maxDelayMs": 1000}), "maxDelayMs"),
+            (json!({"retryForSeconds": 1}), "retryForSeconds"),
+            (json!({"jitterPercent": 101}), "jitterPercent"),
+        ] {
+            let e = validate(&scg(json!({"recovery": {"minIdleTimeMs": 2000, "retry": retry}}))).unwrap_err();
+            assert!(e.to_string().contains(field), "{field}: {e}");
+        }
     }
 
     #[test]

@@ -27,7 +27,10 @@
 //!   `{ledger}:stalls` as `<pid> <consumer> <entry ID> <order>`, so a drill
 //!   can aim a SIGKILL between the effect and the ack;
 //! * `EXAMPLE_HANDLER_MS`: time each charge takes;
-//! * `EXAMPLE_GUARD=off`: no idempotency guard (the ledger's own idempotency alone).
+//! * `EXAMPLE_GUARD=off`: no idempotency guard (the ledger's own idempotency alone);
+//! * the key `{ledger}:down`, while it exists: the payment provider is
+//!   down and fails every charge transiently (an outage a test switches on
+//!   and off), counting each attempt.
 //!
 //! Entries with `poison=1` are refused (permanent failure → dead letter);
 //! entries without a numeric `amount_cents` are malformed.
@@ -45,11 +48,19 @@ use streamfleet_worker::{Entry, Handler, Outcome, Worker, WorkerConfig};
 /// KEYS: charges, charged-by, by-consumer, duplicates, fences, faults,
 /// own-retries, charged-at (Unix ms of the first charge), repeated-at (Unix
 /// ms of the first refused charge by a consumer other than the first
-/// charger). ARGV: order, amount, consumer, fence (0: none).
-/// Returns 1 charged, 0 already charged, -1 stale fence.
+/// charger), outage switch (while it exists the provider answers "503" to
+/// every call, each counted in `faults` as `down`, with the second
+/// (`down-at:<s>`) it came in). ARGV: order, amount, consumer, fence (0:
+/// none). Returns 1 charged, 0 already charged, -1 stale fence, -2 down.
 static CHARGE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         r"
+        if redis.call('EXISTS', KEYS[10]) == 1 then
+            local now = redis.call('TIME')
+            redis.call('HINCRBY', KEYS[6], 'down', 1)
+            redis.call('HINCRBY', KEYS[6], 'down-at:' .. now[1], 1)
+            return -2
+        end
         local fence = tonumber(ARGV[4])
         if fence > 0 then
             local seen = tonumber(redis.call('HGET', KEYS[5], ARGV[1]) or '0')
@@ -137,6 +148,7 @@ impl Handler for Orders {
             .key("{ledger}:own-retries")
             .key("{ledger}:charged-at")
             .key("{ledger}:repeated-at")
+            .key("{ledger}:down")
             .arg(order)
             .arg(amount)
             .arg(&self.consumer)
@@ -147,6 +159,7 @@ impl Handler for Orders {
             // Charged now, or refused as a second charge (the effect already
             // happened, so this delivery is done too).
             Ok(1 | 0) => {}
+            Ok(-2) => return Outcome::Transient("payment provider: 503 service unavailable".into()),
             // A newer holder has the order: leave it to them (never completed
             // here, or their own failure would be suppressed).
             Ok(_) => return Outcome::Transient(format!("order {order}: a newer holder has it (stale fence {fence})")),

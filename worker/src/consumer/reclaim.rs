@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// Pages of due retries one claim cycle takes per stream.
+const DUE_PAGES_PER_CYCLE: usize = 4;
+
 impl<H: Handler> Worker<H> {
     /// Recovery mode: claim every idle entry, re-run handlers, until a full
     /// pass over the PEL claims nothing.
@@ -110,7 +113,9 @@ impl<H: Handler> Worker<H> {
     }
 
     /// Claims `stream`'s parked entries whose retry is due (`retry`), page
-    /// by page, and handles them. Returns how many were claimed.
+    /// by page, at most [`DUE_PAGES_PER_CYCLE`] (the rest next cycle: new
+    /// entries are read meanwhile), and handles them. Returns how many were
+    /// claimed.
     async fn claim_due_retries(
         &self,
         conn: &mut StreamConnection,
@@ -119,7 +124,10 @@ impl<H: Handler> Worker<H> {
         stop: &AtomicBool,
     ) -> Result<usize, WorkerError> {
         let mut total = 0;
-        while !stopping(stop) {
+        for _ in 0..DUE_PAGES_PER_CYCLE {
+            if stopping(stop) {
+                break;
+            }
             let due = match claim_due(
                 conn,
                 stream,
@@ -141,6 +149,13 @@ impl<H: Handler> Worker<H> {
                 Err(e) => return Err(e.into()),
             };
             let taken = due.entries.len() + due.deleted.len();
+            if due.waiting > 0 && self.config.mode == RunMode::Recovery {
+                tracing::info!(
+                    stream,
+                    waiting = due.waiting,
+                    "entries parked for a retry that is not due yet: left to the consumers"
+                );
+            }
             total += due.entries.len();
             self.stats.add(&self.stats.claimed, due.entries.len());
             self.settle_claimed(conn, stream, due.deleted, due.entries).await?;
