@@ -20,6 +20,7 @@
 //! ```
 
 pub mod blocking;
+pub mod breaker;
 pub mod consumer;
 pub mod guard;
 pub mod lease;

@@ -24,6 +24,8 @@ pub struct Stats {
     pub failed: Counter,
     pub retried: Counter,
     pub parked: Counter,
+    pub circuit_waited: Counter,
+    pub circuit_open: prometheus_client::metrics::gauge::Gauge,
     /// In-process total (tests, the recovery report); exported by reason as
     /// `streamfleet_worker_dead_letters_total{reason}`.
     pub dead_lettered: Counter,
@@ -66,6 +68,10 @@ impl Stats {
         let retried = counter("retried", "In-process retries of transient failures");
         let parked =
             counter("parked", "Transiently failed entries parked for their next attempt on the retry schedule");
+        let circuit_waited = counter(
+            "circuit_waited",
+            "Deliveries not run because the circuit was open: failed uncalled, the entry on along its retry schedule",
+        );
         let suppressed = counter("suppressed_duplicates", "Redeliveries acked without running the handler (guard)");
         let claimed = counter("claimed", "Idle entries claimed from other consumers");
         let payload_missing = counter("payloads_lost", "Pending entries found with their payload gone");
@@ -73,6 +79,12 @@ impl Stats {
             counter("ownership_lost", "Entries done here but claimed by another consumer before the ack");
         let foreign_replays = counter("foreign_replays", "Replays for another group, acked without running");
         let dead_letter_failed = counter("dead_letter_failed", "Dead letters that could not be written");
+        let circuit_open = prometheus_client::metrics::gauge::Gauge::default();
+        registry.register(
+            "circuit_open",
+            "1 while calls are paused because most attempts fail with one error",
+            circuit_open.clone(),
+        );
         let dead_letters = Family::<ReasonLabels, Counter>::default();
         registry.register("dead_letters", "Entries moved to the dead-letter stream, by reason", dead_letters.clone());
         let latency = |registry: &mut Registry, name: &str, help: &str| {
@@ -90,6 +102,8 @@ impl Stats {
             failed,
             retried,
             parked,
+            circuit_waited,
+            circuit_open,
             dead_lettered: Counter::default(),
             dead_letters,
             suppressed,

@@ -121,7 +121,9 @@ async fn an_outage_shorter_than_the_horizon_dead_letters_nothing_at_any_batch_si
         let schedule = config.retry.clone();
         assert_eq!((schedule.backoff, schedule.initial), (Backoff::Exponential, Duration::from_millis(400)));
         let downstream = Downstream::down_for(Duration::from_secs(3));
-        let (stop, running) = spawn(Worker::new(config, downstream.clone()));
+        // (The schedule alone: the breaker would spare calls, and the
+        // attempts recorded here are calls.)
+        let (stop, running) = spawn(Worker::new(config, downstream.clone()).without_circuit_breaker());
         let mut ids = Vec::new();
         for i in 0..20 {
             ids.push(add(&mut conn, &[("order", &i.to_string())]).await?);
@@ -182,7 +184,8 @@ async fn an_outage_longer_than_the_horizon_dead_letters_at_the_horizon_not_befor
     ] {
         let (server, mut conn) = setup().await?;
         let downstream = Downstream::down_for(Duration::from_secs(3_600));
-        let (stop, running) = spawn(Worker::new(config(&server, &settings, max_deliveries, 10), downstream.clone()));
+        let worker = Worker::new(config(&server, &settings, max_deliveries, 10), downstream.clone());
+        let (stop, running) = spawn(worker.without_circuit_breaker());
         let id = add(&mut conn, &[("order", "1")]).await?;
         let letters = streamfleet_testbed::eventually("dead-lettered", common::T, || async {
             let letters = dead_letters(&mut conn.clone()).await?;
@@ -224,4 +227,55 @@ async fn an_outage_longer_than_the_horizon_dead_letters_at_the_horizon_not_befor
         assert_eq!(pending(&mut conn).await?, 0);
     }
     Ok(())
+}
+
+/// Every call fails the same way while 60 entries arrive (the downstream
+/// is down for 4 s). Without a breaker each entry is tried at every
+/// delivery, several times each in process (the same run without it is the
+/// comparison). With it, once most calls fail with one error, the worker
+/// stops calling: deliveries fail uncalled and entries go on along their
+/// schedule, one probe at a time telling when the downstream is back.
+/// Every entry runs once after, nothing is dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_downstream_failing_every_call_is_spared_by_the_circuit_breaker() -> Result<()> {
+    let (without, _) = calls_while_down(false).await?;
+    let (with, waited) = calls_while_down(true).await?;
+    println!("calls while down: {with} with the breaker ({waited} deliveries not run), {without} without");
+    assert!(waited > 0, "deliveries failed uncalled while the circuit was open");
+    assert!(with * 4 <= without, "calls while down: {with} with the breaker, {without} without");
+    Ok(())
+}
+
+/// Calls to the downstream while it was down, and deliveries not run for
+/// the breaker, for 60 entries arriving during a 4 s outage.
+async fn calls_while_down(breaker: bool) -> Result<(usize, u64)> {
+    let (server, mut conn) = setup().await?;
+    let settings = [(env::RETRY_MAX_DELAY_MS, "1600"), (env::RETRY_JITTER_PERCENT, "0")];
+    let downstream = Downstream::down_for(Duration::from_secs(4));
+    let worker = Worker::new(config(&server, &settings, 20, 20), downstream.clone());
+    let worker = if breaker { worker } else { worker.without_circuit_breaker() };
+    let stats = worker.stats();
+    let (stop, running) = spawn(worker);
+    let mut ids = Vec::new();
+    for i in 0..60 {
+        ids.push(add(&mut conn, &[("order", &i.to_string())]).await?);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let up_at = *downstream.up_at.lock().unwrap();
+    streamfleet_testbed::eventually("all charged", common::T, || async {
+        let attempts = downstream.attempts();
+        let done = ids.iter().all(|id| attempts.get(id).is_some_and(|a| a.last().is_some_and(|(_, at)| *at >= up_at)));
+        Ok((done && pending(&mut conn.clone()).await? == 0).then_some(()))
+    })
+    .await?;
+    let _ = stop.send(());
+    running.await??;
+    let attempts = downstream.attempts();
+    let while_down: usize = attempts.values().map(|a| a.iter().filter(|(_, at)| *at < up_at).count()).sum();
+    assert!(dead_letters(&mut conn).await?.is_empty(), "breaker {breaker}");
+    for id in &ids {
+        let tries = &attempts[id];
+        assert_eq!(tries.iter().filter(|(_, at)| *at >= up_at).count(), 1, "{id} ran once after: {tries:?}");
+    }
+    Ok((while_down, streamfleet_worker::Stats::get(&stats.circuit_waited)))
 }

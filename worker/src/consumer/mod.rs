@@ -13,6 +13,7 @@ mod settle;
 use batch::Batch;
 use read::Reader;
 
+use crate::breaker::{Breaker, Gate, Transition};
 use crate::guard::{Acquisition, Guard, GuardState, IdempotencyStore};
 use crate::lease::{Completion, Held, Lease};
 use crate::phase::{Event, HandBack, Phase, PhaseCell};
@@ -183,12 +184,16 @@ pub struct Worker<H> {
     at_most_once: bool,
     /// Set on shutdown: no handler starts after it.
     stop: Arc<AtomicBool>,
+    /// Stops calling a failing downstream (`breaker`); `None`: turned off.
+    breaker: Option<Arc<std::sync::Mutex<Breaker>>>,
 }
 
 impl<H: Handler> Worker<H> {
     pub fn new(config: WorkerConfig, handler: H) -> Self {
         let stats = Arc::new(Stats::for_group(&config.group));
+        let breaker = Breaker::new(config.retry.initial, config.retry.max);
         Self {
+            breaker: Some(Arc::new(std::sync::Mutex::new(breaker))),
             config,
             handler: Arc::new(handler),
             guard: None,
@@ -196,6 +201,14 @@ impl<H: Handler> Worker<H> {
             at_most_once: false,
             stop: Arc::new(AtomicBool::new(false)),
         }
+    }
+
+    /// No circuit breaker: every entry's attempts call the handler, even
+    /// while most fail with the same error (for handlers whose failures say
+    /// nothing about the next entry's chances).
+    pub fn without_circuit_breaker(mut self) -> Self {
+        self.breaker = None;
+        self
     }
 
     /// At-most-once delivery (`XREADGROUP ... NOACK`), for lossy telemetry

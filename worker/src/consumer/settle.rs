@@ -69,6 +69,21 @@ impl<H: Handler> Worker<H> {
             }
             _ => {}
         }
+        let probe = match self.gate() {
+            Gate::Run => false,
+            Gate::Probe => true,
+            // The downstream is failing: not called. The delivery fails as
+            // the call would have, and the entry goes on along its schedule
+            // (so its horizon is the same with the breaker as without).
+            Gate::Wait { error, .. } if !self.at_most_once => {
+                self.stats.add(&self.stats.circuit_waited, 1);
+                self.release(conn, batch, i).await?;
+                let error = format!("not called, the circuit is open after repeated failures: {error}");
+                self.retry_later(conn, entry, &error, key).await?;
+                return Ok(Settled::Leave);
+            }
+            Gate::Wait { .. } => false,
+        };
         if !self.at_most_once {
             self.record_start(conn, entry).await?;
         }
@@ -81,7 +96,7 @@ impl<H: Handler> Worker<H> {
             deliveries: entry.deliveries,
             fence: acquisition.fence,
         };
-        let outcome = DELIVERY.scope(delivery, self.handle_with_retries(entry)).await;
+        let outcome = DELIVERY.scope(delivery, self.handle_with_retries(entry, probe)).await;
         self.stats.handler_latency.observe(started.elapsed());
         match outcome {
             Outcome::Done => {
@@ -155,6 +170,40 @@ impl<H: Handler> Worker<H> {
             }
         }
         Ok(())
+    }
+
+    /// Whether a handler may call the downstream now (`breaker`).
+    fn gate(&self) -> Gate {
+        match &self.breaker {
+            Some(breaker) => breaker.lock().unwrap_or_else(std::sync::PoisonError::into_inner).gate(Instant::now()),
+            None => Gate::Run,
+        }
+    }
+
+    /// Tells the breaker how an attempt went; returns whether it is open now.
+    fn record_attempt(&self, failure: Result<(), &str>, probe: bool) -> bool {
+        let Some(breaker) = &self.breaker else {
+            return false;
+        };
+        let mut breaker = breaker.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match breaker.record(Instant::now(), failure, probe) {
+            Some(Transition::Opened { failures, attempts, error, wait }) => {
+                self.stats.circuit_open.set(1);
+                tracing::warn!(
+                    failures,
+                    attempts,
+                    error,
+                    ?wait,
+                    "most attempts fail with the same error: calls paused (circuit open); entries go on along their retry schedule uncalled until a probe succeeds"
+                );
+            }
+            Some(Transition::Closed) => {
+                self.stats.circuit_open.set(0);
+                tracing::info!("a probe succeeded: calls resume (circuit closed)");
+            }
+            None => {}
+        }
+        breaker.is_open()
     }
 
     /// Records that `entry`'s handler starts (`started`), before it runs: if
@@ -235,7 +284,7 @@ impl<H: Handler> Worker<H> {
     /// (no other consumer claims it), so the deadline only bounds a hung
     /// handler: an attempt dropped after its effect is run again by the next
     /// delivery, possibly elsewhere, which the handler's idempotency absorbs.
-    pub(super) async fn handle_with_retries(&self, entry: &Entry) -> Outcome {
+    pub(super) async fn handle_with_retries(&self, entry: &Entry, probe: bool) -> Outcome {
         let deadline = self.config.min_idle;
         let budget = IN_PROCESS_RETRIES_FOR.min(deadline / 4);
         let started = Instant::now();
@@ -254,11 +303,17 @@ impl<H: Handler> Worker<H> {
                 Ok(Ok(outcome)) => outcome,
                 Ok(Err(panic)) => Outcome::Transient(format!("handler panicked: {}", panic_message(panic.as_ref()))),
             };
+            let failure = match &outcome {
+                Outcome::Transient(error) => Err(error.as_str()),
+                _ => Ok(()),
+            };
+            let open = self.record_attempt(failure, probe);
             let Outcome::Transient(_) = &outcome else {
                 return outcome;
             };
             let jittered = delay.mul_f64(rand::rng().random_range(0.5..1.5));
-            if started.elapsed() + jittered >= budget {
+            // (A probe is one attempt; an open breaker stops the calls.)
+            if probe || open || started.elapsed() + jittered >= budget {
                 return outcome;
             }
             self.stats.add(&self.stats.retried, 1);
