@@ -524,7 +524,8 @@ pub struct StreamConsumerGroupStatus {
     pub payload_lost: Option<PayloadLostStatus>,
 
     /// Pending entries waiting for a retry on the schedule
-    /// (`spec.recovery.retry`); absent when none wait, or when unknown.
+    /// (`spec.recovery.retry`); `entries: 0` when none wait, absent when
+    /// unknown.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retrying: Option<RetryingStatus>,
 

@@ -12,10 +12,13 @@ redelivery after a crash between the charge and the ack is absorbed;
     STREAMFLEET_GROUP=billing STREAMFLEET_CONSUMER=w1 python3 streamfleet_worker.py
 
 Optional: EXAMPLE_LEDGER (the ledger hash, default `ledger`),
-EXAMPLE_HANDLER_MS (time each charge takes).
+EXAMPLE_HANDLER_MS (time each charge takes). While the key `<ledger>:down`
+exists the payment provider is down: every charge fails transiently, and
+the entry waits parked for its retry on the schedule (rule 10).
 """
 
 import os
+import random
 import signal
 import sys
 import time
@@ -25,21 +28,70 @@ import redis
 # One script per step, so each check and its action are atomic (the
 # protocol's rules 3, 4 and 6). KEYS/ARGV as documented beside each.
 
-# KEYS: dead-letter stream, stream, last-error hash. ARGV: group, ID, then
+# KEYS: dead-letter stream, stream, entry records. ARGV: group, ID, then
 # the letter's fields and values. XADD first: if it fails nothing is acked.
 DEAD_LETTER = """
 local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
 redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
-redis.call('HDEL', KEYS[3], ARGV[2])
+redis.call('HDEL', KEYS[3], ARGV[2], ARGV[2] .. ':run', ARGV[2] .. ':crashes', ARGV[2] .. ':since')
 return id
 """
 
-# KEYS: stream. ARGV: group, consumer, ID. Acks only while this consumer
-# still owns the entry in the PEL (another that claimed it acks it itself).
+# KEYS: stream, entry records. ARGV: group, consumer, ID. Acks only while
+# this consumer still owns the entry in the PEL (another that claimed it
+# acks it itself), and drops the entry's records with the ack.
 ACK_IF_OURS = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if p[1] == nil or p[1][2] ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[2], ARGV[3], ARGV[3] .. ':run', ARGV[3] .. ':crashes', ARGV[3] .. ':since')
 return redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+"""
+
+# Rule 10. KEYS: stream, entry records. ARGV: group, consumer, ID, delivery
+# count n, error, T(n) ms, this entry's delay ms, retryFor ms (0: none).
+# Parks an entry whose delivery n failed transiently with the parking
+# consumer for n, its idle time set so it is due when its delay is over.
+# Returns the delay, -1 past the retryFor horizon (dead-letter it), -2 not
+# ours, -3 payload gone (left: a claim records it lost).
+PARK = """
+local id = ARGV[3]
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)[1]
+if p == nil or p[2] ~= ARGV[2] then return -2 end
+if #redis.call('XRANGE', KEYS[1], id, id) == 0 then return -3 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('HSET', KEYS[2], id, ARGV[5], id .. ':run', ARGV[4] .. ':end')
+redis.call('HSETNX', KEYS[2], id .. ':since', string.format('%.0f', now))
+local delay, limit = tonumber(ARGV[7]), tonumber(ARGV[8])
+if limit > 0 then
+  local left = tonumber(redis.call('HGET', KEYS[2], id .. ':since')) + limit - now
+  if left <= 0 then return -1 end
+  delay = math.min(delay, left)
+end
+local idle = math.max(0, tonumber(ARGV[6]) - delay)
+redis.call('XCLAIM', KEYS[1], ARGV[1], 'streamfleet:retry:' .. ARGV[4], 0, id, 'IDLE', string.format('%.0f', idle), 'JUSTID')
+return delay
+"""
+
+# Rule 10. KEYS: stream. ARGV: group, consumer, count, then T(1), T(2), ...
+# ms (the last serves every higher count). Claims parked entries that are
+# due, per parking consumer; one whose payload is gone is left to a Rust
+# claimer or the sweep, which record it lost.
+CLAIM_DUE = """
+local due, want = {}, tonumber(ARGV[3])
+for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local info = {}
+  for k = 1, #c, 2 do info[c[k]] = c[k + 1] end
+  local n = tonumber(string.match(info['name'], '^streamfleet:retry:(%d+)$') or '')
+  if n and info['pending'] > 0 and #due < want then
+    local threshold = ARGV[3 + math.max(1, math.min(n, #ARGV - 3))]
+    for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', threshold, '-', '+', want - #due, info['name'])) do
+      if #redis.call('XRANGE', KEYS[1], p[1], p[1]) > 0 then due[#due + 1] = p[1] end
+    end
+  end
+end
+if #due == 0 then return {} end
+return redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(due))
 """
 
 # KEYS: stream, dead-letter stream, payload-lost count, payload-lost IDs,
@@ -114,13 +166,41 @@ class Permanent(Exception):
     """A business rule refuses the entry: dead-letter it now."""
 
 
+class Transient(Exception):
+    """A downstream failed: try again on the retry schedule."""
+
+
+class Schedule:
+    """The retry schedule of the env contract (STREAMFLEET_RETRY_*, rule 10)."""
+
+    def __init__(self, env, min_idle_ms):
+        self.exponential = env.get("STREAMFLEET_RETRY_BACKOFF", "Exponential") != "Fixed"
+        self.initial = int(env.get("STREAMFLEET_RETRY_INITIAL_DELAY_MS", min_idle_ms))
+        self.max = max(int(env.get("STREAMFLEET_RETRY_MAX_DELAY_MS", "900000")), self.initial)
+        self.jitter = min(int(env.get("STREAMFLEET_RETRY_JITTER_PERCENT", "20")), 100)
+        self.retry_for = int(env.get("STREAMFLEET_RETRY_FOR_MS", "0"))
+
+    def base(self, n):
+        if not self.exponential:
+            return self.initial
+        return min(self.initial * 2 ** min(max(n, 1) - 1, 40), self.max)
+
+    def threshold(self, n):
+        """The longest delay after delivery n: its parking consumer's threshold."""
+        return self.base(n) * (100 + self.jitter) // 100
+
+    def delay(self, n):
+        return self.base(n) + int((self.threshold(n) - self.base(n)) * random.random())
+
+
 class Worker:
     def __init__(self, env):
         self.streams = env["STREAMFLEET_STREAMS"].split(",")
         self.group = env["STREAMFLEET_GROUP"]
         self.consumer = env["STREAMFLEET_CONSUMER"]
         self.min_idle_ms = int(env.get("STREAMFLEET_MIN_IDLE_MS", "60000"))
-        self.max_deliveries = int(env.get("STREAMFLEET_MAX_DELIVERIES", "5"))
+        self.max_deliveries = int(env.get("STREAMFLEET_MAX_DELIVERIES", "10"))
+        self.schedule = Schedule(env, self.min_idle_ms)
         self.batch = int(env.get("STREAMFLEET_BATCH_SIZE", "10"))
         self.drain_ms = int(env.get("STREAMFLEET_DRAIN_TIMEOUT_MS", "10000"))
         dead = env.get("STREAMFLEET_DEAD_LETTER_STREAM")
@@ -138,6 +218,8 @@ class Worker:
         self.ack_if_ours = self.redis.register_script(ACK_IF_OURS)
         self.claim = self.redis.register_script(CLAIM)
         self.hand_back = self.redis.register_script(HAND_BACK)
+        self.park = self.redis.register_script(PARK)
+        self.claim_due = self.redis.register_script(CLAIM_DUE)
         self.stopping = False
         signal.signal(signal.SIGTERM, self.stop)
 
@@ -153,6 +235,8 @@ class Worker:
             raise Permanent(f"order {order.decode()}: card declined")
         if self.handler_s:
             time.sleep(self.handler_s)
+        if self.redis.exists(f"{self.ledger}:down"):
+            raise Transient("payment provider: 503 service unavailable")
         # HSETNX: a repeat after a crash between charge and ack is a no-op.
         self.redis.hsetnx(self.ledger, order, self.consumer)
 
@@ -169,14 +253,17 @@ class Worker:
         args = [self.group, entry_id]
         for k, v in list(fields.items()) + list(meta.items()):
             args += [k, v]
-        keys = [self.dead_letter_stream[stream], stream, companion(stream, f"last-error:{self.group}")]
+        keys = [self.dead_letter_stream[stream], stream, self.records(stream)]
         self.dead_letter(keys=keys, args=args)
+
+    def records(self, stream):
+        return companion(stream, f"last-error:{self.group}")
 
     def settle(self, stream, entry_id, fields, deliveries):
         # Rule 8: a replay addressed to another group is acked unrun.
         replay_for = fields.get(b"streamfleet.replay-for")
         if replay_for is not None and replay_for.decode() != self.group:
-            self.ack_if_ours(keys=[stream], args=[self.group, self.consumer, entry_id])
+            self.ack_if_ours(keys=[stream, self.records(stream)], args=[self.group, self.consumer, entry_id])
             return
         if deliveries > self.max_deliveries:
             error = self.redis.hget(companion(stream, f"last-error:{self.group}"), entry_id) or b"delivered too often"
@@ -187,12 +274,24 @@ class Worker:
         except Permanent as refused:
             self.letter(stream, entry_id, fields, deliveries, "permanent", str(refused))
             return
-        except redis.RedisError as e:
-            # Transient: record why, leave it pending for redelivery.
-            self.redis.hset(companion(stream, f"last-error:{self.group}"), entry_id, f"transient: {e}")
+        except (Transient, redis.RedisError) as e:
+            self.retry_later(stream, entry_id, fields, deliveries, f"transient: {e}")
             return
         # Rules 2 and 6: the effect is committed; ack only while it is ours.
-        self.ack_if_ours(keys=[stream], args=[self.group, self.consumer, entry_id])
+        self.ack_if_ours(keys=[stream, self.records(stream)], args=[self.group, self.consumer, entry_id])
+
+    def retry_later(self, stream, entry_id, fields, deliveries, error):
+        """Rules 3 and 10: park it for its next attempt, or dead-letter it at the horizon."""
+        if deliveries >= self.max_deliveries:
+            self.letter(stream, entry_id, fields, deliveries, "retries-exhausted",
+                        f"{error} (gave up: {deliveries} attempts, the most maxDeliveries allows)")
+            return
+        s = self.schedule
+        args = [self.group, self.consumer, entry_id, deliveries, error, s.threshold(deliveries),
+                s.delay(deliveries), s.retry_for]
+        if self.park(keys=[stream, self.records(stream)], args=args) == -1:
+            self.letter(stream, entry_id, fields, deliveries, "retries-exhausted",
+                        f"{error} (gave up: {deliveries} attempts, retryFor passed)")
 
     def process(self, stream, entries, deliveries_of):
         for i, (entry_id, fields) in enumerate(entries):
@@ -208,6 +307,18 @@ class Worker:
             if fields is None:
                 continue
             self.settle(stream, entry_id, fields, deliveries_of(entry_id))
+
+    def take_due(self, stream):
+        """Rule 10: parked entries whose retry is due."""
+        thresholds = [self.schedule.threshold(n) for n in range(1, max(self.max_deliveries, 1) + 1)]
+        while not self.stopping:
+            claimed = self.claim_due(keys=[stream], args=[self.group, self.consumer, self.batch] + thresholds)
+            claimed = [(e[0], dict(zip(e[1][::2], e[1][1::2]))) for e in claimed]
+            if claimed:
+                counts = self.delivery_counts(stream, claimed)
+                self.process(stream, claimed, lambda i: counts.get(i, 1))
+            if len(claimed) < self.batch:
+                return
 
     def claim_idle(self, stream):
         """Rule 4: entries of crashed consumers, page after page until 0-0."""
@@ -229,7 +340,8 @@ class Worker:
 
     def delivery_counts(self, stream, entries):
         ids = [e[0].decode() if isinstance(e[0], bytes) else e[0] for e in entries]
-        pending = self.redis.xpending_range(stream, self.group, min=ids[0], max=ids[-1], count=len(ids) * 2,
+        ids.sort(key=lambda i: tuple(int(part) for part in i.split("-")))
+        pending = self.redis.xpending_range(stream, self.group, min=ids[0], max=ids[-1], count=10000,
                                             consumername=self.consumer)
         return {(p["message_id"].decode() if isinstance(p["message_id"], bytes) else p["message_id"]):
                 p["times_delivered"] for p in pending}
@@ -241,6 +353,7 @@ class Worker:
             if time.monotonic() >= next_claim:
                 next_claim = time.monotonic() + min(self.min_idle_ms / 2000, 1.0)
                 for stream in self.streams:
+                    self.take_due(stream)
                     self.claim_idle(stream)
             # Rule 5: a short block keeps this consumer touching Redis. Its
             # batches are small and its handler quick, so no entry in hand

@@ -5,7 +5,7 @@
 //! |---|---|
 //! | `Unknown` | the group could not be inspected, or its lag is unknown |
 //! | `PayloadLost` | pending entries were found with their payload gone (by anyone), and not all are acknowledged |
-//! | `Stalled` | work is waiting and nothing moves: the oldest pending entry not waiting for a retry has been idle for over twice min-idle-time, or lag > 0 and the group's read counter has not moved for ≥ 30 s over ≥ 3 polls |
+//! | `Stalled` | work is waiting and nothing moves: the oldest pending entry not waiting for a retry has been idle for over twice min-idle-time, an entry waiting for a retry is past due by that much, or lag > 0 and the group's read counter has not moved for ≥ 30 s over ≥ 3 polls |
 //! | `Retrying` | at least 10 entries wait for a retry after failing transiently: a downstream is likely failing |
 //! | `PoisonForming` | a pending entry has been delivered at least max(2, maxDeliveries − 1) times |
 //! | `Backlogged` | lag + pending exceed what the running replicas are meant to carry |
@@ -65,6 +65,9 @@ pub struct Inputs<'a> {
     pub replicas: i32,
     /// Lost payloads not yet acknowledged by the user.
     pub payload_lost_unacknowledged: u64,
+    /// How long the most overdue entry waiting for a retry is past its due
+    /// time (no consumer takes it); zero when none is.
+    pub retry_overdue: Duration,
 }
 
 /// The classification and a sentence saying why.
@@ -89,6 +92,12 @@ pub fn classify(i: &Inputs<'_>) -> (Health, String) {
     let stuck_ms = u64::try_from(i.min_idle.as_millis()).unwrap_or(u64::MAX).saturating_mul(2);
     if let Some(idle) = s.oldest_pending_idle_ms.filter(|idle| *idle > stuck_ms) {
         return (Health::Stalled, format!("the oldest pending entry has been idle {}s", idle / 1000));
+    }
+    if i.retry_overdue.as_millis() > u128::from(stuck_ms) {
+        return (
+            Health::Stalled,
+            format!("an entry waiting for a retry is {}s past due: no consumer takes it", i.retry_overdue.as_secs()),
+        );
     }
     if lag > 0 && i.memory.reading_stopped() {
         return (Health::Stalled, format!("lag {lag} and nothing read for the last polls"));
@@ -145,6 +154,7 @@ mod tests {
             target_per_replica: 100,
             replicas: 2,
             payload_lost_unacknowledged: u64::from(lost),
+            retry_overdue: Duration::ZERO,
         })
         .0
     }
@@ -169,6 +179,7 @@ mod tests {
             target_per_replica: 100,
             replicas: 2,
             payload_lost_unacknowledged: 0,
+            retry_overdue: Duration::ZERO,
         });
         assert_eq!(health, Health::Retrying);
         assert!(message.contains("390 entries") && message.contains("payment provider down"), "{message}");

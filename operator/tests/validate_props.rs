@@ -126,6 +126,7 @@ fn no_decodable_resource_makes_validation_or_the_builders_panic() {
                 target_per_replica: valid.target_per_replica,
                 replicas: current,
                 payload_lost_unacknowledged: at_s % 2,
+                retry_overdue: std::time::Duration::from_secs(at_s % 3),
             });
             let seen_with_retries = seen.map(|(lag, pending)| (lag, pending, pending / 2));
             let decision =

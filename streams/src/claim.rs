@@ -346,19 +346,28 @@ static CLAIM_IDLE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new
             local consumer, id = string.match(ARGV[6], '^(.*)\n([^\n]*)$')
             from_consumer, from_id = consumer or '', '(' .. (id or '0-0')
         end
+        -- Consumers come in byte order (Redis's rax); Lua's `>` on strings
+        -- follows the server's locale, so bytes are compared here.
+        local function after(a, b)
+            for i = 1, math.min(#a, #b) do
+                local x, y = string.byte(a, i), string.byte(b, i)
+                if x ~= y then return x > y end
+            end
+            return #a > #b
+        end
         local page, next, started = {{}}, '0-0', from_consumer == nil
         for _, c in ipairs(consumers(KEYS[1], ARGV[1])) do
             local start = '-'
-            if not started and c.name == from_consumer then
+            if from_consumer ~= nil and c.name == from_consumer then
                 started, start = true, from_id
-            elseif not started and c.name > from_consumer then
+            elseif not started and after(c.name, from_consumer) then
                 started = true
             end
-            if started and c.pending > 0 and not parked_count(c.name) then
+            if started and c.pending > 0 and not parked_count(c.name) and #page < n then
                 local left = n - #page
                 local rows = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[5], start, '+', left, c.name)
                 for _, p in ipairs(rows) do page[#page + 1] = p end
-                if #rows >= left then
+                if #rows > 0 and #rows >= left then
                     next = c.name .. '\n' .. rows[#rows][1]
                     break
                 end

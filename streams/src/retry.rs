@@ -115,11 +115,12 @@ impl Schedule {
         retry_for: Option<Duration>,
         min_idle: Duration,
     ) -> Schedule {
-        let initial = initial.unwrap_or(min_idle).min(LONGEST_DELAY);
+        // (Never below min-idle-time, even one longer than the cap.)
+        let initial = initial.unwrap_or(min_idle).min(LONGEST_DELAY.max(min_idle));
         Schedule {
             backoff,
             initial,
-            max: max.unwrap_or(DEFAULT_MAX_DELAY).max(initial).min(LONGEST_DELAY),
+            max: max.unwrap_or(DEFAULT_MAX_DELAY).min(LONGEST_DELAY).max(initial),
             jitter_percent: jitter_percent.unwrap_or(DEFAULT_JITTER_PERCENT).min(100),
             retry_for: retry_for.filter(|d| !d.is_zero()),
         }

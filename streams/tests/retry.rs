@@ -97,3 +97,115 @@ async fn a_parked_entry_waits_out_its_delay_unseen_by_idle_claims_and_keeps_its_
     assert_eq!((s.retrying, s.parked.len()), (0, 0));
     Ok(())
 }
+
+/// The recovery sweep leaves an entry waiting for its retry alone, even one
+/// whose delivery count reached its `maxDeliveries` (lowered since it was
+/// parked): its next delivery decides, not the sweep.
+#[tokio::test]
+async fn the_sweep_never_dead_letters_an_entry_waiting_for_its_retry() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    ensure_group(&mut conn, "s", "g", "0").await?;
+    let id: String = conn.xadd("s", "*", &[("i", 1)]).await?;
+    let opts = StreamReadOptions::default().group("g", "w").count(1);
+    let _: StreamReadReply = conn.xread_options(&["s"], &[">"], &opts).await?;
+    let schedule = Schedule {
+        backoff: Backoff::Fixed,
+        initial: Duration::from_millis(100),
+        max: Duration::from_millis(100),
+        jitter_percent: 0,
+        retry_for: None,
+    };
+    let parked = park(&mut conn, &entry(&id, 1), "g", "w", &LOSS, &schedule, "down", 0.0).await?;
+    assert_eq!(parked, Parked::Until(Duration::from_millis(100)));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let settings = streamfleet_streams::sweep::SweepSettings {
+        stream: "s",
+        group: "g",
+        consumer: "sweep",
+        dead_letter_stream: "{s}:dead",
+        min_idle: Duration::from_millis(100),
+        max_deliveries: 1,
+        batch: 10,
+    };
+    let report = streamfleet_streams::sweep::sweep(&mut conn, &settings).await?;
+    assert_eq!((report.claimed, report.dead_lettered, report.payload_lost), (0, 0, 0));
+    let letters: usize = conn.xlen("{s}:dead").await?;
+    assert_eq!(letters, 0);
+    let pending: Vec<(String, String, u64, u64)> =
+        redis::cmd("XPENDING").arg("s").arg("g").arg("-").arg("+").arg(10).query_async(&mut conn).await?;
+    assert_eq!((pending[0].1.as_str(), pending[0].3), ("streamfleet:retry:1", 1), "still parked, uncounted");
+    Ok(())
+}
+
+/// Idle claims walk consumer by consumer, a page at a time: across several
+/// consumers, the one the cursor points into emptied and deleted between
+/// two steps (its entries moved to a consumer later in the order), and a
+/// parking consumer among them, every idle entry is claimed exactly once,
+/// the cursor comes back to `0-0`, and the parked entry is never taken.
+#[tokio::test]
+async fn idle_claims_page_through_every_consumer_once_and_skip_the_parked() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    ensure_group(&mut conn, "s", "g", "0").await?;
+    let mut owned: Vec<(String, String)> = Vec::new();
+    for consumer in ["a", "b", "c", "w"] {
+        for i in 0..3 {
+            let id: String = conn.xadd("s", "*", &[("i", i)]).await?;
+            owned.push((consumer.to_string(), id));
+        }
+        let opts = StreamReadOptions::default().group("g", consumer).count(3);
+        let _: StreamReadReply = conn.xread_options(&["s"], &[">"], &opts).await?;
+    }
+    let of = |c: &str| owned.iter().filter(|(o, _)| o == c).map(|(_, id)| id.clone()).collect::<Vec<_>>();
+    let schedule = Schedule {
+        backoff: Backoff::Fixed,
+        initial: Duration::from_secs(3600),
+        max: Duration::from_secs(3600),
+        jitter_percent: 0,
+        retry_for: None,
+    };
+    // One of w's entries fails and is parked for an hour.
+    let parked_id = of("w")[0].clone();
+    park(&mut conn, &entry(&parked_id, 1), "g", "w", &LOSS, &schedule, "down", 0.0).await?;
+    // Idle past min-idle-time (what the claimer takes is fresh again).
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let min_idle = Duration::from_millis(300);
+    let mut taken: Vec<String> = Vec::new();
+    let mut cursor = "0-0".to_string();
+    let mut steps = 0;
+    loop {
+        let claimed = autoclaim(&mut conn, "s", "g", "x", &LOSS, min_idle, &cursor, 2).await?;
+        taken.extend(claimed.entries.iter().map(|e| e.id.clone()));
+        steps += 1;
+        if steps == 2 {
+            assert!(claimed.next.starts_with("b\n"), "the cursor points into b: {:?}", claimed.next);
+            // b's two others move to y (still idle), and b goes.
+            let rest: Vec<String> = of("b")[1..].to_vec();
+            let _: Vec<String> = redis::cmd("XCLAIM")
+                .arg("s")
+                .arg("g")
+                .arg("y")
+                .arg(0)
+                .arg(&rest)
+                .arg("IDLE")
+                .arg(5_000)
+                .arg("JUSTID")
+                .query_async(&mut conn)
+                .await?;
+            let _: i64 =
+                redis::cmd("XGROUP").arg("DELCONSUMER").arg("s").arg("g").arg("b").query_async(&mut conn).await?;
+        }
+        if claimed.next == "0-0" {
+            break;
+        }
+        assert!(steps < 20, "the cursor never came back: {:?}", claimed.next);
+        cursor = claimed.next;
+    }
+    let mut expected: Vec<String> = owned.iter().map(|(_, id)| id.clone()).filter(|id| *id != parked_id).collect();
+    expected.sort();
+    let mut got = taken.clone();
+    got.sort();
+    assert_eq!(got, expected, "every idle entry once, in {steps} steps: {taken:?}");
+    Ok(())
+}

@@ -113,8 +113,9 @@ pub struct Retrying {
     pub entries: u64,
     /// Entries whose next attempt is their last (`maxDeliveries`).
     pub on_last_attempt: u64,
-    /// How long until the next of them is due (of the sampled ones).
-    pub due_in: Option<Duration>,
+    /// When the next of them is due, from the inspection, in ms (of the
+    /// sampled ones; negative: overdue by that much, no consumer took it).
+    pub due_after_ms: Option<i64>,
     /// That entry's last error.
     pub last_error: Option<String>,
     /// (delivery count failed at, entries), by delivery count.
@@ -125,9 +126,11 @@ pub struct Retrying {
 /// parking consumer releases an entry at its threshold, so the most idle of
 /// its entries is the next due.
 pub fn retrying(snapshot: &GroupSnapshot, schedule: &Schedule, max_deliveries: u64) -> Retrying {
-    let due_in =
-        |p: &ParkedState| schedule.threshold(p.deliveries).saturating_sub(Duration::from_millis(p.most_idle_ms));
-    let soonest = snapshot.parked.iter().min_by_key(|p| due_in(p));
+    let due_after = |p: &ParkedState| {
+        let threshold = i64::try_from(schedule.threshold(p.deliveries).as_millis()).unwrap_or(i64::MAX);
+        threshold.saturating_sub(i64::try_from(p.most_idle_ms).unwrap_or(i64::MAX))
+    };
+    let soonest = snapshot.parked.iter().min_by_key(|p| due_after(p));
     Retrying {
         entries: snapshot.retrying,
         on_last_attempt: snapshot
@@ -136,7 +139,7 @@ pub fn retrying(snapshot: &GroupSnapshot, schedule: &Schedule, max_deliveries: u
             .filter(|p| p.deliveries.saturating_add(1) >= max_deliveries)
             .map(|p| p.entries)
             .fold(0, u64::saturating_add),
-        due_in: soonest.map(due_in),
+        due_after_ms: soonest.map(due_after),
         last_error: soonest.and_then(|p| p.last_error.clone()),
         by_delivery: snapshot.parked.iter().map(|p| (p.deliveries, p.entries)).collect(),
     }
@@ -195,6 +198,7 @@ pub fn decide(
         )
     };
     memory.health.record(&snapshot, at.now);
+    let retrying = retrying(&snapshot, &spec.retry, spec.max_deliveries);
     let last_recovery = observed.last_recovery.clone().map(recovery_status);
     let payload_lost = payload_lost_status(at.scg, &observed.payload_loss);
     let (health, health_message) = health::classify(&health::Inputs {
@@ -205,6 +209,9 @@ pub fn decide(
         target_per_replica: spec.target_per_replica,
         replicas: scaling.replicas,
         payload_lost_unacknowledged: u64::try_from(payload_lost.unacknowledged).unwrap_or(0),
+        retry_overdue: Duration::from_millis(
+            retrying.due_after_ms.filter(|ms| *ms < 0).map_or(0, |ms| ms.unsigned_abs()),
+        ),
     });
     let (health, health_message) = suspended_health(spec.suspend, health, health_message, &snapshot);
     let (retention, trims) = retention_plan(observed);
@@ -224,7 +231,7 @@ pub fn decide(
         dead_letter_trims,
         dead_letter_cap_reached,
         reap: reap_plan(at.scg, &snapshot, observed),
-        retrying: retrying(&snapshot, &spec.retry, spec.max_deliveries),
+        retrying,
         deployment: objects::worker_deployment(at.scg, scaling.replicas)?,
         cronjob: objects::recovery_cronjob(at.scg, at.settings)?,
         snapshot,
@@ -546,11 +553,11 @@ mod tests {
         s.parked = vec![parked(1, 3, 4_000, "a"), parked(4, 2, 9_000, "b")];
         let r = retrying(&s, &schedule, 5);
         assert_eq!((r.entries, r.on_last_attempt), (5, 2), "delivery 5 is the last");
-        assert_eq!((r.due_in, r.last_error.as_deref()), (Some(Duration::from_secs(1)), Some("b")));
+        assert_eq!((r.due_after_ms, r.last_error.as_deref()), (Some(1_000), Some("b")));
         assert_eq!(r.by_delivery, vec![(1, 3), (4, 2)]);
-        // Overdue (no consumer took it yet): due now, not negative.
+        // Overdue (no consumer took it yet): by how much.
         s.parked = vec![parked(1, 3, 60_000, "a")];
-        assert_eq!(retrying(&s, &schedule, 5).due_in, Some(Duration::ZERO));
+        assert_eq!(retrying(&s, &schedule, 5).due_after_ms, Some(-50_000));
         assert_eq!(retrying(&snapshot(0, 0, &[]), &schedule, 5), Retrying::default());
     }
 

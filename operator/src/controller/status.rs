@@ -92,23 +92,26 @@ pub fn converged(
     status
 }
 
-/// The status of entries waiting for a retry; the next due time in whole
-/// seconds (a status rewritten for milliseconds would be a write per poll).
+/// The status of entries waiting for a retry. The next due time is an
+/// instant (the inspection's time plus what is left, negative when
+/// overdue) rounded to the second: the same from one poll to the next, so
+/// the status is not rewritten for it.
 fn retrying_status(r: &Retrying, now: &Time) -> RetryingStatus {
     let int = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
-    let next_attempt_time = r.due_in.and_then(|d| {
-        let seconds = now.0.as_second().saturating_add(i64::try_from(d.as_millis().div_ceil(1000)).unwrap_or(i64::MAX));
-        k8s_openapi::jiff::Timestamp::from_second(seconds).ok().map(Time)
+    let next_attempt_time = r.due_after_ms.and_then(|after| {
+        let due_ms = now.0.as_millisecond().saturating_add(after);
+        k8s_openapi::jiff::Timestamp::from_second(due_ms.saturating_add(500).div_euclid(1000)).ok().map(Time)
     });
     RetryingStatus {
         entries: int(r.entries),
         on_last_attempt: int(r.on_last_attempt),
         next_attempt_time,
         last_error: r.last_error.as_deref().map(|e| crate::events::cut(e, 256)),
+        // The highest delivery counts (the nearest their horizon) when more.
         by_delivery: r
             .by_delivery
             .iter()
-            .take(32)
+            .skip(r.by_delivery.len().saturating_sub(32))
             .map(|(deliveries, entries)| RetryingAtDelivery { deliveries: int(*deliveries), entries: int(*entries) })
             .collect(),
     }
@@ -192,6 +195,8 @@ pub fn conflicted(
     status.health = Some(Health::Unknown);
     status.replicas = Some(ReplicaStatus { desired: 0, current: 0, summary: "0/0".into() });
     set_figures(&mut status, plan.snapshot.as_ref());
+    // Not read against the schedule here: unknown, not the last good figures.
+    status.retrying = None;
     status.payload_lost = None;
     status
 }

@@ -442,5 +442,26 @@ async fn the_python_worker_runs_under_the_operator_and_survives_a_killed_pod() -
     assert_eq!(keys, (0..5).map(|i| format!("poison-{i}")).collect::<Vec<_>>());
     let pending: redis::streams::StreamPendingReply = conn.xpending("orders", "billing").await?;
     assert_eq!(pending.count(), 0);
+
+    // The provider goes down (env contract rule 10): failed orders wait
+    // parked for their retry on the schedule, then are charged once.
+    let _: () = conn.set("ledger:down", 1).await?;
+    produce(&mut conn, 300, 320).await?;
+    eventually("orders parked by the Python workers", T, || async {
+        let consumers: Vec<redis::Value> =
+            redis::cmd("XINFO").arg("CONSUMERS").arg("orders").arg("billing").query_async(&mut conn.clone()).await?;
+        Ok(format!("{consumers:?}").contains("streamfleet:retry:1").then_some(()))
+    })
+    .await?;
+    let _: () = conn.del("ledger:down").await?;
+    eventually("the parked orders charged", T, || async {
+        let pending: redis::streams::StreamPendingReply = conn.clone().xpending("orders", "billing").await?;
+        Ok((charged().await? == 320 && pending.count() == 0).then_some(()))
+    })
+    .await?;
+    let letters: usize = conn.xlen("{orders}:dead").await?;
+    assert_eq!(letters, 5, "no order dead-lettered for the outage");
+    let records: std::collections::HashMap<String, String> = conn.hgetall("{orders}:last-error:billing").await?;
+    assert!(records.is_empty(), "entry records left behind: {records:?}");
     Ok(())
 }

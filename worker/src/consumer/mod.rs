@@ -218,6 +218,8 @@ impl<H: Handler> Worker<H> {
     pub fn at_most_once(mut self) -> Self {
         self.at_most_once = true;
         self.guard = None;
+        // (A failure is dropped, not retried: nothing to spare.)
+        self.breaker = None;
         self
     }
 

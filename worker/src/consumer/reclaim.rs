@@ -212,10 +212,11 @@ impl<H: Handler> Worker<H> {
                 total += claimed.entries.len();
                 self.stats.add(&self.stats.claimed, claimed.entries.len());
                 self.settle_claimed(conn, stream, claimed.deleted, claimed.entries).await?;
-                cursor = claimed.next;
-                if cursor == "0-0" || stopping(stop) {
+                // (A cursor that does not move would spin: the rest next cycle.)
+                if claimed.next == cursor || claimed.next == "0-0" || stopping(stop) {
                     break;
                 }
+                cursor = claimed.next;
             }
         }
         Ok((total, deferred))

@@ -72,17 +72,19 @@ impl<H: Handler> Worker<H> {
         let probe = match self.gate() {
             Gate::Run => false,
             Gate::Probe => true,
+            // Its last attempt is made, open or not: an entry is never
+            // dead-lettered without a call at its horizon.
+            Gate::Wait { .. } if entry.deliveries >= self.config.max_deliveries => false,
             // The downstream is failing: not called. The delivery fails as
             // the call would have, and the entry goes on along its schedule
             // (so its horizon is the same with the breaker as without).
-            Gate::Wait { error, .. } if !self.at_most_once => {
+            Gate::Wait { error, .. } => {
                 self.stats.add(&self.stats.circuit_waited, 1);
                 self.release(conn, batch, i).await?;
                 let error = format!("not called, the circuit is open after repeated failures: {error}");
                 self.retry_later(conn, entry, &error, key).await?;
                 return Ok(Settled::Leave);
             }
-            Gate::Wait { .. } => false,
         };
         if !self.at_most_once {
             self.record_start(conn, entry).await?;
@@ -180,10 +182,15 @@ impl<H: Handler> Worker<H> {
         }
     }
 
-    /// Tells the breaker how an attempt went; returns whether it is open now.
-    fn record_attempt(&self, failure: Result<(), &str>, probe: bool) -> bool {
+    /// Whether the breaker is open now.
+    fn circuit_open(&self) -> bool {
+        self.breaker.as_ref().is_some_and(|b| b.lock().unwrap_or_else(std::sync::PoisonError::into_inner).is_open())
+    }
+
+    /// Tells the breaker how a delivery's call went.
+    fn record_delivery(&self, failure: Result<(), &str>, probe: bool) {
         let Some(breaker) = &self.breaker else {
-            return false;
+            return;
         };
         let mut breaker = breaker.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         match breaker.record(Instant::now(), failure, probe) {
@@ -203,7 +210,6 @@ impl<H: Handler> Worker<H> {
             }
             None => {}
         }
-        breaker.is_open()
     }
 
     /// Records that `entry`'s handler starts (`started`), before it runs: if
@@ -303,17 +309,22 @@ impl<H: Handler> Worker<H> {
                 Ok(Ok(outcome)) => outcome,
                 Ok(Err(panic)) => Outcome::Transient(format!("handler panicked: {}", panic_message(panic.as_ref()))),
             };
-            let failure = match &outcome {
-                Outcome::Transient(error) => Err(error.as_str()),
-                _ => Ok(()),
-            };
-            let open = self.record_attempt(failure, probe);
-            let Outcome::Transient(_) = &outcome else {
+            let Outcome::Transient(error) = &outcome else {
+                // The downstream answered (done, or refused for good).
+                self.record_delivery(Ok(()), probe);
                 return outcome;
             };
             let jittered = delay.mul_f64(rand::rng().random_range(0.5..1.5));
-            // (A probe is one attempt; an open breaker stops the calls.)
-            if probe || open || started.elapsed() + jittered >= budget {
+            // A probe is one attempt; an open breaker stops the calls (opened
+            // by other deliveries meanwhile).
+            if probe || self.circuit_open() || started.elapsed() + jittered >= budget {
+                // One outcome per delivery, not per attempt: a few entries'
+                // in-process retries are no outage. A panic is this
+                // handler's bug, not the downstream's.
+                let panicked = error.starts_with("handler panicked");
+                if !panicked || probe {
+                    self.record_delivery(Err(error), probe);
+                }
                 return outcome;
             }
             self.stats.add(&self.stats.retried, 1);
