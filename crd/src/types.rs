@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
     status = "StreamConsumerGroupStatus",
     printcolumn = r#"{"name":"Stream","type":"string","jsonPath":".spec.stream"}"#,
     printcolumn = r#"{"name":"Group","type":"string","jsonPath":".spec.group"}"#,
+    printcolumn = r#"{"name":"Delay","type":"integer","description":"Age in seconds of the oldest unfinished entry, by the Redis clock","jsonPath":".status.delaySeconds"}"#,
     printcolumn = r#"{"name":"Lag","type":"integer","jsonPath":".status.lag"}"#,
     printcolumn = r#"{"name":"Pending","type":"integer","jsonPath":".status.pending"}"#,
     printcolumn = r#"{"name":"Retrying","type":"integer","description":"Pending entries waiting for a retry on the schedule","jsonPath":".status.retrying.entries"}"#,
@@ -470,7 +471,16 @@ pub struct StreamConsumerGroupStatus {
     #[schemars(length(max = 16))]
     pub conditions: Vec<Condition>,
 
-    /// Entries not yet delivered to the group; absent when unknown.
+    /// How late the group is: the age in seconds of its oldest unfinished
+    /// entry (pending, or not yet delivered), over every shard, by the Redis
+    /// server's clock (`TIME` against the entry ID's milliseconds). Absent
+    /// when unknown, or when the stream's IDs are not times (a producer sets
+    /// explicit IDs; the `DelayUnknown` condition says so).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delay_seconds: Option<i64>,
+
+    /// Entries not yet delivered to the group, counted from stream IDs up to
+    /// 1,000 (Redis's own figure beyond); absent when unknown.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lag: Option<i64>,
 
@@ -551,6 +561,9 @@ pub struct StreamConsumerGroupStatus {
 pub struct ShardStatus {
     /// The shard's stream key.
     pub stream: String,
+    /// Age in seconds of the shard's oldest unfinished entry; absent when unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delay_seconds: Option<i64>,
     /// Entries not yet delivered; absent when unknown.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lag: Option<i64>,

@@ -9,6 +9,8 @@ pub const DEGRADED: &str = "Degraded";
 pub const RETENTION_BLOCKED: &str = "RetentionBlocked";
 pub const CONFLICT: &str = "Conflict";
 pub const DEAD_LETTER_CAP_REACHED: &str = "DeadLetterCapReached";
+/// True only while the stream's IDs are not times (explicit IDs): no delay.
+pub const DELAY_UNKNOWN: &str = "DelayUnknown";
 
 /// Sets condition `type_` in `conditions`; its transition time changes only
 /// when its status does.

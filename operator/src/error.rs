@@ -55,6 +55,21 @@ impl Error {
         !matches!(self, Error::Kube(_) | Error::Serialize(_) | Error::Internal(_))
     }
 
+    /// A dependency out of reach (Redis, the API server): no fault of the
+    /// resource, so it is retried at the resource's own poll pace, and its
+    /// status is back within one poll of the dependency returning.
+    pub fn is_outage(&self) -> bool {
+        match self {
+            // Or up but not serving yet: loading its data, its cluster re-forming.
+            Error::Redis(e) => {
+                e.class == streamfleet_streams::ErrorClass::Unreachable
+                    || matches!(e.source.code(), Some("LOADING" | "TRYAGAIN" | "CLUSTERDOWN" | "MASTERDOWN"))
+            }
+            Error::Kube(e) => !matches!(e, kube::Error::Api(_)),
+            _ => false,
+        }
+    }
+
     /// An API error on applying a `kind` becomes `Refused` with the API
     /// server's message; other errors stay as they are.
     pub fn refused(self, kind: &'static str) -> Self {
@@ -62,5 +77,23 @@ impl Error {
             Error::Kube(kube::Error::Api(response)) => Error::Refused { kind, message: response.message.clone() },
             other => other,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_dependency_out_of_reach_is_an_outage() {
+        let refused = redis::RedisError::from(std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused"));
+        assert!(Error::Redis(StreamError::new("inspecting the group", refused)).is_outage());
+        let server =
+            |kind| Error::Redis(StreamError::new("inspecting the group", (redis::ErrorKind::Server(kind), "x").into()));
+        assert!(server(redis::ServerErrorKind::BusyLoading).is_outage(), "up, loading its data");
+        assert!(server(redis::ServerErrorKind::ClusterDown).is_outage());
+        assert!(!server(redis::ServerErrorKind::ResponseError).is_outage());
+        assert!(!Error::SecretNotFound { name: "r".into() }.is_outage());
+        assert!(!Error::InvalidSpec("x".into()).is_outage());
     }
 }

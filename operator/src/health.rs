@@ -142,6 +142,7 @@ mod tests {
             dead_letter_length: 0,
             retrying: 0,
             parked: Vec::new(),
+            delay: streamfleet_streams::health::Delay::Known(0),
         }
     }
 

@@ -79,7 +79,12 @@ pub struct Metrics {
 
 /// Per-resource gauges: (metric name, help, how to read it from the status).
 type Reader = fn(&StreamConsumerGroup, &StreamConsumerGroupStatus) -> Option<i64>;
-const GAUGES: [(&str, &str, Reader); 15] = [
+const GAUGES: [(&str, &str, Reader); 16] = [
+    (
+        "streamfleet_delay_seconds",
+        "Age of the oldest unfinished entry (pending or undelivered) by the Redis clock (absent when unknown)",
+        |_, s| s.delay_seconds,
+    ),
     ("streamfleet_group_lag", "Entries not yet delivered to the group (absent when unknown)", |_, s| s.lag),
     ("streamfleet_group_pending", "Entries delivered and not acknowledged", |_, s| s.pending),
     ("streamfleet_group_oldest_pending_idle_seconds", "Idle time of the oldest pending entry", |_, s| {

@@ -61,6 +61,7 @@ fn snapshot(lag: Lag, pending: u64, n: u64) -> GroupSnapshot {
         dead_letter_length: n,
         retrying: pending / 2,
         parked: Vec::new(),
+        delay: streamfleet_streams::health::Delay::Known(pending.wrapping_mul(n)),
     }
 }
 

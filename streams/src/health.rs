@@ -1,13 +1,13 @@
 //! Group health inspection in a bounded number of commands, whatever the PEL
-//! size: two pipelined round trips — `XINFO GROUPS` (lag, pending, read
-//! counter, last delivered ID), `XLEN` of the stream and of the dead-letter
-//! stream; then `XPENDING - + N` (the N oldest pending entries: idle times,
-//! delivery counts) and `XINFO CONSUMERS` — plus one bounded `XRANGE` only
-//! when Redis reports the lag as NULL.
+//! size, in two round trips: one script reading the group at one instant
+//! (`XINFO GROUPS`, Redis `TIME`, a bounded `XRANGE` after the last
+//! delivered ID that counts the lag from IDs, `XPENDING - + N` for the N
+//! oldest pending entries, `XLEN`); then `XLEN` of the dead-letter stream
+//! and `XINFO CONSUMERS`. With entries parked for a retry, one or two more.
 
 use crate::error::StreamError;
 use redis::aio::ConnectionLike;
-use redis::streams::{StreamInfoConsumersReply, StreamInfoGroupsReply};
+use redis::streams::StreamInfoConsumersReply;
 
 /// How many of the oldest pending entries are inspected for idle time and
 /// delivery counts.
@@ -45,9 +45,75 @@ impl Lag {
         }
     }
 
+    /// The lag from the entries counted after the group's last delivered ID
+    /// (up to [`LAG_COUNT_BOUND`] + 1) and from what `XINFO GROUPS` reports:
+    /// the count when within the bound, whatever Redis says (its read
+    /// counter is not kept exact on a promoted replica, nor across
+    /// deletions); beyond it, Redis's figure when it agrees the lag is
+    /// beyond, else a floor.
+    pub fn by_ids(counted: u64, reported: Option<u64>) -> Lag {
+        let bound = to_u64(LAG_COUNT_BOUND);
+        match reported {
+            _ if counted <= bound => Lag::Known(counted),
+            Some(n) if n > bound => Lag::Known(n),
+            _ => Lag::AtLeast(bound + 1),
+        }
+    }
+
     /// Zero only when known to be zero.
     pub fn is_known_zero(self) -> bool {
         self == Lag::Known(0)
+    }
+}
+
+/// The ID time at or after which an ID is taken for a time: 2001-09-09. A
+/// producer's explicit IDs (`1-0`, `2-0`, …) fall far below it.
+pub const EARLIEST_TIME_ID_MS: u64 = 1_000_000_000_000;
+/// How far ahead of the server's clock an ID may be and still be read as
+/// a time (delay 0): a failover to a primary whose clock is a little behind.
+pub const CLOCK_SKEW_MS: u64 = 60_000;
+
+/// How late a group is: the age of its oldest unfinished entry (the oldest
+/// pending, parked or not, or else the first not yet delivered) by the
+/// server's clock. An auto-generated stream ID is the primary's clock in
+/// milliseconds when the entry was added, so this is exact to the
+/// millisecond, and known even when the lag is not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Delay {
+    /// Milliseconds; 0 when nothing is unfinished.
+    Known(u64),
+    /// The oldest unfinished entry's ID is not a time (a producer sets
+    /// explicit IDs): the delay cannot be read from IDs.
+    NotTimes,
+}
+
+impl Delay {
+    /// The delay at `now_ms` (Redis `TIME`) of the oldest of `ids` (the
+    /// oldest pending and the first undelivered; empty or absent for none).
+    pub fn of(now_ms: u64, ids: [Option<&str>; 2]) -> Delay {
+        let oldest =
+            ids.into_iter().flatten().filter(|id| !id.is_empty()).filter_map(crate::retention::StreamId::parse).min();
+        match oldest {
+            None => Delay::Known(0),
+            Some(id) if id.ms < EARLIEST_TIME_ID_MS || id.ms > now_ms.saturating_add(CLOCK_SKEW_MS) => Delay::NotTimes,
+            Some(id) => Delay::Known(now_ms.saturating_sub(id.ms)),
+        }
+    }
+
+    /// The delay of several shards together: the worst; not times if any is not.
+    pub fn worst(parts: impl IntoIterator<Item = Delay>) -> Delay {
+        parts.into_iter().fold(Delay::Known(0), |worst, part| match (worst, part) {
+            (Delay::Known(a), Delay::Known(b)) => Delay::Known(a.max(b)),
+            _ => Delay::NotTimes,
+        })
+    }
+
+    /// Milliseconds, when known.
+    pub fn ms(self) -> Option<u64> {
+        match self {
+            Delay::Known(ms) => Some(ms),
+            Delay::NotTimes => None,
+        }
     }
 }
 
@@ -81,6 +147,8 @@ pub struct GroupSnapshot {
     pub retrying: u64,
     /// Per delivery count, the entries waiting for their retry.
     pub parked: Vec<ParkedState>,
+    /// How late the group is ([`Delay`]).
+    pub delay: Delay,
 }
 
 /// The entries parked after failing at one delivery count (`retry`).
@@ -155,6 +223,7 @@ impl GroupSnapshot {
             dead_letter_length: total(|p| p.dead_letter_length),
             retrying: total(|p| p.retrying),
             parked: merge_parked(parts.iter().flat_map(|p| &p.parked)),
+            delay: Delay::worst(parts.iter().map(|p| p.delay)),
         })
     }
 }
@@ -179,6 +248,39 @@ fn merge_parked<'a>(parts: impl Iterator<Item = &'a ParkedState>) -> Vec<ParkedS
     merged
 }
 
+/// KEYS: stream. ARGV: group, lag counting bound, oldest sample size. One
+/// instant of the group (`false` when the stream or group does not exist):
+/// Redis `TIME` in milliseconds; the group's pending count, last delivered
+/// ID, read counter and lag as `XINFO GROUPS` reports them (-1 for NULL);
+/// the entries after the last delivered ID, counted up to the bound plus
+/// one, and the first of them; the stream's length; and the oldest pending
+/// entries (`XPENDING - + N`).
+static POSITIONS: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(
+        r"
+        local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
+        if not ok then return false end
+        local g = nil
+        for _, row in ipairs(groups) do
+            local fields = {}
+            for i = 1, #row, 2 do fields[row[i]] = row[i + 1] end
+            if fields['name'] == ARGV[1] then g = fields end
+        end
+        if not g then return false end
+        local t = redis.call('TIME')
+        local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+        local last = g['last-delivered-id']
+        local after = redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', tonumber(ARGV[2]) + 1)
+        local first = after[1] and after[1][1] or ''
+        local oldest = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', tonumber(ARGV[3]))
+        return { now, g['pending'], last, g['entries-read'] or -1, g['lag'] or -1,
+                 #after, first, redis.call('XLEN', KEYS[1]), oldest }",
+    )
+});
+
+/// What [`POSITIONS`] returns.
+type Positions = (u64, u64, String, i64, i64, u64, String, u64, Vec<Pending>);
+
 /// Inspects `group` on `stream`. `Ok(None)`: the group (or stream) does not exist.
 pub async fn inspect<C: ConnectionLike + Send>(
     conn: &mut C,
@@ -187,24 +289,33 @@ pub async fn inspect<C: ConnectionLike + Send>(
     dead_letter_stream: &str,
 ) -> Result<Option<GroupSnapshot>, StreamError> {
     let err = |e| StreamError::new("inspecting the group", e);
-    let mut pipe = redis::pipe();
-    pipe.cmd("XINFO").arg("GROUPS").arg(stream);
-    pipe.cmd("XLEN").arg(stream);
-    pipe.cmd("XLEN").arg(dead_letter_stream);
-    let first: redis::RedisResult<(StreamInfoGroupsReply, u64, u64)> = pipe.query_async(conn).await;
-    let (groups, stream_length, dead_letter_length) = match first {
-        Ok(r) => r,
-        Err(e) if e.to_string().contains("no such key") => return Ok(None),
-        Err(e) => return Err(err(e)),
-    };
-    let Some(info) = groups.groups.into_iter().find(|g| g.name == group) else {
+    let positions: Option<Positions> = POSITIONS
+        .key(stream)
+        .arg(group)
+        .arg(LAG_COUNT_BOUND)
+        .arg(OLDEST_SAMPLE)
+        .invoke_async(conn)
+        .await
+        .map_err(err)?;
+    let Some((
+        now_ms,
+        pending,
+        last_delivered_id,
+        entries_read,
+        reported_lag,
+        after,
+        first_undelivered,
+        length,
+        oldest,
+    )) = positions
+    else {
         return Ok(None);
     };
 
     let mut pipe = redis::pipe();
-    pipe.cmd("XPENDING").arg(stream).arg(group).arg("-").arg("+").arg(OLDEST_SAMPLE);
+    pipe.cmd("XLEN").arg(dead_letter_stream);
     pipe.cmd("XINFO").arg("CONSUMERS").arg(stream).arg(group);
-    let (oldest, consumers): (Vec<Pending>, StreamInfoConsumersReply) = pipe.query_async(conn).await.map_err(err)?;
+    let (dead_letter_length, consumers): (u64, StreamInfoConsumersReply) = pipe.query_async(conn).await.map_err(err)?;
     let (parked, consumers): (Vec<_>, Vec<_>) = consumers
         .consumers
         .into_iter()
@@ -212,36 +323,36 @@ pub async fn inspect<C: ConnectionLike + Send>(
         .partition(|c| crate::retry::parked_deliveries(&c.name).is_some());
     let retrying = parked.iter().map(|c| c.pending).fold(0, u64::saturating_add);
     // Where a recreated group resumes: before the oldest pending entry,
-    // parked or not (a parked entry is unfinished work too).
+    // parked or not (a parked entry is unfinished work too). The same entry
+    // (or the first undelivered one) is the oldest unfinished: the delay.
+    let oldest_pending_id = oldest.first().map(|(id, ..)| id.clone());
     let before_oldest_pending =
-        oldest.first().and_then(|(id, ..)| crate::retention::StreamId::parse(id)).map(|id| id.prev().to_string());
+        oldest_pending_id.as_deref().and_then(crate::retention::StreamId::parse).map(|id| id.prev().to_string());
+    let delay = Delay::of(now_ms, [oldest_pending_id.as_deref(), Some(first_undelivered.as_str())]);
     let (oldest, parked) = if retrying == 0 {
         (oldest, Vec::new())
     } else {
         (oldest_unparked(conn, stream, group, oldest, &consumers).await?, parked_summary(conn, stream, group).await?)
     };
 
-    let lag = match info.lag {
-        Some(n) => Lag::Known(to_u64(n)),
-        None => count_after(conn, stream, &info.last_delivered_id).await?,
-    };
     // The PEL is in ID order, so the oldest-ID sample is the one that has waited
     // longest since first delivery; its idle times tell how stuck it is.
     let oldest_pending_idle_ms = oldest.iter().map(|(_, _, idle, _)| *idle).max();
     let max_delivery_count = oldest.iter().map(|(_, _, _, count)| *count).max();
     Ok(Some(GroupSnapshot {
-        lag,
-        pending: to_u64(info.pending),
-        entries_read: info.entries_read.map(to_u64),
-        last_delivered_id: info.last_delivered_id,
+        lag: Lag::by_ids(after, u64::try_from(reported_lag).ok()),
+        pending,
+        entries_read: u64::try_from(entries_read).ok(),
+        last_delivered_id,
         oldest_pending_idle_ms,
         max_delivery_count,
         consumers,
         before_oldest_pending,
-        stream_length,
+        stream_length: length,
         dead_letter_length,
         retrying,
         parked,
+        delay,
     }))
 }
 
@@ -305,30 +416,6 @@ async fn oldest_unparked<C: ConnectionLike + Send>(
     Ok(rows)
 }
 
-/// Counts entries after `last_delivered` with one bounded XRANGE.
-async fn count_after<C: ConnectionLike + Send>(
-    conn: &mut C,
-    stream: &str,
-    last_delivered: &str,
-) -> Result<Lag, StreamError> {
-    let ids: redis::RedisResult<Vec<(String, redis::Value)>> = redis::cmd("XRANGE")
-        .arg(stream)
-        .arg(format!("({last_delivered}"))
-        .arg("+")
-        .arg("COUNT")
-        .arg(LAG_COUNT_BOUND + 1)
-        .query_async(conn)
-        .await;
-    Ok(match ids {
-        Ok(ids) if ids.len() > LAG_COUNT_BOUND => Lag::AtLeast(to_u64(LAG_COUNT_BOUND)),
-        Ok(ids) => Lag::Known(to_u64(ids.len())),
-        Err(e) => {
-            tracing::debug!(error = %e, "counting lag");
-            Lag::Unknown
-        }
-    })
-}
-
 fn to_u64(n: usize) -> u64 {
     u64::try_from(n).unwrap_or(u64::MAX)
 }
@@ -363,6 +450,7 @@ mod tests {
                 most_idle_ms: pending * 10,
                 last_error: Some(format!("e{pending}")),
             }],
+            delay: Delay::Known(pending * 1000),
         }
     }
 
@@ -383,6 +471,7 @@ mod tests {
         let a = merged.consumers.iter().find(|c| c.name == "a").unwrap();
         assert_eq!((a.pending, a.idle_ms), (3, 10));
         assert_eq!(merged.consumers.len(), 2);
+        assert_eq!(merged.delay, Delay::Known(5000), "the worst shard's delay");
         assert!(GroupSnapshot::merge(&[]).is_none());
     }
 
@@ -391,5 +480,45 @@ mod tests {
         assert_eq!(Lag::sum([Lag::Known(1), Lag::Known(2)]), Lag::Known(3));
         assert_eq!(Lag::sum([Lag::Known(1), Lag::AtLeast(1000)]), Lag::AtLeast(1001));
         assert_eq!(Lag::sum([Lag::Known(1), Lag::Unknown, Lag::AtLeast(5)]), Lag::Unknown);
+    }
+
+    #[test]
+    fn lag_is_counted_from_ids_within_the_bound_whatever_redis_reports() {
+        let bound = LAG_COUNT_BOUND as u64;
+        // A promoted replica's phantom: Redis says 1471, nothing follows the last delivered ID.
+        assert_eq!(Lag::by_ids(0, Some(1471)), Lag::Known(0));
+        assert_eq!(Lag::by_ids(15, None), Lag::Known(15), "NULL in Redis, counted");
+        assert_eq!(Lag::by_ids(bound, Some(3)), Lag::Known(bound));
+        assert_eq!(Lag::by_ids(bound + 1, Some(5000)), Lag::Known(5000), "beyond the bound, Redis agrees");
+        assert_eq!(Lag::by_ids(bound + 1, Some(bound)), Lag::AtLeast(bound + 1), "Redis disagrees: a floor");
+        assert_eq!(Lag::by_ids(bound + 1, None), Lag::AtLeast(bound + 1));
+    }
+
+    #[test]
+    fn delay_is_the_age_of_the_oldest_unfinished_id_by_the_servers_clock() {
+        let now = 1_796_000_000_000;
+        let at = |ms: u64| format!("{ms}-3");
+        let (pending, undelivered) = (at(now - 4_000), at(now - 9_000));
+        assert_eq!(Delay::of(now, [Some(&pending), Some(&undelivered)]), Delay::Known(9_000), "the older of the two");
+        assert_eq!(Delay::of(now, [Some(&pending), Some("")]), Delay::Known(4_000));
+        assert_eq!(Delay::of(now, [None, Some(&undelivered)]), Delay::Known(9_000));
+        assert_eq!(Delay::of(now, [None, Some("")]), Delay::Known(0), "nothing unfinished");
+        // Same millisecond, several entries: the sequence does not count.
+        assert_eq!(Delay::of(now, [Some(&at(now)), None]), Delay::Known(0));
+        // An ID a little ahead of this clock (a failover to a primary behind): no delay, no wrap.
+        assert_eq!(Delay::of(now, [Some(&at(now + CLOCK_SKEW_MS)), None]), Delay::Known(0));
+        // Explicit IDs: not a time, never a number.
+        assert_eq!(Delay::of(now, [Some("42-0"), None]), Delay::NotTimes);
+        assert_eq!(Delay::of(now, [Some(&at(EARLIEST_TIME_ID_MS - 1)), None]), Delay::NotTimes);
+        assert_eq!(Delay::of(now, [Some(&at(now + CLOCK_SKEW_MS + 1)), None]), Delay::NotTimes);
+        // The oldest decides even when the other is a time.
+        assert_eq!(Delay::of(now, [Some("7-0"), Some(&undelivered)]), Delay::NotTimes);
+    }
+
+    #[test]
+    fn shards_delay_is_the_worst_and_unreadable_if_any_is() {
+        assert_eq!(Delay::worst([Delay::Known(3), Delay::Known(9), Delay::Known(0)]), Delay::Known(9));
+        assert_eq!(Delay::worst([Delay::Known(3), Delay::NotTimes]), Delay::NotTimes);
+        assert_eq!(Delay::worst([]), Delay::Known(0));
     }
 }

@@ -644,6 +644,7 @@ fn shard_snapshots_merge_whatever_their_counts() {
                 retrying: dead_letter_length / 2,
                 parked: Vec::new(),
                 dead_letter_length,
+                delay: health::Delay::Known(stream_length),
             });
     let result = runner(512).run(&prop::collection::vec(part, 0..4), |parts| {
         let merged = GroupSnapshot::merge(&parts);

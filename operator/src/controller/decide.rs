@@ -348,6 +348,7 @@ fn shard_figures(observed: &Observation) -> Vec<ShardStatus> {
             let s = snapshot.as_ref()?;
             Some(ShardStatus {
                 stream: stream.clone(),
+                delay_seconds: s.delay.ms().map(|ms| int(ms / 1000)),
                 lag: match s.lag {
                     Lag::Known(n) => Some(int(n)),
                     _ => None,

@@ -10,7 +10,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 use streamfleet_crd::StreamConsumerGroup;
-use streamfleet_streams::health::{ConsumerState, GroupSnapshot, Lag};
+use streamfleet_streams::health::{ConsumerState, Delay, GroupSnapshot, Lag};
 use streamfleet_streams::payload_loss::PayloadLoss;
 
 pub fn scg() -> StreamConsumerGroup {
@@ -41,6 +41,7 @@ pub fn snapshot(lag: u64, pending: u64, consumers: &[(&str, u64)]) -> GroupSnaps
         dead_letter_length: 0,
         retrying: 0,
         parked: Vec::new(),
+        delay: Delay::Known(if lag + pending > 0 { 3_000 } else { 0 }),
     }
 }
 

@@ -405,7 +405,11 @@ fn error_policy(obj: Arc<DeserializeGuard<StreamConsumerGroup>>, error: &Error, 
         return Action::await_change();
     };
     ctx.metrics.failed(error.reason());
-    let backoff = ctx.next_backoff(&key(scg));
+    let mut backoff = ctx.next_backoff(&key(scg));
+    if error.is_outage() {
+        let poll = u64::try_from(scg.spec.scaling.poll_interval_seconds).unwrap_or(1).max(1);
+        backoff = backoff.min(Duration::from_secs(poll));
+    }
     tracing::warn!(resource = %key(scg), reason = error.reason(), error = %error, retry_in = ?backoff, "reconcile failed");
     Action::requeue(backoff)
 }

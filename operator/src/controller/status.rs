@@ -15,7 +15,7 @@ use streamfleet_crd::{
     ConsumerPending, Health, ReplicaStatus, RetryingAtDelivery, RetryingStatus, StreamConsumerGroup,
     StreamConsumerGroupStatus,
 };
-use streamfleet_streams::health::{GroupSnapshot, Lag};
+use streamfleet_streams::health::{Delay, GroupSnapshot, Lag};
 use streamfleet_streams::retention::{Retention, StreamId};
 
 const MANAGER_STATUS: &str = "streamfleet-status";
@@ -78,6 +78,17 @@ pub fn converged(
         }
         None => status.conditions.retain(|c| c.type_ != conditions::DEAD_LETTER_CAP_REACHED),
     }
+    match plan.snapshot.delay {
+        Delay::NotTimes => set(
+            &mut status,
+            conditions::DELAY_UNKNOWN,
+            true,
+            "IdsNotTimes",
+            "the oldest unfinished entry's ID is not a time (a producer sets explicit stream IDs): the delay cannot \
+             be read from IDs; lag and pending still hold",
+        ),
+        Delay::Known(_) => status.conditions.retain(|c| c.type_ != conditions::DELAY_UNKNOWN),
+    }
     status.health = Some(plan.health);
     if plan.last_recovery.is_some() {
         status.last_recovery = plan.last_recovery.clone();
@@ -139,6 +150,7 @@ fn set_figures(status: &mut StreamConsumerGroupStatus, snapshot: Option<&GroupSn
     let int = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
     let Some(s) = snapshot else {
         status.shards.clear();
+        status.delay_seconds = None;
         status.lag = None;
         status.pending = None;
         status.oldest_pending_idle_seconds = None;
@@ -151,6 +163,7 @@ fn set_figures(status: &mut StreamConsumerGroupStatus, snapshot: Option<&GroupSn
         status.retrying = None;
         return;
     };
+    status.delay_seconds = s.delay.ms().map(|ms| int(ms / 1000));
     status.lag = s.lag.floor().map(int);
     status.pending = Some(int(s.pending));
     let has_pending = s.pending > 0;
@@ -215,9 +228,10 @@ pub fn failed(scg: &StreamConsumerGroup, error: &Error, now: &Time) -> StreamCon
     conditions::set(&mut status.conditions, conditions::DEGRADED, true, "GroupNotInspected", &unknown, generation, now);
     status.health = Some(Health::Unknown);
     // Unknown, not the last good verdict.
-    status
-        .conditions
-        .retain(|c| c.type_ != conditions::RETENTION_BLOCKED && c.type_ != conditions::DEAD_LETTER_CAP_REACHED);
+    status.conditions.retain(|c| {
+        ![conditions::RETENTION_BLOCKED, conditions::DEAD_LETTER_CAP_REACHED, conditions::DELAY_UNKNOWN]
+            .contains(&c.type_.as_str())
+    });
     set_figures(&mut status, None);
     status
 }
@@ -305,8 +319,33 @@ mod tests {
         assert_eq!(condition(&first, conditions::DEGRADED).1, "GroupNotInspected");
         assert_eq!(first.health, Some(Health::Unknown));
         assert_eq!((first.lag, first.pending, first.stream_length, first.consumers), (None, None, None, None));
+        assert_eq!(first.delay_seconds, None, "unknown, not the last good delay");
         resource.status = Some(first.clone());
         // Same failure later: identical status, so nothing is written.
         assert_eq!(failed(&resource, &e, &at(99)), first);
+    }
+
+    #[test]
+    fn the_delay_is_shown_in_seconds_and_ids_that_are_not_times_are_said_not_guessed() {
+        let resource = scg();
+        let mut p = plan(&resource, 5);
+        p.snapshot.delay = Delay::Known(12_999);
+        let s = converged(&resource, &p, &outcome(1, vec![]), &at(1));
+        assert_eq!(s.delay_seconds, Some(12));
+        assert!(s.conditions.iter().all(|c| c.type_ != conditions::DELAY_UNKNOWN));
+        p.snapshot.delay = Delay::NotTimes;
+        let mut resource = resource;
+        resource.status = Some(s);
+        let s = converged(&resource, &p, &outcome(1, vec![]), &at(2));
+        assert_eq!(s.delay_seconds, None);
+        let (status, reason, message) = condition(&s, conditions::DELAY_UNKNOWN);
+        assert_eq!((status, reason), ("True", "IdsNotTimes"));
+        assert!(message.contains("explicit stream IDs"), "{message}");
+        // Times again: the condition goes.
+        p.snapshot.delay = Delay::Known(0);
+        resource.status = Some(s);
+        let s = converged(&resource, &p, &outcome(1, vec![]), &at(3));
+        assert_eq!(s.delay_seconds, Some(0));
+        assert!(s.conditions.iter().all(|c| c.type_ != conditions::DELAY_UNKNOWN));
     }
 }

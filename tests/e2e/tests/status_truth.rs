@@ -85,7 +85,7 @@ async fn a_redis_outage_reads_unknown_with_figures_cleared_then_heals() -> Resul
     let mut f = Fixture::start("e2e-outage", &[]).await?;
     let (client, ns) = (f.client.clone(), f.ns.name.clone());
     let records = tempfile::tempdir()?;
-    let poll = 2;
+    let poll: u64 = 2;
     let spec = format!("  scaling: {{minReplicas: 1, maxReplicas: 1, pollIntervalSeconds: {poll}}}");
     f.apply(&recording_manifest("p", "orders", "billing", &records.path().display().to_string(), &spec)).await?;
     let scgs: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), &ns);
@@ -108,6 +108,22 @@ async fn a_redis_outage_reads_unknown_with_figures_cleared_then_heals() -> Resul
         Ok((s.resume_id.as_deref() == Some(before_first.as_str()) && s.pending == Some(2)).then_some(()))
     })
     .await?;
+    // The delay is the age of that entry by Redis's clock, as of the last poll.
+    let delayed = eventually("a delay of 3 s", T, || async {
+        Ok(scgs.get("p").await?.status.and_then(|s| s.delay_seconds).filter(|d| *d >= 3))
+    })
+    .await?;
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await?;
+    let true_delay = i64::try_from((secs * 1000 + micros / 1000 - ms) / 1000)?;
+    assert!(
+        (true_delay - i64::try_from(poll)? - 2..=true_delay).contains(&delayed),
+        "status delay {delayed} s, truth {true_delay} s"
+    );
+    let table = run_ok(f.bed, "kubectl", &["get", "scg", "p", "-n", &ns], None).await?;
+    assert!(table.lines().next().is_some_and(|h| h.contains("DELAY")), "{table}");
+    let body = operator_http(&client, &ns, "/metrics").await?;
+    let gauge = metric(&body, "streamfleet_delay_seconds", &ns).and_then(|v| v.parse::<i64>().ok());
+    assert!(gauge.is_some_and(|d| d >= delayed), "streamfleet_delay_seconds {gauge:?}: {body}");
 
     f.redis.stop();
     let stopped = Instant::now();
@@ -120,8 +136,8 @@ async fn a_redis_outage_reads_unknown_with_figures_cleared_then_heals() -> Resul
     println!("health Unknown {:.1}s after Redis stopped (poll {poll}s)", took.as_secs_f64());
     assert!(took < Duration::from_secs(2 * poll + 2), "Unknown only after {took:?}");
     assert_eq!(
-        (status.lag, status.pending, status.stream_length, status.consumers, status.payload_lost),
-        (None, None, None, None, None),
+        (status.lag, status.pending, status.stream_length, status.consumers, status.payload_lost, status.delay_seconds),
+        (None, None, None, None, None, None),
         "figures cleared, never the last good value"
     );
     let degraded = status.conditions.iter().find(|c| c.type_ == "Degraded").unwrap();
@@ -130,6 +146,7 @@ async fn a_redis_outage_reads_unknown_with_figures_cleared_then_heals() -> Resul
     assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", "RedisUnreachable"), "{ready:?}");
     let body = operator_http(&client, &ns, "/metrics").await?;
     assert_eq!(metric(&body, "streamfleet_group_lag", &ns), None, "no stale lag in /metrics: {body}");
+    assert_eq!(metric(&body, "streamfleet_delay_seconds", &ns), None, "no stale delay in /metrics: {body}");
     let unknown = format!(
         "streamfleet_health{{namespace=\"{ns}\",name=\"p\",stream=\"orders\",group=\"billing\",health=\"Unknown\"}} 1"
     );
@@ -137,13 +154,20 @@ async fn a_redis_outage_reads_unknown_with_figures_cleared_then_heals() -> Resul
 
     // Back (empty: nothing was persisted): the group is created again where
     // it was (never at `$`), with a Warning, and reads healthy.
+    // Polled at the resource's pace through the outage, not an error
+    // backoff grown with it: back within a poll of Redis.
+    tokio::time::sleep(Duration::from_secs(20)).await;
     f.redis.restart().await?;
+    let restarted = Instant::now();
     eventually("Healthy and Ready again", T, || async {
         let s = scgs.get("p").await?.status.unwrap_or_default();
         let ready = s.conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True");
         Ok((ready && s.health == Some(Health::Healthy) && s.lag == Some(0)).then_some(()))
     })
     .await?;
+    let back = restarted.elapsed();
+    println!("healthy again {:.1}s after Redis came back (poll {poll}s, down 20 s)", back.as_secs_f64());
+    assert!(back < Duration::from_secs(poll + 3), "status back only after {back:?}");
     assert_eq!(event_count(&client, &ns, "p", "GroupRecreated").await?, 1, "the group was created again, once");
     let mut conn = f.redis.connection().await?;
     let groups: redis::streams::StreamInfoGroupsReply = conn.xinfo_groups("orders").await?;

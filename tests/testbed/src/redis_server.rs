@@ -111,6 +111,11 @@ impl RedisServer {
         self.daemon.stop(Duration::from_secs(2));
     }
 
+    /// SIGKILLs the server and leaves it down (a master lost for good).
+    pub fn kill(&self) {
+        crate::process::signal(self.pid(), crate::process::Signal::SIGKILL);
+    }
+
     /// SIGKILLs the server (a crash: no shutdown, no final save) and starts it
     /// again on the same port with what it persisted (nothing, unless started
     /// with `--appendonly yes`).
