@@ -253,6 +253,9 @@ enum Shape {
     Autoclaim,
     /// The sweep's presence script: `1`/`0` per ID.
     Presence,
+    /// The health script: time, pending, last delivered ID, read counter,
+    /// lag, entries after, the first of them, length, the oldest pending.
+    Positions,
     Any,
 }
 
@@ -263,7 +266,7 @@ enum Shape {
 const SHAPED: &[(&str, &[Shape])] = {
     use Shape::*;
     &[
-        ("health::inspect", &[Groups, Int, Int, Pending, Consumers, Entries]),
+        ("health::inspect", &[Positions, Int, Consumers, Pending, Any]),
         ("payload_loss::read", &[MaybeInt, Ids]),
         ("recovery::read_report", &[Counts]),
         ("retention::safe_floor", &[Groups, Summary, Summary, Summary]),
@@ -351,6 +354,15 @@ fn shaped(shape: Shape) -> BoxedStrategy<Value> {
             .boxed(),
         Shape::Presence => prop::collection::vec(any::<bool>(), 0..4)
             .prop_map(|bits| bulk(&bits.iter().map(|b| if *b { '1' } else { '0' }).collect::<String>()))
+            .boxed(),
+        Shape::Positions => (prop::collection::vec(maybe_int(), 8), entry_id(), entry_id(), pending_rows())
+            .prop_map(|(ints, last, first, oldest)| {
+                let mut out = ints;
+                out[2] = last;
+                out[6] = first;
+                out.push(oldest);
+                Value::Array(out)
+            })
             .boxed(),
         Shape::Any => reply().boxed(),
     };
