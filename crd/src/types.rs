@@ -21,6 +21,8 @@ use serde::{Deserialize, Serialize};
     printcolumn = r#"{"name":"Group","type":"string","jsonPath":".spec.group"}"#,
     printcolumn = r#"{"name":"Delay","type":"integer","description":"Age in seconds of the oldest unfinished entry, by the Redis clock","jsonPath":".status.delaySeconds"}"#,
     printcolumn = r#"{"name":"Lag","type":"integer","jsonPath":".status.lag"}"#,
+    printcolumn = r#"{"name":"In/s","type":"number","description":"Entries added per second over the last 30 s","jsonPath":".status.throughput.inPerSecond"}"#,
+    printcolumn = r#"{"name":"Out/s","type":"number","description":"Entries finished (acked or dead-lettered) per second over the last 30 s","jsonPath":".status.throughput.outPerSecond"}"#,
     printcolumn = r#"{"name":"Pending","type":"integer","jsonPath":".status.pending"}"#,
     printcolumn = r#"{"name":"Retrying","type":"integer","description":"Pending entries waiting for a retry on the schedule","jsonPath":".status.retrying.entries"}"#,
     printcolumn = r#"{"name":"Oldest","type":"integer","description":"Idle seconds of the oldest pending entry","jsonPath":".status.oldestPendingIdleSeconds"}"#,
@@ -488,6 +490,12 @@ pub struct StreamConsumerGroupStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending: Option<i64>,
 
+    /// Arrival and completion rates over a sliding window, and when the
+    /// work outstanding will be done at them; absent until two polls a
+    /// second apart have read the counters, and when they are unreadable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub throughput: Option<ThroughputStatus>,
+
     /// Idle time of the oldest pending entry, in seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub oldest_pending_idle_seconds: Option<i64>,
@@ -553,6 +561,23 @@ pub struct StreamConsumerGroupStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 64))]
     pub shards: Vec<ShardStatus>,
+}
+
+/// Entries in and out per second, as `kubectl get` shows them.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ThroughputStatus {
+    /// Entries added to the stream per second (every shard), to 0.1.
+    pub in_per_second: f64,
+    /// Entries finished per second: acknowledged, dead-lettered, or trimmed
+    /// before delivery (every shard), to 0.1.
+    pub out_per_second: f64,
+    /// The span the rates were measured over, in seconds (up to 30).
+    pub window_seconds: i64,
+    /// Seconds until the lag and pending are done at these rates; absent
+    /// while they do not shrink, 0 when nothing is outstanding.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drains_in_seconds: Option<i64>,
 }
 
 /// One shard's figures.

@@ -133,6 +133,8 @@ mod tests {
             lag,
             pending,
             entries_read: Some(10),
+            entries_added: None,
+            server_ms: 0,
             last_delivered_id: "10-0".into(),
             oldest_pending_idle_ms: (pending > 0).then_some(1_000),
             max_delivery_count: (pending > 0).then_some(1),

@@ -12,4 +12,5 @@ pub mod objects;
 pub mod probes;
 pub mod reaper;
 pub mod scaling;
+pub mod throughput;
 pub mod tools;

@@ -68,6 +68,7 @@ pub struct Metrics {
     registry: Registry,
     writes: Family<WriteLabels, Counter>,
     gauges: Vec<(&'static str, Family<ResourceLabels, Gauge>)>,
+    rates: Vec<(&'static str, Family<ResourceLabels, RateGauge>)>,
     health: Family<HealthLabels, Gauge>,
     /// The labels each resource's series were written with, to drop them
     /// when it goes (its spec is gone by then).
@@ -126,6 +127,22 @@ const GAUGES: [(&str, &str, Reader); 16] = [
     }),
 ];
 
+/// A gauge of fractional values (entries per second).
+type RateGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
+type RateReader = fn(&StreamConsumerGroupStatus) -> Option<f64>;
+const RATES: [(&str, &str, RateReader); 2] = [
+    (
+        "streamfleet_arrival_rate",
+        "Entries added to the stream per second over the last 30 s (absent when unknown)",
+        |s| s.throughput.as_ref().map(|t| t.in_per_second),
+    ),
+    (
+        "streamfleet_completion_rate",
+        "Entries finished (acked, dead-lettered) per second over the last 30 s (absent when unknown)",
+        |s| s.throughput.as_ref().map(|t| t.out_per_second),
+    ),
+];
+
 impl Default for Metrics {
     fn default() -> Self {
         let mut registry = Registry::default();
@@ -134,6 +151,12 @@ impl Default for Metrics {
             let family = Family::<ResourceLabels, Gauge>::default();
             registry.register(name, help, family.clone());
             gauges.push((name, family));
+        }
+        let mut rates = Vec::new();
+        for (name, help, _) in RATES {
+            let family = Family::<ResourceLabels, RateGauge>::default();
+            registry.register(name, help, family.clone());
+            rates.push((name, family));
         }
         let health = Family::<HealthLabels, Gauge>::default();
         registry.register("streamfleet_health", "1 for the resource's current health classification", health.clone());
@@ -145,7 +168,7 @@ impl Default for Metrics {
         registry.register("streamfleet_reconcile_duration_seconds", "Reconcile duration", duration.clone());
         let writes = Family::<WriteLabels, Counter>::default();
         registry.register("streamfleet_api_writes", "Kubernetes API writes by field manager", writes.clone());
-        Self { registry, writes, gauges, health, labelled: Mutex::default(), reconciles, errors, duration }
+        Self { registry, writes, gauges, rates, health, labelled: Mutex::default(), reconciles, errors, duration }
     }
 }
 
@@ -182,6 +205,16 @@ impl Metrics {
                 }
             }
         }
+        for ((_, family), (_, _, read)) in self.rates.iter().zip(RATES) {
+            match read(status) {
+                Some(v) => {
+                    family.get_or_create(&labels).set(v);
+                }
+                None => {
+                    family.remove(&labels);
+                }
+            }
+        }
         for h in HEALTHS {
             self.health.get_or_create(&labels.with_health(h)).set(i64::from(status.health == Some(h)));
         }
@@ -195,6 +228,9 @@ impl Metrics {
         let labels = self.labelled.lock().ok().and_then(|mut l| l.remove(&(namespace.into(), name.into())));
         let Some(labels) = labels else { return };
         for (_, family) in &self.gauges {
+            family.remove(&labels);
+        }
+        for (_, family) in &self.rates {
             family.remove(&labels);
         }
         for h in HEALTHS {
@@ -225,6 +261,12 @@ mod tests {
             pending: Some(3),
             health: Some(Health::Backlogged),
             replicas: Some(ReplicaStatus { desired: 4, current: 2, summary: "2/4".into() }),
+            throughput: Some(streamfleet_crd::ThroughputStatus {
+                in_per_second: 12.5,
+                out_per_second: 3.0,
+                window_seconds: 30,
+                drains_in_seconds: None,
+            }),
             ..Default::default()
         };
         let scg: StreamConsumerGroup = serde_json::from_value(serde_json::json!({
@@ -242,6 +284,8 @@ mod tests {
         let labels = r#"namespace="shop",name="orders",stream="orders",group="billing""#;
         assert!(text.contains(&format!("streamfleet_group_lag{{{labels}}} 42")), "{text}");
         assert!(text.contains(&format!("streamfleet_replicas_desired{{{labels}}} 4")));
+        assert!(text.contains(&format!("streamfleet_arrival_rate{{{labels}}} 12.5")), "{text}");
+        assert!(text.contains(&format!("streamfleet_completion_rate{{{labels}}} 3.0")), "{text}");
         assert!(text.contains(&format!("streamfleet_group_min_idle_seconds{{{labels}}} 60")));
         assert!(text.contains(&format!("streamfleet_group_max_deliveries_limit{{{labels}}} 5")));
         assert!(text.contains(&format!(r#"streamfleet_health{{{labels},health="Backlogged"}} 1"#)));
@@ -251,6 +295,9 @@ mod tests {
         s.lag = None;
         m.observe(&scg, &s);
         assert!(!m.render().contains("streamfleet_group_lag{"), "unknown lag is not zero");
+        s.throughput = None;
+        m.observe(&scg, &s);
+        assert!(!m.render().contains("streamfleet_arrival_rate{"), "unknown rates are not zero");
         m.forget("shop", "orders");
         assert!(!m.render().contains(r#"name="orders""#));
     }

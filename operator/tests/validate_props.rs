@@ -52,6 +52,8 @@ fn snapshot(lag: Lag, pending: u64, n: u64) -> GroupSnapshot {
         lag,
         pending,
         entries_read: Some(pending.wrapping_mul(n)),
+        entries_added: Some(pending.wrapping_mul(n).wrapping_add(n)),
+        server_ms: n,
         last_delivered_id: format!("{n}-0"),
         oldest_pending_idle_ms: Some(pending.wrapping_mul(7)),
         max_delivery_count: Some(pending),

@@ -131,6 +131,11 @@ pub struct GroupSnapshot {
     pub pending: u64,
     /// The group's read counter, for progress detection.
     pub entries_read: Option<u64>,
+    /// Entries ever added to the stream, when Redis can tell (its read
+    /// counter plus its lag, both reported: how Redis derives the lag).
+    pub entries_added: Option<u64>,
+    /// The server's clock (`TIME`, milliseconds) when this was read.
+    pub server_ms: u64,
     pub last_delivered_id: String,
     /// Idle time of the oldest pending entry (milliseconds).
     pub oldest_pending_idle_ms: Option<u64>,
@@ -214,6 +219,8 @@ impl GroupSnapshot {
             lag: Lag::sum(parts.iter().map(|p| p.lag)),
             pending: total(|p| p.pending),
             entries_read: parts.iter().try_fold(0, |sum: u64, p| p.entries_read.map(|n| sum.saturating_add(n))),
+            entries_added: parts.iter().try_fold(0, |sum: u64, p| p.entries_added.map(|n| sum.saturating_add(n))),
+            server_ms: first.server_ms,
             last_delivered_id: first.last_delivered_id.clone(),
             oldest_pending_idle_ms: parts.iter().filter_map(|p| p.oldest_pending_idle_ms).max(),
             max_delivery_count: parts.iter().filter_map(|p| p.max_delivery_count).max(),
@@ -343,6 +350,11 @@ pub async fn inspect<C: ConnectionLike + Send>(
         lag: Lag::by_ids(after, u64::try_from(reported_lag).ok()),
         pending,
         entries_read: u64::try_from(entries_read).ok(),
+        entries_added: u64::try_from(entries_read)
+            .ok()
+            .zip(u64::try_from(reported_lag).ok())
+            .map(|(r, l)| r.saturating_add(l)),
+        server_ms: now_ms,
         last_delivered_id,
         oldest_pending_idle_ms,
         max_delivery_count,
@@ -429,6 +441,8 @@ mod tests {
             lag,
             pending,
             entries_read: Some(pending),
+            entries_added: Some(pending * 2),
+            server_ms: 5,
             last_delivered_id: format!("{pending}-0"),
             oldest_pending_idle_ms: idle,
             max_delivery_count: idle.map(|i| i / 100),

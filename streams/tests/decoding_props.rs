@@ -647,6 +647,8 @@ fn shard_snapshots_merge_whatever_their_counts() {
                 lag,
                 pending,
                 entries_read,
+                entries_added: entries_read,
+                server_ms: stream_length,
                 last_delivered_id: "1-0".into(),
                 oldest_pending_idle_ms: idle,
                 max_delivery_count: idle,

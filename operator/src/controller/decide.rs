@@ -29,6 +29,7 @@ use streamfleet_streams::retry::Schedule;
 #[derive(Default)]
 pub struct PolicyMemory {
     pub scaling: ScalingMemory,
+    pub throughput: crate::throughput::ThroughputMemory,
     pub health: HealthMemory,
     /// The payload-loss total already announced (the status forgets it while
     /// the group cannot be inspected).
@@ -94,6 +95,8 @@ pub struct Convergence {
     pub create_shards: Vec<(String, bool)>,
     /// Per-shard figures for the status (empty for one shard).
     pub shard_figures: Vec<ShardStatus>,
+    /// Arrival and completion rates over every shard (`None`: not yet, or unreadable).
+    pub throughput: Option<crate::throughput::Throughput>,
     /// Dead-letter streams over their cap: (stream, cap), trimmed to it.
     pub dead_letter_trims: Vec<(String, u64)>,
     /// Whether a dead-letter stream is at its cap (`None`: no cap).
@@ -198,6 +201,7 @@ pub fn decide(
         )
     };
     memory.health.record(&snapshot, at.now);
+    let throughput = memory.throughput.observe(&observed.shards);
     let retrying = retrying(&snapshot, &spec.retry, spec.max_deliveries);
     let last_recovery = observed.last_recovery.clone().map(recovery_status);
     let payload_lost = payload_lost_status(at.scg, &observed.payload_loss);
@@ -245,6 +249,7 @@ pub fn decide(
         trims,
         create_shards: missing_shards(at.scg, observed),
         shard_figures: shard_figures(observed),
+        throughput,
         events,
     })))
 }

@@ -13,7 +13,7 @@ use kube::{Api, ResourceExt as _};
 use serde_json::json;
 use streamfleet_crd::{
     ConsumerPending, Health, ReplicaStatus, RetryingAtDelivery, RetryingStatus, StreamConsumerGroup,
-    StreamConsumerGroupStatus,
+    StreamConsumerGroupStatus, ThroughputStatus,
 };
 use streamfleet_streams::health::{Delay, GroupSnapshot, Lag};
 use streamfleet_streams::retention::{Retention, StreamId};
@@ -98,9 +98,25 @@ pub fn converged(
         Some(plan.snapshot.before_oldest_pending.clone().unwrap_or_else(|| plan.snapshot.last_delivered_id.clone()));
     status.replicas = Some(ReplicaStatus { desired, current: available, summary: format!("{available}/{desired}") });
     set_figures(&mut status, Some(&plan.snapshot));
+    status.throughput = plan.throughput.map(|t| throughput_status(&t, &plan.snapshot));
     status.retrying = Some(retrying_status(&plan.retrying, now));
     status.shards = plan.shard_figures.clone();
     status
+}
+
+/// The rates to a tenth (so a steady pipeline's status is not rewritten for
+/// noise), and the drain time of the lag and pending at them.
+fn throughput_status(t: &crate::throughput::Throughput, s: &GroupSnapshot) -> ThroughputStatus {
+    let tenth = |x: f64| (x * 10.0).round() / 10.0;
+    let outstanding = s.lag.floor().map(|lag| lag.saturating_add(s.pending));
+    ThroughputStatus {
+        in_per_second: tenth(t.in_per_second),
+        out_per_second: tenth(t.out_per_second),
+        window_seconds: i64::try_from(t.window_ms.div_ceil(1000)).unwrap_or(i64::MAX),
+        drains_in_seconds: outstanding
+            .and_then(|n| t.drain_seconds(n))
+            .map(|secs| i64::try_from(secs).unwrap_or(i64::MAX)),
+    }
 }
 
 /// The status of entries waiting for a retry. The next due time is an
@@ -151,6 +167,7 @@ fn set_figures(status: &mut StreamConsumerGroupStatus, snapshot: Option<&GroupSn
     let Some(s) = snapshot else {
         status.shards.clear();
         status.delay_seconds = None;
+        status.throughput = None;
         status.lag = None;
         status.pending = None;
         status.oldest_pending_idle_seconds = None;
@@ -210,6 +227,7 @@ pub fn conflicted(
     set_figures(&mut status, plan.snapshot.as_ref());
     // Not read against the schedule here: unknown, not the last good figures.
     status.retrying = None;
+    status.throughput = None;
     status.payload_lost = None;
     status
 }

@@ -1,8 +1,9 @@
 //! The status tells the truth when things go wrong: payloads lost under the
 //! workers' feet read `PayloadLost` until acknowledged; a Redis outage reads
-//! `Unknown` with its figures cleared, then heals; an owned object the API
-//! server refuses is a condition with its message while health is still
-//! reported.
+//! `Unknown` with its figures cleared, then heals within a poll; an owned
+//! object the API server refuses is a condition with its message while
+//! health is still reported. And when things go right: the delay against
+//! Redis's clock, entries in and out per second against what was produced.
 
 // A test fails by panicking.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -228,5 +229,49 @@ async fn a_second_resource_on_the_same_group_is_a_conflict_and_runs_no_workers()
     let q = wait_condition(&client, &ns, "q", "Ready", "True", None, T).await?;
     assert!(q.status.unwrap().conditions.iter().any(|c| c.type_ == "Conflict" && c.status == "False"));
     assert!(deployments.get_opt("q-worker").await?.is_some());
+    Ok(())
+}
+
+/// Orders arrive at a steady 40 per second for 40 s and the workers keep
+/// up: the status reads about 40 in and 40 out per second (the last 30 s,
+/// by Redis's clock), in `kubectl get` and in `/metrics` too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn steady_arrivals_read_as_entries_in_and_out_per_second() -> Result<()> {
+    let f = Fixture::start("e2e-rates", &[]).await?;
+    let (client, ns, mut conn) = (f.client.clone(), f.ns.name.clone(), f.conn.clone());
+    let spec = "  startId: \"0\"\n  scaling: {minReplicas: 1, maxReplicas: 1, pollIntervalSeconds: 1}";
+    f.apply(&manifest("p", "orders", "billing", "streamfleet/example-worker", &[], spec)).await?;
+    wait_condition(&client, &ns, "p", "Ready", "True", None, T).await?;
+    let scgs: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), &ns);
+    let rate = 40.0;
+    let started = Instant::now();
+    let mut sent = 0u64;
+    let mut seen = Vec::new();
+    while started.elapsed() < Duration::from_secs(40) {
+        let mut pipe = redis::pipe();
+        for _ in 0..10 {
+            pipe.cmd("XADD").arg("orders").arg("*").arg("order_id").arg(sent).arg("amount_cents").arg(100).ignore();
+            sent += 1;
+        }
+        let () = pipe.query_async(&mut conn).await?;
+        // Paced by the clock, not by the sleeps: 10 entries every 250 ms.
+        let due = Duration::from_secs_f64(sent as f64 / rate);
+        tokio::time::sleep(due.saturating_sub(started.elapsed())).await;
+        if started.elapsed() > Duration::from_secs(35) {
+            seen.push(scgs.get("p").await?.status.and_then(|s| s.throughput));
+        }
+    }
+    let table = run_ok(f.bed, "kubectl", &["get", "scg", "p", "-n", &ns], None).await?;
+    let body = operator_http(&client, &ns, "/metrics").await?;
+    let near = |x: f64| (rate * 0.75..=rate * 1.25).contains(&x);
+    let last = seen.iter().rev().flatten().next().cloned().expect("rates in the status");
+    println!("rates after 40 s at {rate}/s: {last:?}");
+    assert!(near(last.in_per_second) && near(last.out_per_second), "{last:?}");
+    assert!((28..=30).contains(&last.window_seconds), "{last:?}");
+    assert!(seen.iter().flatten().all(|t| near(t.in_per_second)), "{seen:?}");
+    let header = table.lines().next().unwrap_or_default();
+    assert!(header.contains("IN/S") && header.contains("OUT/S"), "{table}");
+    let arrival = metric(&body, "streamfleet_arrival_rate", &ns).and_then(|v| v.parse::<f64>().ok());
+    assert!(arrival.is_some_and(near), "streamfleet_arrival_rate {arrival:?}");
     Ok(())
 }
