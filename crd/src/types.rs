@@ -213,6 +213,14 @@ pub struct ScalingSpec {
     #[schemars(range(min = 1, max = 1000))]
     pub max_replicas: i32,
 
+    /// The delay (age of the oldest unfinished entry) to keep under, in
+    /// seconds. When set, replicas follow the arrival rate, the backlog to
+    /// drain within it and each replica's measured completion rate (at 80%
+    /// of it); until a rate is measured, `targetPerReplica` decides.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 86400))]
+    pub delay_objective_seconds: Option<i32>,
+
     /// Lag plus pending entries one replica is expected to carry.
     #[serde(default = "default_target_per_replica")]
     #[schemars(range(min = 1))]
@@ -267,6 +275,7 @@ impl Default for ScalingSpec {
         Self {
             min_replicas: default_min_replicas(),
             max_replicas: default_max_replicas(),
+            delay_objective_seconds: None,
             target_per_replica: default_target_per_replica(),
             activation_threshold: 0,
             scale_down_stabilization_seconds: default_scale_down_stabilization(),

@@ -12,18 +12,75 @@
 //! * to zero only when `minReplicas` is 0 and lag and pending have both been
 //!   known to be zero for `cooldownSeconds`;
 //! * unknown lag never scales down (a NULL lag is not an idle group);
-//! * no metrics, or `paused`: hold what runs.
+//! * no metrics, or `paused`: hold what runs;
+//! * with `delayObjectiveSeconds`, instead of `targetPerReplica` once a
+//!   replica's completion rate has been measured (while workers had a
+//!   backlog, so were busy): replicas = ceil((arrivals/s + backlog /
+//!   objective) / (0.8 × per-replica rate)), and one more than now while
+//!   the delay is over the objective.
 
+use crate::throughput::Throughput;
 use std::collections::VecDeque;
 use std::time::Duration;
 use streamfleet_crd::ScalingSpec;
 use streamfleet_streams::health::Lag;
+
+/// The share of a replica's measured rate the objective policy plans for:
+/// a queue run at 100% grows without bound.
+pub const UTILISATION: f64 = 0.8;
 
 /// What the policy remembers between polls of one resource.
 #[derive(Clone, Debug, Default)]
 pub struct ScalingMemory {
     recommendations: VecDeque<(Duration, i32)>,
     idle_since: Option<Duration>,
+    /// Entries per second one replica completes, measured while busy
+    /// (smoothed); `None` until measured.
+    per_replica: Option<f64>,
+}
+
+/// How fast the pipeline goes, for the delay objective: the delay (`None`:
+/// unknown), the rates (`None`: not measured yet), and the replicas that
+/// were available while they were measured.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Pace {
+    pub delay_ms: Option<u64>,
+    pub throughput: Option<Throughput>,
+    pub available: i32,
+}
+
+/// The replicas the delay objective asks for, with the numbers; `None`
+/// while a replica's rate is unknown (the count policy decides then).
+fn for_objective(
+    objective_s: i32,
+    backlog: u64,
+    lag: u64,
+    pace: &Pace,
+    current: i32,
+    memory: &mut ScalingMemory,
+) -> Option<(i32, String)> {
+    let t = pace.throughput?;
+    // Busy workers (entries waiting to be read) complete at their capacity.
+    if lag > 0 && pace.available > 0 && t.out_per_second > 0.0 {
+        let sample = t.out_per_second / f64::from(pace.available);
+        memory.per_replica = Some(memory.per_replica.map_or(sample, |m| (m + sample) / 2.0));
+    }
+    let per_replica = memory.per_replica.filter(|r| *r > 0.0)?;
+    let objective = f64::from(objective_s.max(1));
+    let needed = t.in_per_second + backlog as f64 / objective;
+    let mut replicas = (needed / (per_replica * UTILISATION)).ceil().min(f64::from(i32::MAX)) as i32;
+    let over = pace.delay_ms.is_some_and(|d| d > u64::try_from(objective_s.max(1)).unwrap_or(1) * 1000);
+    if over {
+        replicas = replicas.max(current.saturating_add(1));
+    }
+    let delay = pace.delay_ms.map_or("unknown".to_string(), |d| format!("{}s", d / 1000));
+    Some((
+        replicas,
+        format!(
+            "delay {delay} (objective {objective_s}s): in {:.1}/s, backlog {backlog}, {per_replica:.1}/s per replica",
+            t.in_per_second
+        ),
+    ))
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,6 +97,7 @@ pub fn decide(
     spec: &ScalingSpec,
     current: i32,
     observed: Option<(Lag, u64, u64)>,
+    pace: &Pace,
     now: Duration,
     memory: &mut ScalingMemory,
 ) -> Decision {
@@ -90,7 +148,11 @@ pub fn decide(
                     reason: format!("{numbers}: idle for {}s, scaling to zero", idle_for.as_secs()),
                 };
             } else {
-                (per_target(work).max(min).max(1).min(max), numbers)
+                let objective = spec.delay_objective_seconds.and_then(|objective| {
+                    for_objective(objective, work, lag_n, pace, current, memory)
+                        .map(|(n, why)| (n.max(min).max(1).min(max), format!("{why}; {numbers}")))
+                });
+                objective.unwrap_or_else(|| (per_target(work).max(min).max(1).min(max), numbers))
             }
         }
     };
@@ -126,6 +188,7 @@ mod tests {
             cooldown_seconds: 300,
             poll_interval_seconds: 10,
             paused: false,
+            delay_objective_seconds: None,
         }
     }
 
@@ -134,7 +197,7 @@ mod tests {
     }
 
     fn run(spec: &ScalingSpec, current: i32, lag: Lag, pending: u64, now: u64, m: &mut ScalingMemory) -> i32 {
-        decide(spec, current, Some((lag, pending, 0)), at(now), m).replicas
+        decide(spec, current, Some((lag, pending, 0)), &Pace::default(), at(now), m).replicas
     }
 
     #[test]
@@ -190,7 +253,7 @@ mod tests {
         assert_eq!(run(&s, 3, Lag::Unknown, 0, 10_000, &mut m), 3);
         assert_eq!(run(&s, 0, Lag::Unknown, 0, 10_001, &mut m), 1, "not provably idle: wake");
         assert_eq!(run(&s, 1, Lag::Unknown, 450, 10_002, &mut m), 5, "pending still drives scale-up");
-        let d = decide(&s, 3, Some((Lag::Unknown, 0, 0)), at(0), &mut ScalingMemory::default());
+        let d = decide(&s, 3, Some((Lag::Unknown, 0, 0)), &Pace::default(), at(0), &mut ScalingMemory::default());
         assert!(d.reason.contains("lag unknown"), "{}", d.reason);
     }
 
@@ -204,7 +267,7 @@ mod tests {
     fn paused_and_metric_errors_hold_replicas() {
         let mut s = spec(1, 10);
         let mut m = ScalingMemory::default();
-        assert_eq!(decide(&s, 4, None, at(0), &mut m).replicas, 4);
+        assert_eq!(decide(&s, 4, None, &Pace::default(), at(0), &mut m).replicas, 4);
         s.paused = true;
         assert_eq!(run(&s, 4, Lag::Known(10_000), 0, 1, &mut m), 4);
         assert_eq!(run(&s, 4, Lag::Known(0), 0, 1000, &mut m), 4);
@@ -212,7 +275,14 @@ mod tests {
 
     #[test]
     fn reason_carries_the_numbers() {
-        let d = decide(&spec(1, 10), 1, Some((Lag::Known(250), 7, 0)), at(0), &mut ScalingMemory::default());
+        let d = decide(
+            &spec(1, 10),
+            1,
+            Some((Lag::Known(250), 7, 0)),
+            &Pace::default(),
+            at(0),
+            &mut ScalingMemory::default(),
+        );
         assert_eq!(d.replicas, 3);
         assert!(d.reason.contains("lag=250") && d.reason.contains("pending=7"), "{}", d.reason);
     }
@@ -222,13 +292,87 @@ mod tests {
         let s = spec(0, 10);
         let mut m = ScalingMemory::default();
         // A downstream outage: 900 entries parked, 50 being read.
-        let d = decide(&s, 1, Some((Lag::Known(50), 950, 900)), at(0), &mut m);
+        let d = decide(&s, 1, Some((Lag::Known(50), 950, 900)), &Pace::default(), at(0), &mut m);
         assert_eq!(d.replicas, 1, "{}", d.reason);
         assert!(d.reason.contains("pending=50 retrying=900"), "{}", d.reason);
         // Nothing else to do, long past the cooldown: one stays to take them when due.
         for t in [400, 800] {
-            assert_eq!(decide(&s, 1, Some((Lag::Known(0), 900, 900)), at(t), &mut m).replicas, 1);
+            assert_eq!(decide(&s, 1, Some((Lag::Known(0), 900, 900)), &Pace::default(), at(t), &mut m).replicas, 1);
         }
-        assert_eq!(decide(&s, 0, Some((Lag::Known(0), 900, 900)), at(900), &mut m).replicas, 1, "woken at zero");
+        assert_eq!(
+            decide(&s, 0, Some((Lag::Known(0), 900, 900)), &Pace::default(), at(900), &mut m).replicas,
+            1,
+            "woken at zero"
+        );
+    }
+
+    fn pace(delay_s: u64, in_per_second: f64, out_per_second: f64, available: i32) -> Pace {
+        Pace {
+            delay_ms: Some(delay_s * 1000),
+            throughput: Some(Throughput { in_per_second, out_per_second, window_ms: 30_000 }),
+            available,
+        }
+    }
+
+    fn objective(seconds: i32, min: i32, max: i32) -> ScalingSpec {
+        ScalingSpec { delay_objective_seconds: Some(seconds), ..spec(min, max) }
+    }
+
+    fn with_pace(s: &ScalingSpec, current: i32, lag: u64, p: Pace, now: u64, m: &mut ScalingMemory) -> Decision {
+        decide(s, current, Some((Lag::Known(lag), 0, 0)), &p, at(now), m)
+    }
+
+    #[test]
+    fn the_delay_objective_sizes_for_arrivals_plus_the_backlog_at_the_measured_rate() {
+        let s = objective(20, 1, 20);
+        let mut m = ScalingMemory::default();
+        // Busy (a backlog to read): 2 replicas complete 40/s, so 20/s each.
+        // 100/s arrive, 2,000 wait: (100 + 2000/20) / (0.8 × 20) = 12.5 -> 13.
+        let d = with_pace(&s, 2, 2_000, pace(30, 100.0, 40.0, 2), 0, &mut m);
+        assert_eq!(d.replicas, 13, "{}", d.reason);
+        assert!(
+            d.reason.contains("delay 30s (objective 20s)") && d.reason.contains("20.0/s per replica"),
+            "{}",
+            d.reason
+        );
+        // Caught up and steady at 100/s: 100 / 16 = 6.25 -> 7, once stabilized.
+        let d = with_pace(&s, 13, 0, pace(1, 100.0, 100.0, 13), 100, &mut m);
+        assert_eq!(d.replicas, 7, "{}", d.reason);
+        // Back to 10/s: one replica.
+        assert_eq!(with_pace(&s, 7, 0, pace(0, 10.0, 10.0, 7), 200, &mut m).replicas, 1);
+    }
+
+    #[test]
+    fn until_a_replica_is_measured_busy_the_count_policy_decides() {
+        let s = objective(20, 1, 20);
+        let mut m = ScalingMemory::default();
+        // No backlog: the out rate says nothing of capacity.
+        let d = with_pace(&s, 2, 0, pace(0, 5.0, 5.0, 2), 0, &mut m);
+        assert_eq!(d.replicas, 1, "{}", d.reason);
+        assert!(d.reason.contains("target=100/replica") && !d.reason.contains("objective"), "{}", d.reason);
+        // No rates yet at all: the count policy too.
+        let d = decide(&s, 1, Some((Lag::Known(450), 0, 0)), &Pace::default(), at(1), &mut m);
+        assert_eq!(d.replicas, 5, "{}", d.reason);
+    }
+
+    #[test]
+    fn over_the_objective_always_adds_a_replica() {
+        let s = objective(10, 1, 20);
+        let mut m = ScalingMemory::default();
+        // The arithmetic says 2 are enough, yet the delay is over: one more than now.
+        let d = with_pace(&s, 4, 10, pace(12, 10.0, 40.0, 4), 0, &mut m);
+        assert_eq!(d.replicas, 5, "{}", d.reason);
+        // Never past maxReplicas.
+        let s = objective(10, 1, 4);
+        assert_eq!(with_pace(&s, 4, 10, pace(12, 10.0, 40.0, 4), 1, &mut ScalingMemory::default()).replicas, 4);
+    }
+
+    #[test]
+    fn the_objective_scales_from_zero_on_any_work_and_to_zero_after_the_cooldown() {
+        let s = objective(20, 0, 10);
+        let mut m = ScalingMemory::default();
+        assert_eq!(with_pace(&s, 0, 1, Pace::default(), 0, &mut m).replicas, 1, "woken by one entry");
+        assert_eq!(with_pace(&s, 1, 0, pace(0, 0.0, 0.0, 1), 1, &mut m).replicas, 1, "cooldown starts");
+        assert_eq!(with_pace(&s, 1, 0, pace(0, 0.0, 0.0, 1), 400, &mut m).replicas, 0);
     }
 }

@@ -132,8 +132,14 @@ fn no_decodable_resource_makes_validation_or_the_builders_panic() {
                 retry_overdue: std::time::Duration::from_secs(at_s % 3),
             });
             let seen_with_retries = seen.map(|(lag, pending)| (lag, pending, pending / 2));
-            let decision =
-                scaling::decide(&scg.spec.scaling, current, seen_with_retries, Duration::from_secs(at_s), &mut memory);
+            let decision = scaling::decide(
+                &scg.spec.scaling,
+                current,
+                seen_with_retries,
+                &Default::default(),
+                Duration::from_secs(at_s),
+                &mut memory,
+            );
             let held = seen.is_none() || scg.spec.scaling.paused;
             prop_assert!(
                 held || decision.replicas == current || decision.replicas <= max.max(min).max(1),

@@ -189,6 +189,12 @@ pub fn decide(
         return Ok(create_group(spec, at.scg));
     };
     let current_replicas = observed.deployment.as_ref().and_then(|d| d.spec.as_ref().and_then(|s| s.replicas));
+    let throughput = memory.throughput.observe(&observed.shards);
+    let pace = scaling::Pace {
+        delay_ms: snapshot.delay.ms(),
+        throughput,
+        available: observed.deployment.as_ref().and_then(|d| d.status.as_ref()?.available_replicas).unwrap_or(0),
+    };
     let scaling = if spec.suspend {
         scaling::Decision { replicas: 0, reason: "suspended (spec.suspend)".into() }
     } else {
@@ -196,12 +202,12 @@ pub fn decide(
             &spec.scaling,
             current_replicas.unwrap_or(0),
             Some((snapshot.lag, snapshot.pending, snapshot.retrying)),
+            &pace,
             at.now,
             &mut memory.scaling,
         )
     };
     memory.health.record(&snapshot, at.now);
-    let throughput = memory.throughput.observe(&observed.shards);
     let retrying = retrying(&snapshot, &spec.retry, spec.max_deliveries);
     let last_recovery = observed.last_recovery.clone().map(recovery_status);
     let payload_lost = payload_lost_status(at.scg, &observed.payload_loss);

@@ -135,6 +135,9 @@ pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
     };
     let min_idle = Duration::from_millis(positive("spec.recovery.minIdleTimeMs", spec.recovery.min_idle_time_ms)?);
     let retry = retry_schedule(&spec.recovery.retry, min_idle)?;
+    if let Some(objective) = spec.scaling.delay_objective_seconds {
+        positive("spec.scaling.delayObjectiveSeconds", objective.into())?;
+    }
     Ok(ValidSpec {
         stream: spec.stream.clone(),
         streams: streamfleet_streams::shard::shard_keys(&spec.stream, shards),
@@ -247,5 +250,7 @@ mod tests {
         assert!(e.to_string().contains("spec.scaling.targetPerReplica"), "{e}");
         let e = validate(&scg(json!({"retention": {"maxLength": -1}}))).unwrap_err();
         assert!(e.to_string().contains("spec.retention.maxLength"), "{e}");
+        let e = validate(&scg(json!({"scaling": {"delayObjectiveSeconds": 0}}))).unwrap_err();
+        assert!(e.to_string().contains("spec.scaling.delayObjectiveSeconds"), "{e}");
     }
 }
