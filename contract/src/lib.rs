@@ -41,6 +41,8 @@ pub const DEAD_LETTER_STREAM: &str = "STREAMFLEET_DEAD_LETTER_STREAM";
 /// Handlers in flight per worker process (default 10); entries with the
 /// same business key never run at once.
 pub const CONCURRENCY: &str = "STREAMFLEET_CONCURRENCY";
+/// Handlers in flight per worker when [`CONCURRENCY`] is unset.
+pub const DEFAULT_CONCURRENCY: u16 = 10;
 /// Milliseconds a worker may spend finishing its handlers in flight after
 /// SIGTERM (the pod's grace period less a margin); entries still running then
 /// are handed back for another consumer. Default 25000.

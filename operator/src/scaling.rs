@@ -40,13 +40,16 @@ pub struct ScalingMemory {
 }
 
 /// How fast the pipeline goes, for the delay objective: the delay (`None`:
-/// unknown), the rates (`None`: not measured yet), and the replicas that
-/// were available while they were measured.
+/// unknown), the rates (`None`: not measured yet), the replicas that were
+/// available while they were measured, and whether they were busy (entries
+/// waiting to be read, or more in hand than they run at once), so that
+/// what they completed is what they can.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Pace {
     pub delay_ms: Option<u64>,
     pub throughput: Option<Throughput>,
     pub available: i32,
+    pub busy: bool,
 }
 
 /// The replicas the delay objective asks for, with the numbers; `None`
@@ -54,14 +57,13 @@ pub struct Pace {
 fn for_objective(
     objective_s: i32,
     backlog: u64,
-    lag: u64,
     pace: &Pace,
     current: i32,
     memory: &mut ScalingMemory,
 ) -> Option<(i32, String)> {
     let t = pace.throughput?;
-    // Busy workers (entries waiting to be read) complete at their capacity.
-    if lag > 0 && pace.available > 0 && t.out_per_second > 0.0 {
+    // Busy workers complete at their capacity.
+    if pace.busy && pace.available > 0 && t.out_per_second > 0.0 {
         let sample = t.out_per_second / f64::from(pace.available);
         memory.per_replica = Some(memory.per_replica.map_or(sample, |m| (m + sample) / 2.0));
     }
@@ -149,7 +151,7 @@ pub fn decide(
                 };
             } else {
                 let objective = spec.delay_objective_seconds.and_then(|objective| {
-                    for_objective(objective, work, lag_n, pace, current, memory)
+                    for_objective(objective, work, pace, current, memory)
                         .map(|(n, why)| (n.max(min).max(1).min(max), format!("{why}; {numbers}")))
                 });
                 objective.unwrap_or_else(|| (per_target(work).max(min).max(1).min(max), numbers))
@@ -311,6 +313,8 @@ mod tests {
             delay_ms: Some(delay_s * 1000),
             throughput: Some(Throughput { in_per_second, out_per_second, window_ms: 30_000 }),
             available,
+            // In these tables, busy exactly while there is a backlog.
+            busy: delay_s > 5,
         }
     }
 

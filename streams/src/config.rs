@@ -136,7 +136,8 @@ impl WorkerConfig {
             dead_letter_stream,
             dead_letter_stream_set,
             batch_size: usize::try_from(number(env::BATCH_SIZE, 100)?.clamp(1, 10_000)).unwrap_or(100),
-            concurrency: usize::try_from(number(env::CONCURRENCY, 10)?.clamp(1, 1_000)).unwrap_or(10),
+            concurrency: usize::try_from(number(env::CONCURRENCY, env::DEFAULT_CONCURRENCY.into())?.clamp(1, 1_000))
+                .unwrap_or(env::DEFAULT_CONCURRENCY.into()),
             block: Duration::from_millis(2_000),
             drain_timeout: Duration::from_millis(number(env::DRAIN_TIMEOUT_MS, 25_000)?),
             mode: run_mode,

@@ -190,10 +190,20 @@ pub fn decide(
     };
     let current_replicas = observed.deployment.as_ref().and_then(|d| d.spec.as_ref().and_then(|s| s.replicas));
     let throughput = memory.throughput.observe(&observed.shards);
+    let available = observed.deployment.as_ref().and_then(|d| d.status.as_ref()?.available_replicas).unwrap_or(0);
+    let in_hand = snapshot.pending.saturating_sub(snapshot.retrying);
+    let concurrency = at
+        .scg
+        .spec
+        .worker
+        .concurrency
+        .map_or(u64::from(streamfleet_contract::DEFAULT_CONCURRENCY), |c| u64::try_from(c).unwrap_or(1));
     let pace = scaling::Pace {
         delay_ms: snapshot.delay.ms(),
         throughput,
-        available: observed.deployment.as_ref().and_then(|d| d.status.as_ref()?.available_replicas).unwrap_or(0),
+        available,
+        busy: snapshot.lag.floor().is_none_or(|lag| lag > 0)
+            || in_hand > u64::try_from(available).unwrap_or(0).saturating_mul(concurrency),
     };
     let scaling = if spec.suspend {
         scaling::Decision { replicas: 0, reason: "suspended (spec.suspend)".into() }
