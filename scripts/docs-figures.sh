@@ -30,6 +30,48 @@ figures = {p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path("docs/
 def cell(c):
     return str(c).replace("|", "\\|")
 
+def plot(name, f):
+    """An SVG of a figure's `series` (first column the time in seconds): the
+    columns whose name starts with "delay" in an upper panel with the
+    objective as a dashed line, the others ("replicas …") in a lower one."""
+    cols, rows = f["series"]["columns"], f["series"]["rows"]
+    objective = f.get("settings", {}).get("delayObjectiveSeconds")
+    width, panel, left, top = 720, 150, 50, 24
+    xs = [r[0] for r in rows]
+    x_max = max(xs) or 1
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{2 * panel + 3 * top}" font-family="sans-serif" font-size="11">',
+           f'<rect width="100%" height="100%" fill="white"/>']
+    def x(v):
+        return left + (width - left - 10) * v / x_max
+    panels = [("delay (s)", [i for i, c in enumerate(cols) if i and c.startswith("delay")]),
+              ("replicas", [i for i, c in enumerate(cols) if i and not c.startswith("delay")])]
+    for p, (label, idx) in enumerate(panels):
+        y0 = top + p * (panel + top)
+        values = [r[i] for r in rows for i in idx if r[i] is not None]
+        extra = [objective] if p == 0 and objective else []
+        y_max = max(values + extra + [1]) * 1.1
+        def y(v):
+            return y0 + panel - panel * v / y_max
+        out.append(f'<text x="4" y="{y0 - 6}">{label}</text>')
+        out.append(f'<line x1="{left}" y1="{y0 + panel}" x2="{width - 10}" y2="{y0 + panel}" stroke="#888"/>')
+        out.append(f'<line x1="{left}" y1="{y0}" x2="{left}" y2="{y0 + panel}" stroke="#888"/>')
+        out.append(f'<text x="{left - 4}" y="{y0 + 10}" text-anchor="end">{y_max:.0f}</text>')
+        out.append(f'<text x="{left - 4}" y="{y0 + panel}" text-anchor="end">0</text>')
+        if extra:
+            out.append(f'<line x1="{left}" y1="{y(objective):.1f}" x2="{width - 10}" y2="{y(objective):.1f}" stroke="#d62728" stroke-dasharray="4 3"/>')
+            out.append(f'<text x="{width - 12}" y="{y(objective) - 3:.1f}" text-anchor="end" fill="#d62728">objective {objective} s</text>')
+        for n, i in enumerate(idx):
+            points = " ".join(f"{x(r[0]):.1f},{y(r[i]):.1f}" for r in rows if r[i] is not None)
+            color = colors[(n + 2 * p) % len(colors)]
+            out.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{points}"/>')
+            out.append(f'<text x="{left + 8 + 200 * n}" y="{y0 + 12}" fill="{color}">{cols[i]}</text>')
+    out.append(f'<text x="{width - 10}" y="{2 * panel + 3 * top - 4}" text-anchor="end">seconds</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+plots = {name: plot(name, f) for name, f in figures.items() if "series" in f}
+
 def render(name, f):
     settings = ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in f.get("settings", {}).items())
     env = f.get("environment", {})
@@ -41,6 +83,8 @@ def render(name, f):
         f"{f['what']}. Settings: {settings}. Measured: {where or 'unknown'} "
         f"(`docs/figures/{name}.json`, written by the program that measured it).\n\n"
         f"{header}\n{rows}\n\n**{f['summary']}**\n"
+        + (f"\n![{name}](figures/{name}.svg)\n" if name in plots else "")
+        + 
         f"<!-- /figure:{name} -->"
     )
 
@@ -58,11 +102,15 @@ if missing:
 unused = sorted(set(figures) - set(re.findall(r"<!-- figure:([a-z0-9-]+) -->", text)))
 if unused:
     sys.exit(f"figure files without a section in docs/benchmarks.md: {', '.join(unused)}")
+stale_plots = [n for n, svg in plots.items() if not pathlib.Path(f"docs/figures/{n}.svg").exists()
+               or pathlib.Path(f"docs/figures/{n}.svg").read_text() != svg]
 if check:
-    if generated != text:
-        sys.exit("docs/benchmarks.md is stale: run bash scripts/docs-figures.sh")
+    if generated != text or stale_plots:
+        sys.exit(f"docs/benchmarks.md or a plot ({', '.join(stale_plots)}) is stale: run bash scripts/docs-figures.sh")
     print("docs/benchmarks.md matches docs/figures/", file=sys.stderr)
 else:
+    for n, svg in plots.items():
+        pathlib.Path(f"docs/figures/{n}.svg").write_text(svg)
     doc.write_text(generated)
     print("docs/benchmarks.md figures regenerated from docs/figures/", file=sys.stderr)
 PY
