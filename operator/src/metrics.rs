@@ -80,7 +80,10 @@ pub struct Metrics {
 
 /// Per-resource gauges: (metric name, help, how to read it from the status).
 type Reader = fn(&StreamConsumerGroup, &StreamConsumerGroupStatus) -> Option<i64>;
-const GAUGES: [(&str, &str, Reader); 16] = [
+const GAUGES: [(&str, &str, Reader); 17] = [
+    ("streamfleet_delay_objective_seconds", "spec.scaling.delayObjectiveSeconds (absent when unset)", |scg, _| {
+        scg.spec.scaling.delay_objective_seconds.map(i64::from)
+    }),
     (
         "streamfleet_delay_seconds",
         "Age of the oldest unfinished entry (pending or undelivered) by the Redis clock (absent when unknown)",

@@ -498,6 +498,7 @@ async fn the_chart_renders_what_a_production_install_sets() -> Result<()> {
             "terminationGracePeriodSeconds=45",
             "prometheusRule.enabled=true",
             "prometheusRule.runbookUrl=https://runbooks.example/streamfleet",
+            "prometheusRule.delayObjectiveFor=2m",
             "dashboard.enabled=true",
         ],
     )
@@ -519,6 +520,8 @@ async fn the_chart_renders_what_a_production_install_sets() -> Result<()> {
         let url = alert["annotations"]["runbook_url"].as_str().unwrap();
         assert!(url.starts_with("https://runbooks.example/streamfleet#streamfleet"), "{url}");
     }
+    let objective = alerts.iter().find(|a| a["alert"] == "StreamfleetDelayObjectiveBreached").unwrap();
+    assert_eq!(objective["for"], "2m", "prometheusRule.delayObjectiveFor");
     let dashboard = docs.iter().find(|d| d["kind"] == "ConfigMap").unwrap();
     assert_eq!(dashboard["metadata"]["labels"]["grafana_dashboard"], "1");
     let json: serde_json::Value =
