@@ -19,6 +19,10 @@ use streamfleet_streams::{GroupCreation, StreamConnection};
 /// Field managers, one per call site, so `managedFields` says who set what.
 const MANAGER_DEPLOYMENT: &str = "streamfleet-worker-deployment";
 const MANAGER_CRONJOB: &str = "streamfleet-recovery-cronjob";
+const MANAGER_DELETION_COST: &str = "streamfleet-pod-deletion-cost";
+/// Read by the ReplicaSet controller when it scales down: pods with the
+/// lowest cost go first.
+const DELETION_COST: &str = "controller.kubernetes.io/pod-deletion-cost";
 
 /// What acting on a convergence plan did.
 pub struct Outcome {
@@ -140,6 +144,10 @@ pub async fn converge(
             Err(e) => tracing::warn!(stream, error = %e, "trimming the dead-letter stream to its cap"),
         }
     }
+    // Before the Deployment shrinks: the pods holding least go first.
+    for (pod, cost) in &plan.deletion_costs {
+        price_pod(ctx, scg, pod, *cost).await;
+    }
     let mut refused = Vec::new();
     let name = objects::worker_deployment_name(scg);
     let live = ctx.deployments.get(&ObjectRef::new(&name).within(&namespace(scg)));
@@ -159,6 +167,21 @@ pub async fn converge(
         publish(ctx, scg, event).await;
     }
     Outcome { available_replicas, trimmed, refused }
+}
+
+/// Sets a worker pod's deletion cost; a failure only means the ReplicaSet
+/// chooses on its own, so it is logged, never fatal.
+async fn price_pod(ctx: &Context, scg: &StreamConsumerGroup, pod: &str, cost: i32) {
+    let api: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(ctx.client.clone(), &namespace(scg));
+    let patch = serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": pod, "annotations": {DELETION_COST: cost.to_string()}},
+    });
+    match api.patch(pod, &PatchParams::apply(MANAGER_DELETION_COST), &Patch::Apply(&patch)).await {
+        Ok(_) => ctx.metrics.api_write(MANAGER_DELETION_COST),
+        Err(e) => tracing::warn!(pod, error = %e, "setting the pod's deletion cost before a scale-down"),
+    }
 }
 
 fn namespace(scg: &StreamConsumerGroup) -> String {

@@ -102,6 +102,9 @@ pub struct Convergence {
     /// Whether a dead-letter stream is at its cap (`None`: no cap).
     pub dead_letter_cap_reached: Option<bool>,
     pub reap: Vec<Reap>,
+    /// On a scale-down, each worker pod's deletion cost (the entries its
+    /// consumer holds), so the ReplicaSet removes the idlest pods first.
+    pub deletion_costs: Vec<(String, i32)>,
     /// Entries waiting for a retry, read against the schedule.
     pub retrying: Retrying,
     pub deployment: Deployment,
@@ -251,6 +254,10 @@ pub fn decide(
         dead_letter_trims,
         dead_letter_cap_reached,
         reap: reap_plan(at.scg, &snapshot, observed),
+        deletion_costs: match current_replicas {
+            Some(current) if scaling.replicas < current => deletion_costs(&snapshot, &observed.pods),
+            _ => Vec::new(),
+        },
         retrying,
         deployment: objects::worker_deployment(at.scg, scaling.replicas)?,
         cronjob: objects::recovery_cronjob(at.scg, at.settings)?,
@@ -268,6 +275,23 @@ pub fn decide(
         throughput,
         events,
     })))
+}
+
+/// Each pod's deletion cost: the entries its consumers hold (a consumer is
+/// `<pod name>.<pod UID>`, or the pod name), 0 for a pod holding none.
+fn deletion_costs(snapshot: &GroupSnapshot, pods: &[(String, Option<String>)]) -> Vec<(String, i32)> {
+    pods.iter()
+        .map(|(name, uid)| {
+            let identities: Vec<String> = crate::reaper::identities(name, uid.as_deref()).collect();
+            let held = snapshot
+                .consumers
+                .iter()
+                .filter(|c| identities.contains(&c.name))
+                .map(|c| c.pending)
+                .fold(0, u64::saturating_add);
+            (name.clone(), i32::try_from(held).unwrap_or(i32::MAX))
+        })
+        .collect()
 }
 
 /// A suspended pipeline reads `Suspended` with its figures, unless payloads
@@ -696,6 +720,18 @@ mod tests {
         assert_eq!(plan.health, Health::Healthy, "4 replicas carry 400: {}", plan.health_message);
         let plan = converge(run(&scg(), &observed(Some(snapshot(1000, 0, &[])), Some(1))));
         assert_eq!((plan.scaling.replicas, plan.health), (5, Health::Backlogged));
+    }
+
+    #[test]
+    fn a_scale_down_prices_each_pod_by_the_entries_its_consumer_holds() {
+        let mut seen = observed(Some(snapshot(0, 4, &[("orders-worker-a.u1", 4)])), Some(3));
+        seen.pods = vec![("orders-worker-a".into(), Some("u1".into())), ("orders-worker-b".into(), Some("u2".into()))];
+        let plan = converge(run(&scg(), &seen));
+        assert_eq!(plan.scaling.replicas, 1);
+        assert_eq!(plan.deletion_costs, vec![("orders-worker-a".to_string(), 4), ("orders-worker-b".to_string(), 0)]);
+        // No scale-down: no pod is touched.
+        let plan = converge(run(&scg(), &observed(Some(snapshot(350, 50, &[])), Some(1))));
+        assert!(plan.deletion_costs.is_empty());
     }
 
     #[test]

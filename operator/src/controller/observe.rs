@@ -40,6 +40,8 @@ pub struct Observation {
     /// Identities of this resource's pods that exist (from a synced cache;
     /// only its workloads' pods, whose consumers it may reap).
     pub live_pods: HashSet<String>,
+    /// This resource's pods that exist: (name, UID).
+    pub pods: Vec<(String, Option<String>)>,
     /// Other resources naming the same stream and group on the same Redis.
     pub claimants: Vec<Claimant>,
 }
@@ -85,6 +87,7 @@ pub async fn observe(
     }
     payload_loss.latest.truncate(payload_loss::LATEST);
     let ns = scg.namespace().unwrap_or_default();
+    let pods = our_pods(ctx, scg, &ns);
     let observation = Observation {
         group,
         shards,
@@ -93,7 +96,8 @@ pub async fn observe(
         retention,
         deployment: ctx.deployments.get(&ObjectRef::new(&objects::worker_deployment_name(scg)).within(&ns)),
         cronjob: ctx.cronjobs.get(&ObjectRef::new(&objects::recovery_cronjob_name(scg)).within(&ns)),
-        live_pods: live_pods(ctx, scg, &ns),
+        live_pods: pods.iter().flat_map(|(name, uid)| crate::reaper::identities(name, uid.as_deref())).collect(),
+        pods,
         claimants: ctx.claimants(scg, &endpoint),
     };
     Ok((conn, observation))
@@ -102,7 +106,7 @@ pub async fn observe(
 /// Only this resource's pods: every pod of the namespace would make each
 /// reconcile cost as much as the fleet (it was a third of the operator's CPU
 /// at 1,000 resources).
-fn live_pods(ctx: &Context, scg: &StreamConsumerGroup, ns: &str) -> HashSet<String> {
+fn our_pods(ctx: &Context, scg: &StreamConsumerGroup, ns: &str) -> Vec<(String, Option<String>)> {
     let prefixes = objects::pod_name_prefixes(scg);
     let ours = |name: &str| prefixes.iter().any(|p| name.starts_with(p.as_str()));
     ctx.pods
@@ -110,7 +114,7 @@ fn live_pods(ctx: &Context, scg: &StreamConsumerGroup, ns: &str) -> HashSet<Stri
         .iter()
         .filter(|p| p.metadata.namespace.as_deref() == Some(ns))
         .filter(|p| p.metadata.name.as_deref().is_some_and(ours))
-        .flat_map(|p| crate::reaper::identities(&p.name_any(), p.metadata.uid.as_deref()).collect::<Vec<_>>())
+        .map(|p| (p.name_any(), p.metadata.uid.clone()))
         .collect()
 }
 

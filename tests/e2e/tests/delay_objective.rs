@@ -118,6 +118,10 @@ async fn a_tenfold_ramp_is_brought_back_under_the_delay_objective_and_replicas_c
     })
     .await?;
     let repeats: u64 = conn.hlen("{ledger}:duplicates").await?;
+    // Deliveries after the first: no fault is injected here, so any comes
+    // from a scale-down interrupting a pod that held entries.
+    let redelivered: Option<u64> = conn.hget("{ledger}:faults", "redelivered").await?;
+    let redelivered = redelivered.unwrap_or(0);
 
     // The headline: how long the delay stayed under the objective, and how
     // soon after the ramp began it was back under for good.
@@ -137,7 +141,7 @@ async fn a_tenfold_ramp_is_brought_back_under_the_delay_objective_and_replicas_c
     println!(
         "delay objective {OBJECTIVE_S}s, ramp {}→{}/s for {}s: {sent} orders; delay under the objective {:.0}% of \
          the time, peak {peak:.1}s, back under {back_under:.0}s after the ramp began; replicas up to {most}, {end} at \
-         the end; repeats absorbed {repeats}",
+         the end; repeats absorbed {repeats}; redelivered {redelivered}",
         CURVE[0].1,
         CURVE[1].1,
         CURVE[1].0,
@@ -155,6 +159,13 @@ async fn a_tenfold_ramp_is_brought_back_under_the_delay_objective_and_replicas_c
         .filter_map(|e| e.note.clone())
         .find(|note| note.contains(&format!("(objective {OBJECTIVE_S}s)")));
     assert!(by_objective.is_some(), "no Scaled Event from the objective: {events:?}");
+    // The pods left were priced before the last scale-down.
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), &ns);
+    let workers = pods.list(&kube::api::ListParams::default().labels("app.kubernetes.io/component=worker")).await?;
+    let priced = workers.items.iter().filter(|p| {
+        p.metadata.annotations.as_ref().is_some_and(|a| a.contains_key("controller.kubernetes.io/pod-deletion-cost"))
+    });
+    assert!(priced.count() >= 1, "no pod-deletion-cost on the pods left");
     let tenth = |v: f64| (v * 10.0).round() / 10.0;
     let series: Vec<_> = samples.iter().map(|s| (tenth(s.0), tenth(s.1), s.2, s.3, s.4)).collect();
     streamfleet_testbed::write_figure(
@@ -162,8 +173,8 @@ async fn a_tenfold_ramp_is_brought_back_under_the_delay_objective_and_replicas_c
         &serde_json::json!({
             "what": "A 10× arrival ramp through a pipeline scaled on a delay objective (e2e `delay_objective`): the delay measured from Redis every second, and the replicas",
             "settings": {"delayObjectiveSeconds": OBJECTIVE_S, "maxReplicas": MAX_REPLICAS, "handler": "200 ms, 2 at once per pod", "batchSize": 10, "pollIntervalSeconds": 2, "scaleDownStabilizationSeconds": 20, "curve": CURVE.iter().map(|(s, r)| format!("{r}/s for {s}s")).collect::<Vec<_>>()},
-            "columns": ["orders", "delay under the objective (share of seconds)", "peak delay (s)", "back under for good, after the ramp began (s)", "most replicas", "replicas at the end", "repeats absorbed"],
-            "rows": [[sent, format!("{:.0}%", under * 100.0), format!("{peak:.1}"), format!("{back_under:.0}"), most, end, repeats]],
+            "columns": ["orders", "delay under the objective (share of seconds)", "peak delay (s)", "back under for good, after the ramp began (s)", "most replicas", "replicas at the end", "redelivered (scale-down)", "repeats absorbed"],
+            "rows": [[sent, format!("{:.0}%", under * 100.0), format!("{peak:.1}"), format!("{back_under:.0}"), most, end, redelivered, repeats]],
             "series": {"columns": ["s", "delay (s, from Redis)", "delay in status (s)", "replicas desired", "replicas available"], "rows": series},
             "summary": format!("Delay under the {OBJECTIVE_S} s objective {:.0}% of the time through a {}→{}/s ramp; back under {back_under:.0} s after it began; {most} replicas at most, {end} at the end.", under * 100.0, CURVE[0].1, CURVE[1].1),
         }),

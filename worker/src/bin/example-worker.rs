@@ -119,6 +119,9 @@ impl Handler for Orders {
     }
 
     async fn handle(&self, entry: &Entry) -> Outcome {
+        if streamfleet_worker::current_delivery().is_some_and(|d| d.deliveries > 1) {
+            self.count(&mut self.ledger.clone(), "{ledger}:faults", "redelivered").await;
+        }
         let Some(order) = entry.field_str("order_id") else {
             return Outcome::Malformed("no order_id field".into());
         };
