@@ -491,7 +491,8 @@ pub struct StreamConsumerGroupStatus {
     pub delay_seconds: Option<i64>,
 
     /// Entries not yet delivered to the group, counted from stream IDs up to
-    /// 1,000 (Redis's own figure beyond); absent when unknown.
+    /// 1,000 (Redis's own figure beyond; 1001 when Redis reports none and
+    /// more than 1,000 wait: a floor); absent when unknown.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lag: Option<i64>,
 
@@ -578,10 +579,11 @@ pub struct StreamConsumerGroupStatus {
 pub struct ThroughputStatus {
     /// Entries added to the stream per second (every shard), to 0.1.
     pub in_per_second: f64,
-    /// Entries finished per second: acknowledged, dead-lettered, or trimmed
-    /// before delivery (every shard), to 0.1.
+    /// Entries finished per second: acknowledged or dead-lettered (every
+    /// shard), to 0.1.
     pub out_per_second: f64,
-    /// The span the rates were measured over, in seconds (up to 30).
+    /// The span the rates were measured over, in seconds: from the newest
+    /// reading at least 30 s old (about 30).
     pub window_seconds: i64,
     /// Seconds until the lag and pending are done at these rates; absent
     /// while they do not shrink, 0 when nothing is outstanding.

@@ -14,10 +14,15 @@
 //! * unknown lag never scales down (a NULL lag is not an idle group);
 //! * no metrics, or `paused`: hold what runs;
 //! * with `delayObjectiveSeconds`, instead of `targetPerReplica` once a
-//!   replica's completion rate has been measured (while workers had a
-//!   backlog, so were busy): replicas = ceil((arrivals/s + backlog /
-//!   objective) / (0.8 × per-replica rate)), and one more than now while
-//!   the delay is over the objective.
+//!   replica's completion rate has been measured (the best of the last 10
+//!   minutes' readings taken while the workers were busy and none was
+//!   starting: a rate read while they idled only says they can do at least
+//!   that): replicas = ceil((arrivals/s + backlog / objective) / (0.8 ×
+//!   per-replica rate)); one more than now while the delay (entries parked
+//!   for a retry left out) is over the objective, arrivals outpace
+//!   completions and every replica asked for runs; up by at most
+//!   max(100%, 4 pods) at a time (the HPA's default); rates unknown for a
+//!   poll: hold.
 
 use crate::throughput::Throughput;
 use std::collections::VecDeque;
@@ -28,25 +33,27 @@ use streamfleet_streams::health::Lag;
 /// The share of a replica's measured rate the objective policy plans for:
 /// a queue run at 100% grows without bound.
 pub const UTILISATION: f64 = 0.8;
+/// How long a measured per-replica rate counts.
+const RATE_MEMORY: Duration = Duration::from_secs(600);
 
 /// What the policy remembers between polls of one resource.
 #[derive(Clone, Debug, Default)]
 pub struct ScalingMemory {
     recommendations: VecDeque<(Duration, i32)>,
     idle_since: Option<Duration>,
-    /// Entries per second one replica completes, measured while busy
-    /// (smoothed); `None` until measured.
-    per_replica: Option<f64>,
+    /// Entries per second one replica completed, read while all were
+    /// busy and running, with when.
+    per_replica: VecDeque<(Duration, f64)>,
 }
 
-/// How fast the pipeline goes, for the delay objective: the delay (`None`:
-/// unknown), the rates (`None`: not measured yet), the replicas that were
-/// available while they were measured, and whether they were busy (entries
-/// waiting to be read, or more in hand than they run at once), so that
-/// what they completed is what they can.
+/// How fast the pipeline goes, for the delay objective: the delay leaving
+/// out entries parked for a retry (`None`: unknown), the rates (`None`: not
+/// measured yet), the replicas available, and whether they are busy
+/// (entries waiting to be read, or more in hand than they run at once), so
+/// that what they complete is what they can.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Pace {
-    pub delay_ms: Option<u64>,
+    pub working_delay_ms: Option<u64>,
     pub throughput: Option<Throughput>,
     pub available: i32,
     pub busy: bool,
@@ -59,28 +66,44 @@ fn for_objective(
     backlog: u64,
     pace: &Pace,
     current: i32,
+    now: Duration,
     memory: &mut ScalingMemory,
 ) -> Option<(i32, String)> {
-    let t = pace.throughput?;
-    // Busy workers complete at their capacity.
-    if pace.busy && pace.available > 0 && t.out_per_second > 0.0 {
-        let sample = t.out_per_second / f64::from(pace.available);
-        memory.per_replica = Some(memory.per_replica.map_or(sample, |m| (m + sample) / 2.0));
+    // Busy workers, all of them running, complete at their capacity.
+    if let Some(t) = pace.throughput
+        && pace.busy
+        && pace.available > 0
+        && pace.available >= current
+        && t.out_per_second > 0.0
+    {
+        memory.per_replica.push_back((now, t.out_per_second / f64::from(pace.available)));
     }
-    let per_replica = memory.per_replica.filter(|r| *r > 0.0)?;
+    while memory.per_replica.front().is_some_and(|(at, _)| now.saturating_sub(*at) > RATE_MEMORY) {
+        memory.per_replica.pop_front();
+    }
+    let per_replica = memory.per_replica.iter().map(|(_, r)| *r).fold(0.0, f64::max);
+    if per_replica <= 0.0 {
+        return None;
+    }
     let objective = f64::from(objective_s.max(1));
+    let Some(t) = pace.throughput else {
+        return Some((current, format!("objective {objective_s}s: rates unknown this poll, holding")));
+    };
     let needed = t.in_per_second + backlog as f64 / objective;
     let mut replicas = (needed / (per_replica * UTILISATION)).ceil().min(f64::from(i32::MAX)) as i32;
-    let over = pace.delay_ms.is_some_and(|d| d > u64::try_from(objective_s.max(1)).unwrap_or(1) * 1000);
-    if over {
+    let over = pace.working_delay_ms.is_some_and(|d| d as f64 > objective * 1000.0);
+    if over && t.out_per_second <= t.in_per_second && pace.available >= current {
         replicas = replicas.max(current.saturating_add(1));
     }
-    let delay = pace.delay_ms.map_or("unknown".to_string(), |d| format!("{}s", d / 1000));
+    let step = current.saturating_mul(2).max(current.saturating_add(4));
+    let limited = if replicas > step { format!(", up by at most {}", step - current) } else { String::new() };
+    let delay = pace.working_delay_ms.map_or("unknown".to_string(), |d| format!("{}s", d / 1000));
     Some((
-        replicas,
+        replicas.min(step),
         format!(
-            "delay {delay} (objective {objective_s}s): in {:.1}/s, backlog {backlog}, {per_replica:.1}/s per replica",
-            t.in_per_second
+            "delay {delay} (objective {objective_s}s): in {:.1}/s, out {:.1}/s, backlog {backlog}, \
+             {per_replica:.1}/s per replica{limited}",
+            t.in_per_second, t.out_per_second
         ),
     ))
 }
@@ -151,7 +174,7 @@ pub fn decide(
                 };
             } else {
                 let objective = spec.delay_objective_seconds.and_then(|objective| {
-                    for_objective(objective, work, pace, current, memory)
+                    for_objective(objective, work, pace, current, now, memory)
                         .map(|(n, why)| (n.max(min).max(1).min(max), format!("{why}; {numbers}")))
                 });
                 objective.unwrap_or_else(|| (per_target(work).max(min).max(1).min(max), numbers))
@@ -310,7 +333,7 @@ mod tests {
 
     fn pace(delay_s: u64, in_per_second: f64, out_per_second: f64, available: i32) -> Pace {
         Pace {
-            delay_ms: Some(delay_s * 1000),
+            working_delay_ms: Some(delay_s * 1000),
             throughput: Some(Throughput { in_per_second, out_per_second, window_ms: 30_000 }),
             available,
             // In these tables, busy exactly while there is a backlog.
@@ -331,16 +354,21 @@ mod tests {
         let s = objective(20, 1, 20);
         let mut m = ScalingMemory::default();
         // Busy (a backlog to read): 2 replicas complete 40/s, so 20/s each.
-        // 100/s arrive, 2,000 wait: (100 + 2000/20) / (0.8 × 20) = 12.5 -> 13.
+        // 100/s arrive, 2,000 wait: (100 + 2000/20) / (0.8 × 20) = 12.5 -> 13,
+        // but up by at most max(100%, 4 pods) at a time: 6.
         let d = with_pace(&s, 2, 2_000, pace(30, 100.0, 40.0, 2), 0, &mut m);
-        assert_eq!(d.replicas, 13, "{}", d.reason);
+        assert_eq!(d.replicas, 6, "{}", d.reason);
         assert!(
             d.reason.contains("delay 30s (objective 20s)") && d.reason.contains("20.0/s per replica"),
             "{}",
             d.reason
         );
-        // Caught up and steady at 100/s: 100 / 16 = 6.25 -> 7, once stabilized.
-        let d = with_pace(&s, 13, 0, pace(1, 100.0, 100.0, 13), 100, &mut m);
+        assert!(d.reason.contains("up by at most 4"), "{}", d.reason);
+        // Next poll, the 6 running and busy: (100 + 1500/20) / 16 = 10.9 -> 11.
+        assert_eq!(with_pace(&s, 6, 1_500, pace(25, 100.0, 120.0, 6), 10, &mut m).replicas, 11);
+        // Caught up and steady at 100/s, idle part of the time: the rate read
+        // busy still counts. 100 / 16 = 6.25 -> 7, once stabilized.
+        let d = with_pace(&s, 11, 0, pace(1, 100.0, 100.0, 11), 100, &mut m);
         assert_eq!(d.replicas, 7, "{}", d.reason);
         // Back to 10/s: one replica.
         assert_eq!(with_pace(&s, 7, 0, pace(0, 10.0, 10.0, 7), 200, &mut m).replicas, 1);
@@ -354,21 +382,56 @@ mod tests {
         let d = with_pace(&s, 2, 0, pace(0, 5.0, 5.0, 2), 0, &mut m);
         assert_eq!(d.replicas, 1, "{}", d.reason);
         assert!(d.reason.contains("target=100/replica") && !d.reason.contains("objective"), "{}", d.reason);
+        // Busy but pods still starting (2 of 3): no reading either.
+        let d = with_pace(&s, 3, 450, pace(30, 50.0, 20.0, 2), 1, &mut m);
+        assert!(!d.reason.contains("objective"), "{}", d.reason);
         // No rates yet at all: the count policy too.
-        let d = decide(&s, 1, Some((Lag::Known(450), 0, 0)), &Pace::default(), at(1), &mut m);
+        let d = decide(&s, 1, Some((Lag::Known(450), 0, 0)), &Pace::default(), at(2), &mut m);
         assert_eq!(d.replicas, 5, "{}", d.reason);
     }
 
     #[test]
-    fn over_the_objective_always_adds_a_replica() {
+    fn a_rate_read_while_idling_never_lowers_the_measured_one() {
+        let s = objective(20, 1, 40);
+        let mut m = ScalingMemory::default();
+        with_pace(&s, 4, 500, pace(10, 60.0, 80.0, 4), 0, &mut m);
+        // Busy for an instant while mostly idle: 10/s over 4 replicas reads 2.5 each.
+        // Planned at the 20/s read before: 10 / 16 -> 1, not 10 / 2 -> 5 and up.
+        let d = with_pace(&s, 4, 5, pace(6, 10.0, 10.0, 4), 100, &mut m);
+        assert_eq!(d.replicas, 1, "{}", d.reason);
+        // Ten minutes on, that reading is forgotten.
+        let d = with_pace(&s, 1, 0, pace(0, 10.0, 10.0, 1), 800, &mut m);
+        assert!(!d.reason.contains("objective"), "{}", d.reason);
+    }
+
+    #[test]
+    fn over_the_objective_and_falling_behind_adds_a_replica_once_the_last_one_runs() {
         let s = objective(10, 1, 20);
         let mut m = ScalingMemory::default();
-        // The arithmetic says 2 are enough, yet the delay is over: one more than now.
-        let d = with_pace(&s, 4, 10, pace(12, 10.0, 40.0, 4), 0, &mut m);
-        assert_eq!(d.replicas, 5, "{}", d.reason);
+        // Read at 40/s per replica once; now falling behind at 25/s out of 30/s in.
+        with_pace(&s, 4, 500, pace(8, 150.0, 160.0, 4), 0, &mut m);
+        let d = with_pace(&s, 4, 10, pace(12, 30.0, 25.0, 4), 1, &mut m);
+        assert_eq!(d.replicas, 5, "the arithmetic says 1, the delay says more: {}", d.reason);
+        // The fifth not yet running: no sixth.
+        assert_eq!(with_pace(&s, 5, 10, pace(14, 30.0, 25.0, 4), 2, &mut m).replicas, 5);
+        // Over, but draining faster than arrivals: the arithmetic decides.
+        let d = with_pace(&s, 5, 10, pace(12, 10.0, 40.0, 5), 3, &mut m);
+        assert_eq!(d.replicas, 5, "stabilized at 5, not 6: {}", d.reason);
         // Never past maxReplicas.
         let s = objective(10, 1, 4);
-        assert_eq!(with_pace(&s, 4, 10, pace(12, 10.0, 40.0, 4), 1, &mut ScalingMemory::default()).replicas, 4);
+        let mut m = ScalingMemory::default();
+        with_pace(&s, 4, 500, pace(8, 150.0, 160.0, 4), 0, &mut m);
+        assert_eq!(with_pace(&s, 4, 10, pace(12, 30.0, 25.0, 4), 1, &mut m).replicas, 4);
+    }
+
+    #[test]
+    fn rates_unknown_for_a_poll_hold_the_replicas() {
+        let s = objective(20, 1, 40);
+        let mut m = ScalingMemory::default();
+        with_pace(&s, 4, 500, pace(10, 60.0, 80.0, 4), 0, &mut m);
+        let unknown = Pace { throughput: None, ..pace(10, 0.0, 0.0, 4) };
+        let d = with_pace(&s, 4, 5_000, unknown, 1, &mut m);
+        assert_eq!(d.replicas, 4, "not 50 from the count policy: {}", d.reason);
     }
 
     #[test]

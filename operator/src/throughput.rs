@@ -1,14 +1,16 @@
 //! Arrival and completion rates over a sliding window, per shard, from
 //! counters Redis keeps: entries added to the stream (`XINFO GROUPS`' read
 //! counter plus its lag, which is exactly how Redis derives the lag) and
-//! entries finished (added, less the lag counted from IDs, less pending),
+//! entries finished (read, less pending: acknowledged or dead-lettered),
 //! each read at the server's `TIME`. A shard's own clock times its own
-//! counters, so shards on different servers never mix clocks.
+//! counters, so shards on different servers never mix clocks. A promoted
+//! replica's read counter is behind, but it moves by what is read: its
+//! deltas hold.
 
 use std::collections::{HashMap, VecDeque};
-use streamfleet_streams::health::{GroupSnapshot, Lag};
+use streamfleet_streams::health::GroupSnapshot;
 
-/// How far back the rates look.
+/// How far back the rates look: from the newest reading at least this old.
 pub const WINDOW_MS: u64 = 30_000;
 /// The shortest span a rate is computed over.
 const SHORTEST_MS: u64 = 1_000;
@@ -49,12 +51,12 @@ impl Throughput {
     }
 }
 
-/// A shard's counters, when Redis gives them: its read counter and its lag
-/// both reported, and the lag from IDs exact.
+/// A shard's counters, when Redis gives them (its read counter and its lag
+/// both reported).
 fn sample(s: &GroupSnapshot) -> Option<Sample> {
     let added = s.entries_added?;
-    let Lag::Known(lag) = s.lag else { return None };
-    Some(Sample { at_ms: s.server_ms, added, finished: added.saturating_sub(lag).saturating_sub(s.pending) })
+    let read = s.entries_read?;
+    Some(Sample { at_ms: s.server_ms, added, finished: read.saturating_sub(s.pending) })
 }
 
 impl ThroughputMemory {
@@ -64,7 +66,7 @@ impl ThroughputMemory {
     /// unreadable now.
     pub fn observe(&mut self, shards: &[(String, Option<GroupSnapshot>)]) -> Option<Throughput> {
         self.shards.retain(|name, _| shards.iter().any(|(s, _)| s == name));
-        let mut total = Throughput { in_per_second: 0.0, out_per_second: 0.0, window_ms: WINDOW_MS };
+        let mut total = Throughput { in_per_second: 0.0, out_per_second: 0.0, window_ms: u64::MAX };
         let mut known = !shards.is_empty();
         for (name, snapshot) in shards {
             let readings = self.shards.entry(name.clone()).or_default();
@@ -79,7 +81,9 @@ impl ThroughputMemory {
                 readings.clear();
             }
             readings.push_back(now);
-            while readings.front().is_some_and(|f| now.at_ms.saturating_sub(f.at_ms) > WINDOW_MS) {
+            // The window starts at the newest reading at least WINDOW_MS old,
+            // so its span does not flip with the polls' jitter.
+            while readings.get(1).is_some_and(|second| second.at_ms.saturating_add(WINDOW_MS) <= now.at_ms) {
                 readings.pop_front();
             }
             let first = readings.front().copied().unwrap_or(now);
@@ -100,13 +104,13 @@ impl ThroughputMemory {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use streamfleet_streams::health::Delay;
+    use streamfleet_streams::health::{Delay, Lag};
 
     fn snap(at_ms: u64, added: u64, lag: Lag, pending: u64) -> Option<GroupSnapshot> {
         Some(GroupSnapshot {
             lag,
             pending,
-            entries_read: None,
+            entries_read: lag.floor().map(|lag| added - lag),
             entries_added: Some(added),
             server_ms: at_ms,
             last_delivered_id: "0-0".into(),
@@ -119,6 +123,7 @@ mod tests {
             retrying: 0,
             parked: Vec::new(),
             delay: Delay::Known(0),
+            working_delay: Delay::Known(0),
         })
     }
 
@@ -137,10 +142,13 @@ mod tests {
         // Then nothing arrives and 80 finish in 4 s.
         let t = m.observe(&one("s", snap(24_000, 600, Lag::Known(0), 0))).unwrap();
         assert_eq!((t.in_per_second, t.out_per_second), (500.0 / 14.0, 500.0 / 14.0));
-        // The reading at 10 s leaves the 30 s window: from 20 s, nothing
-        // arrived and the 80 then outstanding finished.
+        // The window starts at the newest reading at least 30 s old: still
+        // the one at 10 s (the next, at 20 s, is only 24 s old).
         let t = m.observe(&one("s", snap(44_000, 600, Lag::Known(0), 0))).unwrap();
-        assert_eq!((t.in_per_second, t.out_per_second, t.window_ms), (0.0, 80.0 / 24.0, 24_000));
+        assert_eq!((t.in_per_second, t.out_per_second, t.window_ms), (500.0 / 34.0, 500.0 / 34.0, 34_000));
+        // At 52 s the one at 20 s is: nothing arrived since, the 80 then in hand finished.
+        let t = m.observe(&one("s", snap(52_000, 600, Lag::Known(0), 0))).unwrap();
+        assert_eq!((t.in_per_second, t.out_per_second, t.window_ms), (0.0, 80.0 / 32.0, 32_000));
     }
 
     #[test]
@@ -166,8 +174,8 @@ mod tests {
         let t = m.observe(&shards(2, 2)).unwrap();
         assert_eq!((t.in_per_second, t.out_per_second), (30.0, 30.0));
         let mut gone = shards(3, 3);
-        gone[1].1.as_mut().unwrap().lag = Lag::AtLeast(1001);
-        assert_eq!(m.observe(&gone), None, "a shard's backlog past the count: no rate");
+        gone[1].1.as_mut().unwrap().entries_read = None;
+        assert_eq!(m.observe(&gone), None, "a shard's read counter unknown: no rate");
     }
 
     #[test]

@@ -4,6 +4,8 @@
 //! delivered ID that counts the lag from IDs, `XPENDING - + N` for the N
 //! oldest pending entries, `XLEN`); then `XLEN` of the dead-letter stream
 //! and `XINFO CONSUMERS`. With entries parked for a retry, one or two more.
+//! The counting `XRANGE` copies up to [`LAG_COUNT_BOUND`] + 1 entries inside
+//! Redis on every poll while the group is behind.
 
 use crate::error::StreamError;
 use redis::aio::ConnectionLike;
@@ -154,6 +156,9 @@ pub struct GroupSnapshot {
     pub parked: Vec<ParkedState>,
     /// How late the group is ([`Delay`]).
     pub delay: Delay,
+    /// The same, leaving out entries parked for a retry: the lateness more
+    /// workers could shorten.
+    pub working_delay: Delay,
 }
 
 /// The entries parked after failing at one delivery count (`retry`).
@@ -231,6 +236,7 @@ impl GroupSnapshot {
             retrying: total(|p| p.retrying),
             parked: merge_parked(parts.iter().flat_map(|p| &p.parked)),
             delay: Delay::worst(parts.iter().map(|p| p.delay)),
+            working_delay: Delay::worst(parts.iter().map(|p| p.working_delay)),
         })
     }
 }
@@ -265,8 +271,11 @@ fn merge_parked<'a>(parts: impl Iterator<Item = &'a ParkedState>) -> Vec<ParkedS
 static POSITIONS: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         r"
-        local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
-        if not ok then return false end
+        local groups = redis.pcall('XINFO', 'GROUPS', KEYS[1])
+        if groups.err then
+            if string.find(groups.err, 'no such key') then return false end
+            return redis.error_reply(groups.err)
+        end
         local g = nil
         for _, row in ipairs(groups) do
             local fields = {}
@@ -341,6 +350,8 @@ pub async fn inspect<C: ConnectionLike + Send>(
     } else {
         (oldest_unparked(conn, stream, group, oldest, &consumers).await?, parked_summary(conn, stream, group).await?)
     };
+    let working_delay =
+        Delay::of(now_ms, [oldest.first().map(|(id, ..)| id.as_str()), Some(first_undelivered.as_str())]);
 
     // The PEL is in ID order, so the oldest-ID sample is the one that has waited
     // longest since first delivery; its idle times tell how stuck it is.
@@ -365,6 +376,7 @@ pub async fn inspect<C: ConnectionLike + Send>(
         retrying,
         parked,
         delay,
+        working_delay,
     }))
 }
 
@@ -465,6 +477,7 @@ mod tests {
                 last_error: Some(format!("e{pending}")),
             }],
             delay: Delay::Known(pending * 1000),
+            working_delay: Delay::Known(pending * 500),
         }
     }
 

@@ -659,6 +659,7 @@ fn shard_snapshots_merge_whatever_their_counts() {
                 parked: Vec::new(),
                 dead_letter_length,
                 delay: health::Delay::Known(stream_length),
+                working_delay: health::Delay::Known(stream_length),
             });
     let result = runner(512).run(&prop::collection::vec(part, 0..4), |parts| {
         let merged = GroupSnapshot::merge(&parts);

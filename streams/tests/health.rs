@@ -62,6 +62,10 @@ async fn snapshot_matches_redis() -> Result<()> {
     // One script (EVALSHA; XINFO GROUPS, TIME, XRANGE, XPENDING, XLEN inside), XLEN, XINFO CONSUMERS.
     assert_eq!(inspection_commands(&mut conn).await?, 8, "counted by the server");
     assert_eq!(inspect(&mut conn, "s", "other", "{s}:dead").await?, None, "no such group");
+    // Not a stream: an error, never taken for a missing group.
+    let () = conn.set("plain", "x").await?;
+    let e = inspect(&mut conn, "plain", "g", "{plain}:dead").await.unwrap_err();
+    assert!(e.to_string().contains("WRONGTYPE"), "{e}");
     Ok(())
 }
 

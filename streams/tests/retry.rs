@@ -32,6 +32,8 @@ async fn a_parked_entry_waits_out_its_delay_unseen_by_idle_claims_and_keeps_its_
     for i in 0..3 {
         let id: String = conn.xadd("s", "*", &[("i", i)]).await?;
         ids.push(id);
+        // Apart in time, so the delay tells which one it was read from.
+        tokio::time::sleep(Duration::from_millis(300)).await;
     }
     let opts = StreamReadOptions::default().group("g", "w").count(3);
     let _: StreamReadReply = conn.xread_options(&["s"], &[">"], &opts).await?;
@@ -66,6 +68,10 @@ async fn a_parked_entry_waits_out_its_delay_unseen_by_idle_claims_and_keeps_its_
     assert_eq!((s.parked.len(), s.parked[0].deliveries, s.parked[0].entries), (1, 1, 1));
     assert_eq!(s.parked[0].last_error.as_deref(), Some("payment provider down"));
     assert!(s.consumers.iter().all(|c| c.name == "w"), "{:?}", s.consumers);
+    // The delay counts the parked entry (unfinished work); the working
+    // delay, which scaling reads, starts at the next one, 300 ms younger.
+    let (delay, working) = (s.delay.ms().unwrap(), s.working_delay.ms().unwrap());
+    assert!((250..=400).contains(&(delay - working)), "delay {delay} ms, working delay {working} ms");
     let resume = s.before_oldest_pending.unwrap();
     assert!(
         streamfleet_streams::retention::StreamId::parse(&resume)

@@ -202,7 +202,7 @@ pub fn decide(
         .concurrency
         .map_or(u64::from(streamfleet_contract::DEFAULT_CONCURRENCY), |c| u64::try_from(c).unwrap_or(1));
     let pace = scaling::Pace {
-        delay_ms: snapshot.delay.ms(),
+        working_delay_ms: snapshot.working_delay.ms(),
         throughput,
         available,
         busy: snapshot.lag.floor().is_none_or(|lag| lag > 0)

@@ -84,8 +84,8 @@ pub fn converged(
             conditions::DELAY_UNKNOWN,
             true,
             "IdsNotTimes",
-            "the oldest unfinished entry's ID is not a time (a producer sets explicit stream IDs): the delay cannot \
-             be read from IDs; lag and pending still hold",
+            "the oldest unfinished entry's ID is not a time (a producer sets explicit stream IDs, or the ID is over a \
+             minute ahead of the server's clock): the delay cannot be read from IDs; lag and pending still hold",
         ),
         Delay::Known(_) => status.conditions.retain(|c| c.type_ != conditions::DELAY_UNKNOWN),
     }
@@ -104,8 +104,7 @@ pub fn converged(
     status
 }
 
-/// The rates to a tenth (so a steady pipeline's status is not rewritten for
-/// noise), and the drain time of the lag and pending at them.
+/// The rates to a tenth, and the drain time of the lag and pending at them.
 fn throughput_status(t: &crate::throughput::Throughput, s: &GroupSnapshot) -> ThroughputStatus {
     let tenth = |x: f64| (x * 10.0).round() / 10.0;
     let outstanding = s.lag.floor().map(|lag| lag.saturating_add(s.pending));
