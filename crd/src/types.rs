@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
     status = "StreamConsumerGroupStatus",
     printcolumn = r#"{"name":"Stream","type":"string","jsonPath":".spec.stream"}"#,
     printcolumn = r#"{"name":"Group","type":"string","jsonPath":".spec.group"}"#,
-    printcolumn = r#"{"name":"Delay","type":"integer","description":"Age in seconds of the oldest unfinished entry, by the Redis clock","jsonPath":".status.delaySeconds"}"#,
+    printcolumn = r#"{"name":"Delay","type":"date","description":"Age of the oldest unfinished entry (none when nothing is unfinished)","jsonPath":".status.oldestUnfinishedTime"}"#,
     printcolumn = r#"{"name":"Lag","type":"integer","jsonPath":".status.lag"}"#,
     printcolumn = r#"{"name":"In/s","type":"number","description":"Entries added per second over the last 30 s","jsonPath":".status.throughput.inPerSecond"}"#,
     printcolumn = r#"{"name":"Out/s","type":"number","description":"Entries finished (acked or dead-lettered) per second over the last 30 s","jsonPath":".status.throughput.outPerSecond"}"#,
@@ -482,13 +482,17 @@ pub struct StreamConsumerGroupStatus {
     #[schemars(length(max = 16))]
     pub conditions: Vec<Condition>,
 
-    /// How late the group is: the age in seconds of its oldest unfinished
-    /// entry (pending, or not yet delivered), over every shard, by the Redis
-    /// server's clock (`TIME` against the entry ID's milliseconds). Absent
-    /// when unknown, or when the stream's IDs are not times (a producer sets
-    /// explicit IDs; the `DelayUnknown` condition says so).
+    /// How late the group is: when its oldest unfinished entry (pending, or
+    /// not yet delivered), over every shard, was added, by the Redis
+    /// primary's clock (the entry ID's milliseconds, to the second). The
+    /// `Delay` column shows its age; `streamfleet_delay_seconds` the exact
+    /// delay against Redis `TIME`. A time, not an age, so that a pipeline
+    /// where nothing moves does not rewrite its status every poll. Absent
+    /// when nothing is unfinished, when the group is not inspected, and
+    /// when the stream's IDs are not times (a producer sets explicit IDs;
+    /// the `DelayUnknown` condition says so).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub delay_seconds: Option<i64>,
+    pub oldest_unfinished_time: Option<Time>,
 
     /// Entries not yet delivered to the group, counted from stream IDs up to
     /// 1,000 (Redis's own figure beyond; 1001 when Redis reports none and
@@ -500,7 +504,8 @@ pub struct StreamConsumerGroupStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending: Option<i64>,
 
-    /// Arrival and completion rates over a sliding window, and when the
+    /// Arrival and completion rates over about the last 30 s (from the
+    /// newest reading at least 30 s old), and when the
     /// work outstanding will be done at them; absent until two polls a
     /// second apart have read the counters, and when they are unreadable.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -582,9 +587,6 @@ pub struct ThroughputStatus {
     /// Entries finished per second: acknowledged or dead-lettered (every
     /// shard), to 0.1.
     pub out_per_second: f64,
-    /// The span the rates were measured over, in seconds: from the newest
-    /// reading at least 30 s old (about 30).
-    pub window_seconds: i64,
     /// Seconds until the lag and pending are done at these rates; absent
     /// while they do not shrink, 0 when nothing is outstanding.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -597,9 +599,10 @@ pub struct ThroughputStatus {
 pub struct ShardStatus {
     /// The shard's stream key.
     pub stream: String,
-    /// Age in seconds of the shard's oldest unfinished entry; absent when unknown.
+    /// When the shard's oldest unfinished entry was added; absent when
+    /// nothing is unfinished or unknown.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub delay_seconds: Option<i64>,
+    pub oldest_unfinished_time: Option<Time>,
     /// Entries not yet delivered; absent when unknown.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lag: Option<i64>,

@@ -145,6 +145,7 @@ mod tests {
             retrying: 0,
             parked: Vec::new(),
             delay: streamfleet_streams::health::Delay::Known(0),
+            oldest_unfinished_ms: None,
             working_delay: streamfleet_streams::health::Delay::Known(0),
         }
     }

@@ -69,6 +69,9 @@ pub struct Metrics {
     writes: Family<WriteLabels, Counter>,
     gauges: Vec<(&'static str, Family<ResourceLabels, Gauge>)>,
     rates: Vec<(&'static str, Family<ResourceLabels, RateGauge>)>,
+    /// The exact delay of each resource's last inspection (not in the
+    /// status, which keeps a time that does not change every poll).
+    delay: Family<ResourceLabels, RateGauge>,
     health: Family<HealthLabels, Gauge>,
     /// The labels each resource's series were written with, to drop them
     /// when it goes (its spec is gone by then).
@@ -80,15 +83,10 @@ pub struct Metrics {
 
 /// Per-resource gauges: (metric name, help, how to read it from the status).
 type Reader = fn(&StreamConsumerGroup, &StreamConsumerGroupStatus) -> Option<i64>;
-const GAUGES: [(&str, &str, Reader); 17] = [
+const GAUGES: [(&str, &str, Reader); 16] = [
     ("streamfleet_delay_objective_seconds", "spec.scaling.delayObjectiveSeconds (absent when unset)", |scg, _| {
         scg.spec.scaling.delay_objective_seconds.map(i64::from)
     }),
-    (
-        "streamfleet_delay_seconds",
-        "Age of the oldest unfinished entry (pending or undelivered) by the Redis clock (absent when unknown)",
-        |_, s| s.delay_seconds,
-    ),
     ("streamfleet_group_lag", "Entries not yet delivered to the group (absent when unknown)", |_, s| s.lag),
     ("streamfleet_group_pending", "Entries delivered and not acknowledged", |_, s| s.pending),
     ("streamfleet_group_oldest_pending_idle_seconds", "Idle time of the oldest pending entry", |_, s| {
@@ -146,6 +144,15 @@ const RATES: [(&str, &str, RateReader); 2] = [
     ),
 ];
 
+fn resource_labels(scg: &StreamConsumerGroup) -> ResourceLabels {
+    ResourceLabels {
+        namespace: scg.metadata.namespace.clone().unwrap_or_default(),
+        name: scg.metadata.name.clone().unwrap_or_default(),
+        stream: scg.spec.stream.clone(),
+        group: scg.spec.group.clone(),
+    }
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         let mut registry = Registry::default();
@@ -161,6 +168,12 @@ impl Default for Metrics {
             registry.register(name, help, family.clone());
             rates.push((name, family));
         }
+        let delay = Family::<ResourceLabels, RateGauge>::default();
+        registry.register(
+            "streamfleet_delay_seconds",
+            "Age of the oldest unfinished entry (pending or undelivered) against Redis TIME, at the last poll (absent when unknown)",
+            delay.clone(),
+        );
         let health = Family::<HealthLabels, Gauge>::default();
         registry.register("streamfleet_health", "1 for the resource's current health classification", health.clone());
         let reconciles = Counter::default();
@@ -171,7 +184,18 @@ impl Default for Metrics {
         registry.register("streamfleet_reconcile_duration_seconds", "Reconcile duration", duration.clone());
         let writes = Family::<WriteLabels, Counter>::default();
         registry.register("streamfleet_api_writes", "Kubernetes API writes by field manager", writes.clone());
-        Self { registry, writes, gauges, rates, health, labelled: Mutex::default(), reconciles, errors, duration }
+        Self {
+            registry,
+            writes,
+            gauges,
+            rates,
+            delay,
+            health,
+            labelled: Mutex::default(),
+            reconciles,
+            errors,
+            duration,
+        }
     }
 }
 
@@ -192,12 +216,7 @@ impl Metrics {
     /// Sets the resource's gauges from its status; a figure the status lacks
     /// (an unknown lag, say) is removed rather than reported as zero.
     pub fn observe(&self, scg: &StreamConsumerGroup, status: &StreamConsumerGroupStatus) {
-        let labels = ResourceLabels {
-            namespace: scg.metadata.namespace.clone().unwrap_or_default(),
-            name: scg.metadata.name.clone().unwrap_or_default(),
-            stream: scg.spec.stream.clone(),
-            group: scg.spec.group.clone(),
-        };
+        let labels = resource_labels(scg);
         for ((_, family), (_, _, read)) in self.gauges.iter().zip(GAUGES) {
             match read(scg, status) {
                 Some(v) => {
@@ -226,6 +245,20 @@ impl Metrics {
         }
     }
 
+    /// Sets the resource's delay from this poll's inspection (`None`:
+    /// unknown, removed).
+    pub fn observe_delay(&self, scg: &StreamConsumerGroup, delay: Option<Duration>) {
+        let labels = resource_labels(scg);
+        match delay {
+            Some(d) => {
+                self.delay.get_or_create(&labels).set(d.as_secs_f64());
+            }
+            None => {
+                self.delay.remove(&labels);
+            }
+        }
+    }
+
     /// Drops a deleted resource's series.
     pub fn forget(&self, namespace: &str, name: &str) {
         let labels = self.labelled.lock().ok().and_then(|mut l| l.remove(&(namespace.into(), name.into())));
@@ -236,6 +269,7 @@ impl Metrics {
         for (_, family) in &self.rates {
             family.remove(&labels);
         }
+        self.delay.remove(&labels);
         for h in HEALTHS {
             self.health.remove(&labels.with_health(h));
         }
@@ -267,7 +301,6 @@ mod tests {
             throughput: Some(streamfleet_crd::ThroughputStatus {
                 in_per_second: 12.5,
                 out_per_second: 3.0,
-                window_seconds: 30,
                 drains_in_seconds: None,
             }),
             ..Default::default()
@@ -301,6 +334,10 @@ mod tests {
         s.throughput = None;
         m.observe(&scg, &s);
         assert!(!m.render().contains("streamfleet_arrival_rate{"), "unknown rates are not zero");
+        m.observe_delay(&scg, Some(Duration::from_millis(12_345)));
+        assert!(m.render().contains(&format!("streamfleet_delay_seconds{{{labels}}} 12.345")), "{}", m.render());
+        m.observe_delay(&scg, None);
+        assert!(!m.render().contains("streamfleet_delay_seconds{"), "an unknown delay is not zero");
         m.forget("shop", "orders");
         assert!(!m.render().contains(r#"name="orders""#));
     }

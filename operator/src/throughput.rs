@@ -123,6 +123,7 @@ mod tests {
             retrying: 0,
             parked: Vec::new(),
             delay: Delay::Known(0),
+            oldest_unfinished_ms: None,
             working_delay: Delay::Known(0),
         })
     }

@@ -64,6 +64,7 @@ fn snapshot(lag: Lag, pending: u64, n: u64) -> GroupSnapshot {
         retrying: pending / 2,
         parked: Vec::new(),
         delay: streamfleet_streams::health::Delay::Known(pending.wrapping_mul(n)),
+        oldest_unfinished_ms: Some(n),
         working_delay: streamfleet_streams::health::Delay::Known(pending.wrapping_mul(n)),
     }
 }

@@ -1,9 +1,9 @@
 //! Group health inspection in a bounded number of commands, whatever the PEL
-//! size, in two round trips: one script reading the group at one instant
-//! (`XINFO GROUPS`, Redis `TIME`, a bounded `XRANGE` after the last
-//! delivered ID that counts the lag from IDs, `XPENDING - + N` for the N
-//! oldest pending entries, `XLEN`); then `XLEN` of the dead-letter stream
-//! and `XINFO CONSUMERS`. With entries parked for a retry, one or two more.
+//! size, in two round trips: `XLEN` of the dead-letter stream and one script
+//! reading the group at one instant (`XINFO GROUPS`, Redis `TIME`, a bounded
+//! `XRANGE` after the last delivered ID that counts the lag from IDs,
+//! `XPENDING - + N` for the N oldest pending entries, `XLEN`); then `XINFO
+//! CONSUMERS`. With entries parked for a retry, one or two more.
 //! The counting `XRANGE` copies up to [`LAG_COUNT_BOUND`] + 1 entries inside
 //! Redis on every poll while the group is behind.
 
@@ -89,16 +89,26 @@ pub enum Delay {
     NotTimes,
 }
 
+/// The time (ID milliseconds) of the oldest of `ids` (the oldest pending and
+/// the first undelivered; empty or absent for none), when it is a time.
+pub fn oldest_time(now_ms: u64, ids: [Option<&str>; 2]) -> Result<Option<u64>, Delay> {
+    let oldest =
+        ids.into_iter().flatten().filter(|id| !id.is_empty()).filter_map(crate::retention::StreamId::parse).min();
+    match oldest {
+        None => Ok(None),
+        Some(id) if id.ms < EARLIEST_TIME_ID_MS || id.ms > now_ms.saturating_add(CLOCK_SKEW_MS) => Err(Delay::NotTimes),
+        Some(id) => Ok(Some(id.ms)),
+    }
+}
+
 impl Delay {
     /// The delay at `now_ms` (Redis `TIME`) of the oldest of `ids` (the
     /// oldest pending and the first undelivered; empty or absent for none).
     pub fn of(now_ms: u64, ids: [Option<&str>; 2]) -> Delay {
-        let oldest =
-            ids.into_iter().flatten().filter(|id| !id.is_empty()).filter_map(crate::retention::StreamId::parse).min();
-        match oldest {
-            None => Delay::Known(0),
-            Some(id) if id.ms < EARLIEST_TIME_ID_MS || id.ms > now_ms.saturating_add(CLOCK_SKEW_MS) => Delay::NotTimes,
-            Some(id) => Delay::Known(now_ms.saturating_sub(id.ms)),
+        match oldest_time(now_ms, ids) {
+            Ok(None) => Delay::Known(0),
+            Ok(Some(ms)) => Delay::Known(now_ms.saturating_sub(ms)),
+            Err(not_times) => not_times,
         }
     }
 
@@ -156,6 +166,10 @@ pub struct GroupSnapshot {
     pub parked: Vec<ParkedState>,
     /// How late the group is ([`Delay`]).
     pub delay: Delay,
+    /// When the oldest unfinished entry was added (its ID's milliseconds,
+    /// the primary's clock): `None` when nothing is unfinished or its ID is
+    /// not a time. Unlike the delay, it stays put while nothing moves.
+    pub oldest_unfinished_ms: Option<u64>,
     /// The same, leaving out entries parked for a retry: the lateness more
     /// workers could shorten.
     pub working_delay: Delay,
@@ -236,6 +250,7 @@ impl GroupSnapshot {
             retrying: total(|p| p.retrying),
             parked: merge_parked(parts.iter().flat_map(|p| &p.parked)),
             delay: Delay::worst(parts.iter().map(|p| p.delay)),
+            oldest_unfinished_ms: parts.iter().filter_map(|p| p.oldest_unfinished_ms).min(),
             working_delay: Delay::worst(parts.iter().map(|p| p.working_delay)),
         })
     }
@@ -305,14 +320,21 @@ pub async fn inspect<C: ConnectionLike + Send>(
     dead_letter_stream: &str,
 ) -> Result<Option<GroupSnapshot>, StreamError> {
     let err = |e| StreamError::new("inspecting the group", e);
-    let positions: Option<Positions> = POSITIONS
-        .key(stream)
-        .arg(group)
-        .arg(LAG_COUNT_BOUND)
-        .arg(OLDEST_SAMPLE)
-        .invoke_async(conn)
-        .await
-        .map_err(err)?;
+    let mut positions = POSITIONS.prepare_invoke();
+    positions.key(stream).arg(group).arg(LAG_COUNT_BOUND).arg(OLDEST_SAMPLE);
+    // The dead letters first: an entry dead-lettered between the two reads
+    // shows as still pending for a poll, never as both pending and dead.
+    let mut pipe = redis::pipe();
+    pipe.cmd("XLEN").arg(dead_letter_stream);
+    pipe.invoke_script(&positions);
+    let first: redis::RedisResult<(u64, Option<Positions>)> = match pipe.query_async(conn).await {
+        Err(e) if e.code() == Some("NOSCRIPT") => {
+            positions.load_async(conn).await.map_err(err)?;
+            pipe.query_async(conn).await
+        }
+        other => other,
+    };
+    let (dead_letter_length, positions) = first.map_err(err)?;
     let Some((
         now_ms,
         pending,
@@ -328,10 +350,8 @@ pub async fn inspect<C: ConnectionLike + Send>(
         return Ok(None);
     };
 
-    let mut pipe = redis::pipe();
-    pipe.cmd("XLEN").arg(dead_letter_stream);
-    pipe.cmd("XINFO").arg("CONSUMERS").arg(stream).arg(group);
-    let (dead_letter_length, consumers): (u64, StreamInfoConsumersReply) = pipe.query_async(conn).await.map_err(err)?;
+    let consumers: StreamInfoConsumersReply =
+        redis::cmd("XINFO").arg("CONSUMERS").arg(stream).arg(group).query_async(conn).await.map_err(err)?;
     let (parked, consumers): (Vec<_>, Vec<_>) = consumers
         .consumers
         .into_iter()
@@ -344,7 +364,9 @@ pub async fn inspect<C: ConnectionLike + Send>(
     let oldest_pending_id = oldest.first().map(|(id, ..)| id.clone());
     let before_oldest_pending =
         oldest_pending_id.as_deref().and_then(crate::retention::StreamId::parse).map(|id| id.prev().to_string());
-    let delay = Delay::of(now_ms, [oldest_pending_id.as_deref(), Some(first_undelivered.as_str())]);
+    let unfinished = [oldest_pending_id.as_deref(), Some(first_undelivered.as_str())];
+    let delay = Delay::of(now_ms, unfinished);
+    let oldest_unfinished_ms = oldest_time(now_ms, unfinished).ok().flatten();
     let (oldest, parked) = if retrying == 0 {
         (oldest, Vec::new())
     } else {
@@ -376,6 +398,7 @@ pub async fn inspect<C: ConnectionLike + Send>(
         retrying,
         parked,
         delay,
+        oldest_unfinished_ms,
         working_delay,
     }))
 }
@@ -477,6 +500,7 @@ mod tests {
                 last_error: Some(format!("e{pending}")),
             }],
             delay: Delay::Known(pending * 1000),
+            oldest_unfinished_ms: Some(1_000_000 + pending),
             working_delay: Delay::Known(pending * 500),
         }
     }
@@ -499,6 +523,7 @@ mod tests {
         assert_eq!((a.pending, a.idle_ms), (3, 10));
         assert_eq!(merged.consumers.len(), 2);
         assert_eq!(merged.delay, Delay::Known(5000), "the worst shard's delay");
+        assert_eq!(merged.oldest_unfinished_ms, Some(1_000_000), "the oldest shard's oldest");
         assert!(GroupSnapshot::merge(&[]).is_none());
     }
 

@@ -266,7 +266,7 @@ enum Shape {
 const SHAPED: &[(&str, &[Shape])] = {
     use Shape::*;
     &[
-        ("health::inspect", &[Positions, Int, Consumers, Pending, Any]),
+        ("health::inspect", &[Int, Positions, Consumers, Pending, Any]),
         ("payload_loss::read", &[MaybeInt, Ids]),
         ("recovery::read_report", &[Counts]),
         ("retention::safe_floor", &[Groups, Summary, Summary, Summary]),
@@ -659,6 +659,7 @@ fn shard_snapshots_merge_whatever_their_counts() {
                 parked: Vec::new(),
                 dead_letter_length,
                 delay: health::Delay::Known(stream_length),
+                oldest_unfinished_ms: idle,
                 working_delay: health::Delay::Known(stream_length),
             });
     let result = runner(512).run(&prop::collection::vec(part, 0..4), |parts| {

@@ -393,7 +393,7 @@ fn shard_figures(observed: &Observation) -> Vec<ShardStatus> {
             let s = snapshot.as_ref()?;
             Some(ShardStatus {
                 stream: stream.clone(),
-                delay_seconds: s.delay.ms().map(|ms| int(ms / 1000)),
+                oldest_unfinished_time: s.oldest_unfinished_ms.and_then(super::status::time_of_ms),
                 lag: match s.lag {
                     Lag::Known(n) => Some(int(n)),
                     _ => None,

@@ -44,6 +44,7 @@ pub fn snapshot(lag: u64, pending: u64, consumers: &[(&str, u64)]) -> GroupSnaps
         retrying: 0,
         parked: Vec::new(),
         delay: Delay::Known(if lag + pending > 0 { 3_000 } else { 0 }),
+        oldest_unfinished_ms: (lag + pending > 0).then_some(1_796_000_000_000),
         working_delay: Delay::Known(if lag + pending > 0 { 3_000 } else { 0 }),
     }
 }

@@ -474,6 +474,7 @@ async fn reconcile_resource(scg: &StreamConsumerGroup, ctx: &Context) -> Result<
         Ok(Plan::Wait) => return Ok(Action::requeue(Duration::from_secs(1))),
         Ok(Plan::Conflict(plan)) => {
             let refused = act::stand_down(ctx, scg, &plan).await;
+            ctx.metrics.observe_delay(scg, None);
             status::write(ctx, scg, status::conflicted(scg, &plan, &refused, &wall_now)).await?;
             ctx.health_written(scg, streamfleet_crd::Health::Unknown);
             return match refused.into_iter().next() {
@@ -490,6 +491,7 @@ async fn reconcile_resource(scg: &StreamConsumerGroup, ctx: &Context) -> Result<
         Err(e) => return Err(report_failure(scg, ctx, e).await),
     };
     let outcome = act::converge(ctx, scg, &mut conn, &spec, &plan).await;
+    ctx.metrics.observe_delay(scg, plan.snapshot.delay.ms().map(Duration::from_millis));
     status::write(ctx, scg, status::converged(scg, &plan, &outcome, &wall_now)).await?;
     if let Some(refused) = outcome.refused.into_iter().next() {
         // The status above says so, and health is still reported; retried with backoff.
@@ -507,6 +509,7 @@ async fn report_failure(scg: &StreamConsumerGroup, ctx: &Context, e: Error) -> E
         ctx.publish(&scg.object_ref(&()), EventType::Warning, e.reason(), "Reconcile", e.to_string()).await;
     }
     // Whoever's fault it is, the group's state is now unknown.
+    ctx.metrics.observe_delay(scg, None);
     if let Err(write) = status::write(ctx, scg, status::failed(scg, &e, &now())).await {
         tracing::warn!(error = %write, "writing the failure status");
     }

@@ -104,6 +104,11 @@ pub fn converged(
     status
 }
 
+/// A time in Unix milliseconds, to the second (`None` out of range).
+pub fn time_of_ms(ms: u64) -> Option<Time> {
+    k8s_openapi::jiff::Timestamp::from_second(i64::try_from(ms / 1000).ok()?).ok().map(Time)
+}
+
 /// The rates to a tenth, and the drain time of the lag and pending at them.
 fn throughput_status(t: &crate::throughput::Throughput, s: &GroupSnapshot) -> ThroughputStatus {
     let tenth = |x: f64| (x * 10.0).round() / 10.0;
@@ -111,7 +116,6 @@ fn throughput_status(t: &crate::throughput::Throughput, s: &GroupSnapshot) -> Th
     ThroughputStatus {
         in_per_second: tenth(t.in_per_second),
         out_per_second: tenth(t.out_per_second),
-        window_seconds: i64::try_from(t.window_ms.div_ceil(1000)).unwrap_or(i64::MAX),
         drains_in_seconds: outstanding
             .and_then(|n| t.drain_seconds(n))
             .map(|secs| i64::try_from(secs).unwrap_or(i64::MAX)),
@@ -165,7 +169,7 @@ fn set_figures(status: &mut StreamConsumerGroupStatus, snapshot: Option<&GroupSn
     let int = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
     let Some(s) = snapshot else {
         status.shards.clear();
-        status.delay_seconds = None;
+        status.oldest_unfinished_time = None;
         status.throughput = None;
         status.lag = None;
         status.pending = None;
@@ -179,7 +183,7 @@ fn set_figures(status: &mut StreamConsumerGroupStatus, snapshot: Option<&GroupSn
         status.retrying = None;
         return;
     };
-    status.delay_seconds = s.delay.ms().map(|ms| int(ms / 1000));
+    status.oldest_unfinished_time = s.oldest_unfinished_ms.and_then(time_of_ms);
     status.lag = s.lag.floor().map(int);
     status.pending = Some(int(s.pending));
     let has_pending = s.pending > 0;
@@ -336,25 +340,27 @@ mod tests {
         assert_eq!(condition(&first, conditions::DEGRADED).1, "GroupNotInspected");
         assert_eq!(first.health, Some(Health::Unknown));
         assert_eq!((first.lag, first.pending, first.stream_length, first.consumers), (None, None, None, None));
-        assert_eq!(first.delay_seconds, None, "unknown, not the last good delay");
+        assert_eq!(first.oldest_unfinished_time, None, "unknown, not the last good delay");
         resource.status = Some(first.clone());
         // Same failure later: identical status, so nothing is written.
         assert_eq!(failed(&resource, &e, &at(99)), first);
     }
 
     #[test]
-    fn the_delay_is_shown_in_seconds_and_ids_that_are_not_times_are_said_not_guessed() {
+    fn the_delay_is_shown_as_the_oldest_unfinished_time_and_ids_that_are_not_times_are_said_not_guessed() {
         let resource = scg();
         let mut p = plan(&resource, 5);
         p.snapshot.delay = Delay::Known(12_999);
+        p.snapshot.oldest_unfinished_ms = Some(1_796_000_000_999);
         let s = converged(&resource, &p, &outcome(1, vec![]), &at(1));
-        assert_eq!(s.delay_seconds, Some(12));
+        assert_eq!(s.oldest_unfinished_time, Some(at(1_796_000_000)), "to the second");
         assert!(s.conditions.iter().all(|c| c.type_ != conditions::DELAY_UNKNOWN));
         p.snapshot.delay = Delay::NotTimes;
+        p.snapshot.oldest_unfinished_ms = None;
         let mut resource = resource;
         resource.status = Some(s);
         let s = converged(&resource, &p, &outcome(1, vec![]), &at(2));
-        assert_eq!(s.delay_seconds, None);
+        assert_eq!(s.oldest_unfinished_time, None);
         let (status, reason, message) = condition(&s, conditions::DELAY_UNKNOWN);
         assert_eq!((status, reason), ("True", "IdsNotTimes"));
         assert!(message.contains("explicit stream IDs"), "{message}");
@@ -362,7 +368,7 @@ mod tests {
         p.snapshot.delay = Delay::Known(0);
         resource.status = Some(s);
         let s = converged(&resource, &p, &outcome(1, vec![]), &at(3));
-        assert_eq!(s.delay_seconds, Some(0));
+        assert_eq!(s.oldest_unfinished_time, None, "nothing unfinished");
         assert!(s.conditions.iter().all(|c| c.type_ != conditions::DELAY_UNKNOWN));
     }
 }
