@@ -540,8 +540,9 @@ pub struct StreamConsumerGroupStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas: Option<ReplicaStatus>,
 
-    /// Overall classification: Healthy, Backlogged, Stalled, Retrying, PoisonForming,
-    /// PayloadLost, Unknown or Suspended (`spec.suspend`).
+    /// Overall classification, judged over a window: Healthy, Lagging,
+    /// Stalled, Stopped, Rewound, Retrying, PoisonForming, PayloadLost,
+    /// Unknown or Suspended (`spec.suspend`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub health: Option<Health>,
 
@@ -689,12 +690,20 @@ pub struct ReplicaStatus {
 /// Health classification of the pipeline.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
 pub enum Health {
-    /// Lag and pending within what the fleet carries.
+    /// Work is done as it comes: the delay is not rising.
     Healthy,
-    /// More work waiting than the fleet is expected to carry.
-    Backlogged,
+    /// The delay has risen over the last 30 s while entries are completed:
+    /// the workers fall behind the arrivals.
+    Lagging,
     /// Work waiting and no progress.
     Stalled,
+    /// Work waiting and no consumer reading: no worker runs, or none has
+    /// touched the group for 30 s.
+    Stopped,
+    /// The group's last delivered ID went back (`XGROUP SETID`, or the
+    /// group created again where it was): entries after it are delivered
+    /// again until it passes where it was.
+    Rewound,
     /// Many entries wait for a retry after failing transiently: a
     /// downstream is likely failing (`status.retrying` names the error).
     Retrying,

@@ -48,10 +48,12 @@ pub struct ReasonLabels {
     pub reason: String,
 }
 
-const HEALTHS: [Health; 8] = [
+const HEALTHS: [Health; 10] = [
     Health::Healthy,
-    Health::Backlogged,
+    Health::Lagging,
     Health::Stalled,
+    Health::Stopped,
+    Health::Rewound,
     Health::Retrying,
     Health::PoisonForming,
     Health::PayloadLost,
@@ -296,7 +298,7 @@ mod tests {
         let mut s = StreamConsumerGroupStatus {
             lag: Some(42),
             pending: Some(3),
-            health: Some(Health::Backlogged),
+            health: Some(Health::Lagging),
             replicas: Some(ReplicaStatus { desired: 4, current: 2, summary: "2/4".into() }),
             throughput: Some(streamfleet_crd::ThroughputStatus {
                 in_per_second: 12.5,
@@ -324,7 +326,7 @@ mod tests {
         assert!(text.contains(&format!("streamfleet_completion_rate{{{labels}}} 3.0")), "{text}");
         assert!(text.contains(&format!("streamfleet_group_min_idle_seconds{{{labels}}} 60")));
         assert!(text.contains(&format!("streamfleet_group_max_deliveries_limit{{{labels}}} 5")));
-        assert!(text.contains(&format!(r#"streamfleet_health{{{labels},health="Backlogged"}} 1"#)));
+        assert!(text.contains(&format!(r#"streamfleet_health{{{labels},health="Lagging"}} 1"#)));
         assert!(text.contains(&format!(r#"streamfleet_health{{{labels},health="Healthy"}} 0"#)));
         assert!(!text.contains("_count{"), "no gauge named like a histogram's count: {text}");
         assert!(text.contains(r#"streamfleet_reconcile_errors_total{reason="RedisUnreachable"} 1"#));

@@ -128,7 +128,6 @@ fn no_decodable_resource_makes_validation_or_the_builders_panic() {
                 memory: &health_memory,
                 min_idle: valid.min_idle,
                 max_deliveries: valid.max_deliveries,
-                target_per_replica: valid.target_per_replica,
                 replicas: current,
                 payload_lost_unacknowledged: at_s % 2,
                 retry_overdue: std::time::Duration::from_secs(at_s % 3),

@@ -60,11 +60,11 @@ async fn at_rest_the_operator_makes_no_api_request_and_a_recovery_run_costs_one_
         Ok(scgs.get("quiet").await?.status.and_then(|s| s.last_recovery))
     })
     .await?;
-    // Nothing reads the backlog: after 30 s without reads it is Stalled, a
+    // Nothing reads the backlog: after 30 s with no consumer it is Stopped, a
     // change of its own. At rest starts after it.
-    eventually("health Stalled", T, || async {
+    eventually("health Stopped", T, || async {
         let health = scgs.get("quiet").await?.status.and_then(|s| s.health);
-        Ok((health == Some(streamfleet_crd::Health::Stalled)).then_some(()))
+        Ok((health == Some(streamfleet_crd::Health::Stopped)).then_some(()))
     })
     .await?;
     tokio::time::sleep(Duration::from_secs(4)).await;

@@ -102,8 +102,10 @@ async fn a_backlog_scales_workers_up_then_down_then_to_zero_and_wakes_them() -> 
     // At rest, polls keep running (every second here) but write nothing.
     eventually("workers gone", T, || async {
         let s = scgs.get("orders").await?.status.unwrap_or_default();
-        // Workers gone and their consumers reaped: nothing left to change.
-        Ok((s.replicas.map(|r| r.summary) == Some("0/0".into()) && s.consumers == Some(0)).then_some(()))
+        // Workers gone, their consumers reaped, and the last work out of the
+        // rates' window (30 s): nothing left to change.
+        let still = s.throughput.is_some_and(|t| t.in_per_second == 0.0 && t.out_per_second == 0.0);
+        Ok((s.replicas.map(|r| r.summary) == Some("0/0".into()) && s.consumers == Some(0) && still).then_some(()))
     })
     .await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
