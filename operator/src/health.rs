@@ -6,12 +6,12 @@
 //! |---|---|
 //! | `Unknown` | the group could not be inspected, or its lag is unknown |
 //! | `PayloadLost` | pending entries were found with their payload gone (by anyone), and not all are acknowledged |
-//! | `Stopped` | work waits (lag, or pending not waiting for a retry), workers are wanted, and no consumer of the group has touched it for 30 s |
-//! | `Stalled` | work waits and nothing moves: the oldest pending entry not waiting for a retry has been idle for over twice min-idle-time, an entry waiting for a retry is past due by that much, or lag > 0 and the group's read counter has not moved for ≥ 30 s over ≥ 3 polls |
-//! | `Rewound` | the group's last delivered ID is behind the furthest it reached, with entries after it: they are delivered again |
+//! | `Stopped` | work waits (lag, or pending not waiting for a retry), workers have been wanted for 30 s, and no consumer of the group has touched it in that time |
+//! | `Stalled` | work waits and nothing moves: the oldest pending entry not waiting for a retry has been idle for over twice min-idle-time, an entry waiting for a retry is past due by that much, or workers are wanted, lag > 0 and the group's read counter has not moved for ≥ 30 s over ≥ 3 polls |
+//! | `Rewound` | shard 0's last delivered ID is behind the furthest it reached, with entries after it: they are delivered again |
 //! | `Retrying` | at least 10 entries wait for a retry after failing transiently: a downstream is likely failing |
 //! | `PoisonForming` | a pending entry has been delivered at least max(2, maxDeliveries − 1) times |
-//! | `Lagging` | over ≥ 30 s and ≥ 3 polls the delay (entries waiting for a retry left out) never fell and rose by ≥ 5 s, while entries were completed; it stays `Lagging` until the delay falls at two polls in a row |
+//! | `Lagging` | over ≥ 30 s and ≥ 3 polls the delay (entries waiting for a retry left out) never fell and rose by ≥ 5 s, while entries were completed; it stays `Lagging` until the delay falls at two polls in a row, or rises by less than 5 s over the window |
 //! | `Healthy` | otherwise |
 
 use std::collections::VecDeque;
@@ -58,8 +58,11 @@ pub struct HealthMemory {
     lagging: bool,
     /// The furthest last delivered ID seen.
     furthest: Option<StreamId>,
-    /// Since when work has waited with no consumer touching the group.
+    /// Since when work has waited, workers wanted, with no consumer
+    /// touching the group.
     unattended_since: Option<Duration>,
+    /// Workers were wanted at the latest poll.
+    wanted: bool,
 }
 
 /// Work more workers could do: lag and pending, less entries waiting for a retry.
@@ -74,7 +77,9 @@ fn unattended(s: &GroupSnapshot) -> bool {
 }
 
 impl HealthMemory {
-    pub fn record(&mut self, snapshot: &GroupSnapshot, now: Duration) {
+    /// Records a poll; `wanted`: workers are wanted (a pipeline at zero
+    /// replicas, or suspended, waits by design).
+    pub fn record(&mut self, snapshot: &GroupSnapshot, now: Duration, wanted: bool) {
         let position = (snapshot.entries_read, snapshot.last_delivered_id.clone());
         if self.position.as_ref() == Some(&position) {
             self.polls += 1;
@@ -86,16 +91,21 @@ impl HealthMemory {
         self.latest = now;
         let finished = snapshot.entries_read.map(|read| read.saturating_sub(snapshot.pending));
         self.readings.push_back(Reading { at: now, delay_ms: snapshot.working_delay.ms(), finished });
-        while self.readings.get(1).is_some_and(|second| now.saturating_sub(second.at) >= STALL_MIN_SPAN) {
+        // Back to the newest reading at least a window old, and never fewer
+        // than three (a poll interval over the window still sees a trend).
+        while self.readings.len() > STALL_MIN_POLLS
+            && self.readings.get(1).is_some_and(|second| now.saturating_sub(second.at) >= STALL_MIN_SPAN)
+        {
             self.readings.pop_front();
         }
-        self.lagging = if self.lagging { !self.delay_fell_twice() } else { self.delay_rising() };
+        self.lagging = if self.lagging { !self.delay_fell_twice() && self.delay_rose() } else { self.delay_rising() };
         // Nothing after the last delivered ID: nothing to deliver again.
         if let Some(id) = StreamId::parse(&snapshot.last_delivered_id) {
             self.furthest =
                 Some(if snapshot.lag.is_known_zero() { id } else { self.furthest.map_or(id, |f| f.max(id)) });
         }
-        self.unattended_since = if unattended(snapshot) { self.unattended_since.or(Some(now)) } else { None };
+        self.unattended_since = if wanted && unattended(snapshot) { self.unattended_since.or(Some(now)) } else { None };
+        self.wanted = wanted;
     }
 
     /// Work has waited with no consumer for the whole window.
@@ -103,9 +113,18 @@ impl HealthMemory {
         self.unattended_since.is_some_and(|since| self.latest.saturating_sub(since) >= STALL_MIN_SPAN)
     }
 
-    /// True when reading has stood still long enough, over enough polls.
+    /// True when reading has stood still long enough, over enough polls,
+    /// with workers wanted.
     fn reading_stopped(&self) -> bool {
-        self.polls >= STALL_MIN_POLLS && self.latest.saturating_sub(self.since) >= STALL_MIN_SPAN
+        self.wanted && self.polls >= STALL_MIN_POLLS && self.latest.saturating_sub(self.since) >= STALL_MIN_SPAN
+    }
+
+    /// Over the window the delay rose by `LAGGING_RISE_MS` (known throughout).
+    fn delay_rose(&self) -> bool {
+        let delays: Option<Vec<u64>> = self.readings.iter().map(|r| r.delay_ms).collect();
+        delays.is_some_and(|d| {
+            d.last().zip(d.first()).is_some_and(|(last, first)| last.saturating_sub(*first) >= LAGGING_RISE_MS)
+        })
     }
 
     /// Over the window: the delay never fell and rose by `LAGGING_RISE_MS`,
@@ -118,9 +137,8 @@ impl HealthMemory {
         let delays: Option<Vec<u64>> = self.readings.iter().map(|r| r.delay_ms).collect();
         let Some(delays) = delays else { return false };
         let never_fell = delays.windows(2).all(|w| w[1] >= w[0]);
-        let rose = delays.last().zip(delays.first()).is_some_and(|(l, f)| l.saturating_sub(*f) >= LAGGING_RISE_MS);
         let completed = first.finished.zip(last.finished).is_some_and(|(f, l)| l > f);
-        never_fell && rose && completed
+        never_fell && self.delay_rose() && completed
     }
 
     /// The delay fell at the last two polls (or there is none).
@@ -171,9 +189,9 @@ pub fn classify(i: &Inputs<'_>) -> (Health, String) {
             ),
         );
     }
-    // Wanted workers only: a pipeline at zero below its activation
-    // threshold waits by design.
-    if i.replicas > 0 && unattended(s) && i.memory.stopped() {
+    // Wanted workers only (`record`): a pipeline at zero below its
+    // activation threshold waits by design.
+    if unattended(s) && i.memory.stopped() {
         let why = if s.consumers.is_empty() { "no consumer in the group" } else { "no consumer touched the group" };
         return (Health::Stopped, format!("lag {lag}, pending {}: {why} for 30s", s.pending));
     }
@@ -273,7 +291,7 @@ mod tests {
         s.working_delay = Delay::Known(delay_s * 1000);
         s.entries_read = Some(finished + 10);
         s.last_delivered_id = format!("{}-0", finished + 10);
-        m.record(&s, Duration::from_secs(t));
+        m.record(&s, Duration::from_secs(t), true);
         classify(&inputs(Some(&s), m, false))
     }
 
@@ -323,14 +341,29 @@ mod tests {
         let mut m = HealthMemory::default();
         assert_eq!(poll(&mut m, 0, 2, 100).0, Health::Healthy);
         assert_eq!(poll(&mut m, 10, 4, 200).0, Health::Healthy);
-        assert_eq!(poll(&mut m, 20, 6, 300).0, Health::Healthy, "20 s is too short to call");
-        let (health, message) = poll(&mut m, 30, 9, 400);
+        assert_eq!(poll(&mut m, 20, 8, 300).0, Health::Healthy, "20 s is too short to call");
+        let (health, message) = poll(&mut m, 30, 12, 400);
         assert_eq!(health, Health::Lagging, "{message}");
-        assert!(message.contains("delay (9s)"), "{message}");
+        assert!(message.contains("delay (12s)"), "{message}");
         // One fall is not enough to leave (hysteresis)...
-        assert_eq!(poll(&mut m, 40, 8, 500).0, Health::Lagging);
+        assert_eq!(poll(&mut m, 40, 11, 500).0, Health::Lagging);
         // ...two in a row are.
-        assert_eq!(poll(&mut m, 50, 7, 600).0, Health::Healthy);
+        assert_eq!(poll(&mut m, 50, 10, 600).0, Health::Healthy);
+        // A delay that stops rising leaves it too, with no two falls in a
+        // row: up 6 s over the window still lagging, then up 2 s.
+        let mut m = HealthMemory::default();
+        for (t, d) in [(0, 2), (10, 4), (20, 6)] {
+            poll(&mut m, t, d, 100 * t);
+        }
+        assert_eq!(poll(&mut m, 30, 9, 3_000).0, Health::Lagging);
+        assert_eq!(poll(&mut m, 40, 10, 4_000).0, Health::Lagging, "up 6 s over the window");
+        assert_eq!(poll(&mut m, 50, 8, 5_000).0, Health::Healthy, "up 2 s over the window");
+        // With polls a window apart, three readings still judge.
+        let mut m = HealthMemory::default();
+        for (t, d) in [(0, 10), (40, 50)] {
+            poll(&mut m, t, d, 100 * t);
+        }
+        assert_eq!(poll(&mut m, 80, 90, 8_000).0, Health::Lagging);
         // A steady delay, even a long one, is not lagging.
         let mut m = HealthMemory::default();
         for t in [0, 10, 20, 30, 40] {
@@ -349,18 +382,27 @@ mod tests {
         let mut s = snap(Lag::Known(5), 0);
         s.consumers.clear();
         let mut m = HealthMemory::default();
-        m.record(&s, Duration::from_secs(0));
+        m.record(&s, Duration::from_secs(0), true);
         assert_ne!(classify_one(Some(&s), &m, false), Health::Stopped, "a pod restarting is not stopped");
-        m.record(&s, Duration::from_secs(30));
+        m.record(&s, Duration::from_secs(30), true);
         let (health, message) = classify(&inputs(Some(&s), &m, false));
         assert_eq!(health, Health::Stopped, "{message}");
         assert!(message.contains("no consumer in the group"), "{message}");
-        // At zero replicas below the activation threshold, waiting is the design.
-        let at_zero = Inputs { replicas: 0, ..inputs(Some(&s), &m, false) };
-        assert_ne!(classify(&at_zero).0, Health::Stopped);
+        // At zero replicas below the activation threshold (or suspended),
+        // waiting is the design; woken, the pods get their 30 s.
+        let mut zero = HealthMemory::default();
+        for t in [0, 30, 60] {
+            zero.record(&s, Duration::from_secs(t), false);
+            let health = classify_one(Some(&s), &zero, false);
+            assert!(health != Health::Stopped && health != Health::Stalled, "at {t}s: {health:?}");
+        }
+        zero.record(&s, Duration::from_secs(62), true);
+        assert_ne!(classify_one(Some(&s), &zero, false), Health::Stopped, "just woken");
+        zero.record(&s, Duration::from_secs(92), true);
+        assert_eq!(classify_one(Some(&s), &zero, false), Health::Stopped);
         // A consumer touching the group again ends it.
         s.consumers = vec![ConsumerState { name: "w".into(), pending: 0, idle_ms: 500 }];
-        m.record(&s, Duration::from_secs(31));
+        m.record(&s, Duration::from_secs(31), true);
         assert_ne!(classify_one(Some(&s), &m, false), Health::Stopped);
     }
 
@@ -372,21 +414,21 @@ mod tests {
             s.last_delivered_id = id.into();
             s
         };
-        m.record(&at("500-0"), Duration::from_secs(0));
+        m.record(&at("500-0"), Duration::from_secs(0), true);
         let back = at("100-0");
-        m.record(&back, Duration::from_secs(10));
+        m.record(&back, Duration::from_secs(10), true);
         // (with lag 3 after it: entries to deliver again)
         let (health, message) = classify(&inputs(Some(&back), &m, false));
         assert_eq!(health, Health::Rewound, "{message}");
         assert!(message.contains("100-0") && message.contains("500-0"), "{message}");
         let past = at("500-1");
-        m.record(&past, Duration::from_secs(20));
+        m.record(&past, Duration::from_secs(20), true);
         assert_eq!(classify_one(Some(&past), &m, false), Health::Healthy);
         // Set back with nothing after it (a group created again where it was
         // on an empty stream): nothing is delivered again.
         let mut empty = at("100-0");
         empty.lag = Lag::Known(0);
-        m.record(&empty, Duration::from_secs(30));
+        m.record(&empty, Duration::from_secs(30), true);
         assert_eq!(classify_one(Some(&empty), &m, false), Health::Healthy);
     }
 
@@ -395,20 +437,20 @@ mod tests {
         let s = snap(Lag::Known(5), 0);
         let mut m = HealthMemory::default();
         for t in [0, 10, 20] {
-            m.record(&s, Duration::from_secs(t));
+            m.record(&s, Duration::from_secs(t), true);
         }
         assert_eq!(classify_one(Some(&s), &m, false), Health::Healthy, "20s is too short to call");
-        m.record(&s, Duration::from_secs(30));
+        m.record(&s, Duration::from_secs(30), true);
         assert_eq!(classify_one(Some(&s), &m, false), Health::Stalled);
         let mut moved = s.clone();
         moved.last_delivered_id = "11-0".into();
         moved.entries_read = Some(11);
-        m.record(&moved, Duration::from_secs(40));
+        m.record(&moved, Duration::from_secs(40), true);
         assert_eq!(classify_one(Some(&moved), &m, false), Health::Healthy);
         let idle = snap(Lag::Known(0), 0);
         let mut m = HealthMemory::default();
         for t in [0, 20, 40, 60] {
-            m.record(&idle, Duration::from_secs(t));
+            m.record(&idle, Duration::from_secs(t), true);
         }
         assert_eq!(classify_one(Some(&idle), &m, false), Health::Healthy, "idle is not stalled");
     }
@@ -418,12 +460,12 @@ mod tests {
         let s = snap(Lag::Known(5), 0);
         let mut m = HealthMemory::default();
         for t in [0, 10, 20, 30] {
-            m.record(&s, Duration::from_secs(t));
+            m.record(&s, Duration::from_secs(t), true);
         }
         assert_eq!(classify_one(Some(&s), &m, false), Health::Stalled);
         // A recovery Job's start and end trigger reconciles between polls.
         for t in [30, 31, 31, 32, 32, 33, 33, 34] {
-            m.record(&s, Duration::from_secs(t));
+            m.record(&s, Duration::from_secs(t), true);
             assert_eq!(classify_one(Some(&s), &m, false), Health::Stalled, "at {t}s");
         }
     }

@@ -121,7 +121,7 @@ fn no_decodable_resource_makes_validation_or_the_builders_panic() {
         for (seen, current, at_s) in polls {
             let snapshot = seen.map(|(lag, pending)| snapshot(lag, pending, at_s));
             if let Some(s) = &snapshot {
-                health_memory.record(s, Duration::from_secs(at_s));
+                health_memory.record(s, Duration::from_secs(at_s), current > 0);
             }
             let _ = health::classify(&health::Inputs {
                 snapshot: snapshot.as_ref(),

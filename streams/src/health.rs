@@ -250,7 +250,12 @@ impl GroupSnapshot {
             retrying: total(|p| p.retrying),
             parked: merge_parked(parts.iter().flat_map(|p| &p.parked)),
             delay: Delay::worst(parts.iter().map(|p| p.delay)),
-            oldest_unfinished_ms: parts.iter().filter_map(|p| p.oldest_unfinished_ms).min(),
+            // Unknown if any shard's IDs are not times, like the delay.
+            oldest_unfinished_ms: if parts.iter().any(|p| p.delay == Delay::NotTimes) {
+                None
+            } else {
+                parts.iter().filter_map(|p| p.oldest_unfinished_ms).min()
+            },
             working_delay: Delay::worst(parts.iter().map(|p| p.working_delay)),
         })
     }
@@ -323,7 +328,7 @@ pub async fn inspect<C: ConnectionLike + Send>(
     let mut positions = POSITIONS.prepare_invoke();
     positions.key(stream).arg(group).arg(LAG_COUNT_BOUND).arg(OLDEST_SAMPLE);
     // The dead letters first: an entry dead-lettered between the two reads
-    // shows as still pending for a poll, never as both pending and dead.
+    // shows as neither pending nor dead for a poll, never as both.
     let mut pipe = redis::pipe();
     pipe.cmd("XLEN").arg(dead_letter_stream);
     pipe.invoke_script(&positions);
@@ -524,6 +529,10 @@ mod tests {
         assert_eq!(merged.consumers.len(), 2);
         assert_eq!(merged.delay, Delay::Known(5000), "the worst shard's delay");
         assert_eq!(merged.oldest_unfinished_ms, Some(1_000_000), "the oldest shard's oldest");
+        let mut explicit = part(Lag::Known(0), 1, None, &[]);
+        explicit.delay = Delay::NotTimes;
+        let merged = GroupSnapshot::merge(&[part(Lag::Known(0), 2, None, &[]), explicit]).unwrap();
+        assert_eq!((merged.delay, merged.oldest_unfinished_ms), (Delay::NotTimes, None), "unknown, not a time");
         assert!(GroupSnapshot::merge(&[]).is_none());
     }
 

@@ -220,7 +220,7 @@ pub fn decide(
             &mut memory.scaling,
         )
     };
-    memory.health.record(&snapshot, at.now);
+    memory.health.record(&snapshot, at.now, scaling.replicas > 0);
     let retrying = retrying(&snapshot, &spec.retry, spec.max_deliveries);
     let last_recovery = observed.last_recovery.clone().map(recovery_status);
     let payload_lost = payload_lost_status(at.scg, &observed.payload_loss);

@@ -471,7 +471,10 @@ async fn reconcile_resource(scg: &StreamConsumerGroup, ctx: &Context) -> Result<
     let planned = ctx.with_policy(&key(scg), |memory| decide::decide(&spec, &observed, memory, &situation));
     let plan = match planned.and_then(|plan| plan) {
         Ok(Plan::Converge(plan)) => plan,
-        Ok(Plan::Wait) => return Ok(Action::requeue(Duration::from_secs(1))),
+        Ok(Plan::Wait) => {
+            ctx.metrics.observe_delay(scg, None);
+            return Ok(Action::requeue(Duration::from_secs(1)));
+        }
         Ok(Plan::Conflict(plan)) => {
             let refused = act::stand_down(ctx, scg, &plan).await;
             ctx.metrics.observe_delay(scg, None);
@@ -483,6 +486,7 @@ async fn reconcile_resource(scg: &StreamConsumerGroup, ctx: &Context) -> Result<
             };
         }
         Ok(Plan::CreateGroup { start, vanished }) => {
+            ctx.metrics.observe_delay(scg, None);
             if let Err(e) = act::create_group(ctx, scg, &mut conn, &spec, &start, vanished).await {
                 return Err(report_failure(scg, ctx, e).await);
             }
