@@ -47,10 +47,11 @@ redis.call('HDEL', KEYS[2], ARGV[3], ARGV[3] .. ':run', ARGV[3] .. ':crashes', A
 return redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 """
 
-# Rule 10. KEYS: stream, entry records. ARGV: group, consumer, ID, delivery
-# count n, error, T(n) ms, this entry's delay ms, retryFor ms (0: none).
-# Parks an entry whose delivery n failed transiently with the parking
-# consumer for n, its idle time set so it is due when its delay is over.
+# Rule 10. KEYS: stream, entry records, due-time index. ARGV: group,
+# consumer, ID, delivery count n, error, T(n) ms, this entry's delay ms,
+# retryFor ms (0: none). Parks an entry whose delivery n failed transiently
+# with the parking consumer for n, its idle time set so it is due when its
+# delay is over, and indexes it at that time.
 # Returns the delay, -1 past the retryFor horizon (dead-letter it), -2 not
 # ours, -3 payload gone (left: a claim records it lost).
 PARK = """
@@ -70,23 +71,59 @@ if limit > 0 then
 end
 local idle = math.max(0, tonumber(ARGV[6]) - delay)
 redis.call('XCLAIM', KEYS[1], ARGV[1], 'streamfleet:retry:' .. ARGV[4], 0, id, 'IDLE', string.format('%.0f', idle), 'JUSTID')
+redis.call('ZADD', KEYS[3], string.format('%.0f', now + delay), id)
 return delay
 """
 
-# Rule 10. KEYS: stream. ARGV: group, consumer, count, then T(1), T(2), ...
-# ms (the last serves every higher count). Claims parked entries that are
-# due, per parking consumer; one whose payload is gone is left to a Rust
-# claimer or the sweep, which record it lost.
+# Rule 10. KEYS: stream, due-time index. ARGV: group, consumer, count, then
+# T(1), T(2), ... ms (the last serves every higher count). Claims parked
+# entries that are due: from the index, each checked against the PEL (still
+# parked, idle past T(n)); when the index holds fewer IDs than are parked,
+# by a scan of each parking consumer. One whose payload is gone is left to
+# a Rust claimer or the sweep, which record it lost.
 CLAIM_DUE = """
-local due, want = {}, tonumber(ARGV[3])
+local due, want, parked, parking = {}, tonumber(ARGV[3]), 0, {}
 for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
   local info = {}
   for k = 1, #c, 2 do info[c[k]] = c[k + 1] end
   local n = tonumber(string.match(info['name'], '^streamfleet:retry:(%d+)$') or '')
-  if n and info['pending'] > 0 and #due < want then
-    local threshold = ARGV[3 + math.max(1, math.min(n, #ARGV - 3))]
-    for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', threshold, '-', '+', want - #due, info['name'])) do
-      if #redis.call('XRANGE', KEYS[1], p[1], p[1]) > 0 then due[#due + 1] = p[1] end
+  if n and info['pending'] > 0 then
+    parked = parked + info['pending']
+    parking[#parking + 1] = {info['name'], n}
+  end
+end
+local function threshold(n) return tonumber(ARGV[3 + math.max(1, math.min(n, #ARGV - 3))]) end
+local function take(p, later)
+  if #redis.call('XRANGE', KEYS[1], p[1], p[1]) > 0 then
+    redis.call('ZREM', KEYS[2], p[1])
+    due[#due + 1] = p[1]
+  elseif later then
+    -- Payload gone: behind the others, still indexed for a Rust claimer.
+    redis.call('ZADD', KEYS[2], later, p[1])
+  end
+end
+if parked == 0 then
+  redis.call('DEL', KEYS[2])
+elseif redis.call('ZCARD', KEYS[2]) >= parked then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', string.format('%.0f', now), 'LIMIT', 0, want)) do
+    local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)[1]
+    local n = p and tonumber(string.match(p[2], '^streamfleet:retry:(%d+)$') or '')
+    if not n then
+      redis.call('ZREM', KEYS[2], id)
+    elseif p[3] < threshold(n) then
+      redis.call('ZADD', KEYS[2], string.format('%.0f', now + threshold(n) - p[3]), id)
+    else
+      take(p, string.format('%.0f', now + threshold(n)))
+    end
+  end
+else
+  for _, c in ipairs(parking) do
+    if #due < want then
+      for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', threshold(c[2]), '-', '+', want - #due, c[1])) do
+        take(p)
+      end
     end
   end
 end
@@ -259,6 +296,9 @@ class Worker:
     def records(self, stream):
         return companion(stream, f"last-error:{self.group}")
 
+    def retry_due(self, stream):
+        return companion(stream, f"retry-due:{self.group}")
+
     def settle(self, stream, entry_id, fields, deliveries):
         # Rule 8: a replay addressed to another group is acked unrun.
         replay_for = fields.get(b"streamfleet.replay-for")
@@ -289,7 +329,7 @@ class Worker:
         s = self.schedule
         args = [self.group, self.consumer, entry_id, deliveries, error, s.threshold(deliveries),
                 s.delay(deliveries), s.retry_for]
-        if self.park(keys=[stream, self.records(stream)], args=args) == -1:
+        if self.park(keys=[stream, self.records(stream), self.retry_due(stream)], args=args) == -1:
             self.letter(stream, entry_id, fields, deliveries, "retries-exhausted",
                         f"{error} (gave up: {deliveries} attempts, retryFor passed)")
 
@@ -312,7 +352,7 @@ class Worker:
         """Rule 10: parked entries whose retry is due."""
         thresholds = [self.schedule.threshold(n) for n in range(1, max(self.max_deliveries, 1) + 1)]
         while not self.stopping:
-            claimed = self.claim_due(keys=[stream], args=[self.group, self.consumer, self.batch] + thresholds)
+            claimed = self.claim_due(keys=[stream, self.retry_due(stream)], args=[self.group, self.consumer, self.batch] + thresholds)
             claimed = [(e[0], dict(zip(e[1][::2], e[1][1::2]))) for e in claimed]
             if claimed:
                 counts = self.delivery_counts(stream, claimed)

@@ -500,42 +500,76 @@ pub async fn autoclaim<C: ConnectionLike + Send>(
     Ok(Claimed { entries, deleted, next, deferred: deferred > 0 })
 }
 
-/// Takes parked entries whose retry is due (`retry`): per parking consumer
-/// `streamfleet:retry:<n>` with entries, `XPENDING … IDLE <threshold(n)>`
-/// of that consumer, then `XCLAIM` (counted: their delivery ended, so the
-/// next counts). Payloads gone meanwhile are recorded lost. KEYS: stream,
-/// dead-letter stream, loss count, loss IDs, entry records. ARGV[4]
-/// claimer, ARGV[5] count, then the thresholds (ms) for deliveries 1, 2, …
-/// (the last one serves every higher count). Returns the claimed entries,
-/// the lost IDs, the delivery and crash counts, and how many entries stay
-/// parked.
+/// Takes parked entries whose retry is due (`retry`), then `XCLAIM`s them
+/// (counted: their delivery ended, so the next counts). Due entries are
+/// found in the due-time index (`keys::retry_due_key`), each checked
+/// against the PEL: still parked (else dropped from the index) and idle
+/// past its parking consumer's threshold (else re-indexed at the time the
+/// PEL says). When the index holds fewer IDs than are parked, some were
+/// parked without it: then per parking consumer `streamfleet:retry:<n>`,
+/// `XPENDING … IDLE <threshold(n)>` (a scan of that consumer's entries).
+/// Nothing parked: the index holds only stale IDs and is dropped. Payloads
+/// gone meanwhile are recorded lost. KEYS: stream, dead-letter stream, loss
+/// count, loss IDs, entry records, due-time index. ARGV[4] claimer, ARGV[5]
+/// count, then the thresholds (ms) for deliveries 1, 2, … (the last one
+/// serves every higher count). Returns the claimed entries, the lost IDs,
+/// the delivery and crash counts, how many entries stay parked, and 1 when
+/// the index served (0: scanned).
 static CLAIM_DUE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(&format!(
         r"{}{}{}{}{}
         local want = tonumber(ARGV[5])
-        local existing, counts, gone, parked = {{}}, {{}}, {{}}, 0
+        local existing, counts, gone, parked, parking = {{}}, {{}}, {{}}, 0, {{}}
         for _, c in ipairs(consumers(KEYS[1], ARGV[1])) do
             local n = parked_count(c.name)
             if n and c.pending > 0 then
                 parked = parked + c.pending
+                parking[#parking + 1] = {{ name = c.name, n = n }}
+            end
+        end
+        local function threshold(n)
+            return tonumber(ARGV[5 + math.max(1, math.min(n, #ARGV - 5))])
+        end
+        local function found(p)
+            redis.call('ZREM', KEYS[6], p[1])
+            if #redis.call('XRANGE', KEYS[1], p[1], p[1]) > 0 then
+                existing[#existing + 1] = p[1]
+                counts[p[1]] = p[4]
+            else
+                lost(p[1], p[2], KEYS[5])
+                gone[#gone + 1] = p[1]
+            end
+        end
+        local indexed = 0
+        if parked == 0 then
+            redis.call('DEL', KEYS[6])
+        elseif redis.call('ZCARD', KEYS[6]) >= parked then
+            indexed = 1
+            local t = redis.call('TIME')
+            local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+            local due = redis.call('ZRANGEBYSCORE', KEYS[6], '-inf', string.format('%.0f', now), 'LIMIT', 0, want)
+            for _, id in ipairs(due) do
+                local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)[1]
+                local n = p and parked_count(p[2])
+                if not n then
+                    redis.call('ZREM', KEYS[6], id)
+                elseif p[3] < threshold(n) then
+                    redis.call('ZADD', KEYS[6], string.format('%.0f', now + threshold(n) - p[3]), id)
+                else
+                    found(p)
+                end
+            end
+        else
+            for _, c in ipairs(parking) do
                 local left = want - #existing - #gone
                 if left > 0 then
-                    local threshold = ARGV[5 + math.max(1, math.min(n, #ARGV - 5))]
-                    local page = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', threshold, '-', '+', left, c.name)
-                    for _, p in ipairs(page) do
-                        if #redis.call('XRANGE', KEYS[1], p[1], p[1]) > 0 then
-                            existing[#existing + 1] = p[1]
-                            counts[p[1]] = p[4]
-                        else
-                            lost(p[1], p[2], KEYS[5])
-                            gone[#gone + 1] = p[1]
-                        end
-                    end
+                    local page = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', threshold(c.n), '-', '+', left, c.name)
+                    for _, p in ipairs(page) do found(p) end
                 end
             end
         end
         local claimed, delivered, crashes = take(ARGV[4], 0, existing, counts, KEYS[5], {{}})
-        return {{claimed, gone, delivered, crashes, parked - #claimed - #gone}}",
+        return {{claimed, gone, delivered, crashes, parked - #claimed - #gone, indexed}}",
         crate::started::redelivery_lua(),
         lost_lua(),
         xclaim_lua(),
@@ -552,6 +586,9 @@ pub struct Due {
     pub deleted: Vec<String>,
     /// Entries still parked, waiting for their retry.
     pub waiting: u64,
+    /// Whether the due-time index found them (`false`: some entries were
+    /// parked without it, so the parking consumers were scanned).
+    pub indexed: bool,
 }
 
 /// Claims up to `count` parked entries whose retry is due under `schedule`
@@ -568,16 +605,20 @@ pub async fn claim_due<C: ConnectionLike + Send>(
     count: usize,
 ) -> Result<Due, StreamError> {
     let mut script = prepare(&CLAIM_DUE, stream, group, loss);
-    script.key(crate::keys::last_error_key(stream, group)).arg(consumer).arg(count);
+    script
+        .key(crate::keys::last_error_key(stream, group))
+        .key(crate::keys::retry_due_key(stream, group))
+        .arg(consumer)
+        .arg(count);
     for n in 1..=max_deliveries.clamp(1, 1_000) {
         script.arg(u64::try_from(schedule.threshold(n).as_millis()).unwrap_or(u64::MAX));
     }
-    type Reply = (redis::Value, Vec<String>, Vec<u64>, Vec<u32>, i64);
-    let (claimed, deleted, delivered, crashes, waiting): Reply =
+    type Reply = (redis::Value, Vec<String>, Vec<u64>, Vec<u32>, i64, i64);
+    let (claimed, deleted, delivered, crashes, waiting, indexed): Reply =
         script.invoke_async(conn).await.map_err(|e| StreamError::new("claiming entries due for a retry", e))?;
     let entries = claimed_entries(stream, claimed, delivered, crashes)
         .map_err(|e| StreamError::new("claiming entries due for a retry", e))?;
-    Ok(Due { entries, deleted, waiting: u64::try_from(waiting).unwrap_or(0) })
+    Ok(Due { entries, deleted, waiting: u64::try_from(waiting).unwrap_or(0), indexed: indexed == 1 })
 }
 
 /// The entries of an `XCLAIM` reply, with the delivery and crash counts the

@@ -30,6 +30,16 @@ pub fn last_error_key(stream: &str, group: &str) -> String {
     companion_key(stream, &format!("last-error:{group}"))
 }
 
+/// The due-time index of `group`'s entries parked for a retry (`retry`): a
+/// sorted set, member the entry's ID, score when its next attempt is due
+/// (the server's ms). An index only: the PEL says what is parked and since
+/// when, so a claim checks each indexed ID against it, and entries parked
+/// without the index (by an older worker, or the index lost) are still
+/// found by a scan (`claim::claim_due`).
+pub fn retry_due_key(stream: &str, group: &str) -> String {
+    companion_key(stream, &format!("retry-due:{group}"))
+}
+
 /// The sorted set of consumers of `group` declared dead (member: consumer
 /// name, score: when, in ms). Their idempotency-guard marks are void, so a
 /// live worker may take over an entry they held without waiting them out.

@@ -4,11 +4,13 @@
 //! JUSTID`, its delivery count unchanged) to the group's parking consumer
 //! for its delivery count, `streamfleet:retry:<n>`, with an idle time chosen
 //! so that it reaches that consumer's threshold, [`Schedule::threshold`]`(n)`,
-//! when its next attempt is due. A claim takes it back only then
-//! (`XPENDING … IDLE threshold … streamfleet:retry:<n>`, one call per
-//! parking consumer): its ID and delivery count stay what they are (the
-//! count is the retry count), no second stream, no mover, and a page of
-//! due entries costs what a page of idle ones does however many wait.
+//! when its next attempt is due. A claim takes it back only then: its ID
+//! and delivery count stay what they are (the count is the retry count),
+//! no second stream, no mover. The claim finds due entries in a due-time
+//! index beside the stream (`keys::retry_due_key`, written with the park)
+//! and checks each against the PEL, so a page of due entries costs what a
+//! page of idle ones does however many wait; entries parked without the
+//! index are found by `XPENDING … IDLE threshold … streamfleet:retry:<n>`.
 //!
 //! Every parking consumer holds entries with one delivery count, so they
 //! share one threshold; the entry's own delay (with jitter, cut short at
@@ -192,8 +194,8 @@ pub enum Parked {
     Lost,
 }
 
-/// KEYS: stream, dead-letter stream, loss count, loss IDs, entry records.
-/// ARGV[1] group, ARGV[2] the consumer named in a loss record, ARGV[3] why,
+/// KEYS: stream, dead-letter stream, loss count, loss IDs, entry records,
+/// due-time index. ARGV[1] group, ARGV[2] the consumer named in a loss record, ARGV[3] why,
 /// ARGV[4] owner, ARGV[5] ID, ARGV[6] delivery count, ARGV[7] error,
 /// ARGV[8] parking consumer, ARGV[9] its threshold ms, ARGV[10] delay ms,
 /// ARGV[11] retryFor ms (0: none). Owner-checked: an entry another
@@ -222,6 +224,7 @@ static PARK: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
         end
         local idle = math.max(0, tonumber(ARGV[9]) - delay)
         redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[8], 0, id, 'IDLE', string.format('%.0f', idle), 'JUSTID')
+        redis.call('ZADD', KEYS[6], string.format('%.0f', now + delay), id)
         return delay",
         crate::started::redelivery_lua(),
         crate::claim::lost_lua(),
@@ -248,6 +251,7 @@ pub async fn park<C: ConnectionLike + Send>(
     let mut script = crate::claim::prepare(&PARK, &entry.stream, group, loss);
     script
         .key(crate::keys::last_error_key(&entry.stream, group))
+        .key(crate::keys::retry_due_key(&entry.stream, group))
         .arg(owner)
         .arg(&entry.id)
         .arg(n)

@@ -16,6 +16,7 @@ use streamfleet_streams::health::inspect;
 use streamfleet_streams::retry::{Backoff, Parked, Schedule, park};
 use streamfleet_streams::{ensure_group, keys};
 use streamfleet_testbed::RedisServer;
+use streamfleet_testbed::redis_server::{calls_between, command_calls};
 
 const LOSS: LossRecord<'static> = LossRecord { dead_letter_stream: "{s}:dead", consumer: "x", why: "gone" };
 
@@ -101,6 +102,96 @@ async fn a_parked_entry_waits_out_its_delay_unseen_by_idle_claims_and_keeps_its_
     assert_eq!((id.as_str(), deliveries, waiting), (ids[0].as_str(), 2, 0));
     let s = inspect(&mut conn, "s", "g", "{s}:dead").await?.unwrap();
     assert_eq!((s.retrying, s.parked.len()), (0, 0));
+    Ok(())
+}
+
+/// Due claims read the due-time index, not the parked entries: with many
+/// parked and none due, a claim sends no `XPENDING` at all; when due, one
+/// per entry taken. The PEL stays the truth: an index that says "due"
+/// early is corrected, not obeyed; IDs no longer parked leave the index;
+/// entries parked without it (an older worker, or the index lost) are
+/// still claimed when due, by a scan.
+#[tokio::test]
+async fn due_claims_read_the_index_and_the_pel_stays_the_truth() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    let mut counter = server.connection().await?;
+    ensure_group(&mut conn, "s", "g", "0").await?;
+    let mut ids = Vec::new();
+    for i in 0..205 {
+        let id: String = conn.xadd("s", "*", &[("i", i)]).await?;
+        ids.push(id);
+    }
+    let opts = StreamReadOptions::default().group("g", "w").count(205);
+    let _: StreamReadReply = conn.xread_options(&["s"], &[">"], &opts).await?;
+    let fixed = |ms| Schedule {
+        backoff: Backoff::Fixed,
+        initial: Duration::from_millis(ms),
+        max: Duration::from_millis(ms),
+        jitter_percent: 0,
+        retry_for: None,
+    };
+    let (hour, soon) = (fixed(3_600_000), fixed(400));
+    let index = keys::retry_due_key("s", "g");
+    // 200 parked for an hour at delivery 1; the claims use that schedule.
+    for id in &ids[..200] {
+        assert!(matches!(park(&mut conn, &entry(id, 1), "g", "w", &LOSS, &hour, "down", 0.0).await?, Parked::Until(_)));
+    }
+    let before = command_calls(&mut counter).await?;
+    let due = claim_due(&mut conn, "s", "g", "x", &LOSS, &hour, 5, 10).await?;
+    let calls = calls_between(&before, &command_calls(&mut counter).await?);
+    assert_eq!((due.entries.len(), due.waiting, due.indexed), (0, 200, true));
+    assert_eq!(calls.get("xpending"), None, "no scan of the parked entries: {calls:?}");
+
+    // An index that says "due now" is checked against the PEL: not taken,
+    // put back at the hour the PEL says.
+    let _: () = conn.zadd(&index, &ids[0], 0).await?;
+    let due = claim_due(&mut conn, "s", "g", "x", &LOSS, &hour, 5, 10).await?;
+    assert!(due.entries.is_empty(), "taken early on the index's word");
+    let score: f64 = conn.zscore(&index, &ids[0]).await?;
+    let (secs, _): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await?;
+    assert!(score > (secs * 1000 + 3_500_000) as f64, "re-indexed at its due time: {score}");
+
+    // Two parked beside them (the same parking consumer) for 400 ms: taken
+    // when due, one XPENDING each.
+    for id in &ids[200..202] {
+        park(&mut conn, &entry(id, 1), "g", "w", &LOSS, &soon, "down", 0.0).await?;
+    }
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    let before = command_calls(&mut counter).await?;
+    let due = claim_due(&mut conn, "s", "g", "x", &LOSS, &soon, 5, 10).await?;
+    let calls = calls_between(&before, &command_calls(&mut counter).await?);
+    let taken: Vec<(&str, u64)> = due.entries.iter().map(|e| (e.id.as_str(), e.deliveries)).collect();
+    // (The 200 parked for an hour are not offered: the index keeps the due
+    // time they were parked with.)
+    assert_eq!(taken, vec![(ids[200].as_str(), 2), (ids[201].as_str(), 2)]);
+    assert_eq!((due.waiting, due.indexed), (200, true));
+    assert_eq!(calls.get("xpending"), Some(&2), "{calls:?}");
+
+    // The index lost: a parked entry is still claimed when due, by a scan.
+    ensure_group(&mut conn, "t", "g", "0").await?;
+    let id: String = conn.xadd("t", "*", &[("i", 0)]).await?;
+    let _: StreamReadReply = conn.xread_options(&["t"], &[">"], &opts).await?;
+    let lone = Entry { stream: "t".into(), ..entry(&id, 1) };
+    park(&mut conn, &lone, "g", "w", &LOSS, &soon, "down", 0.0).await?;
+    let _: () = conn.del(keys::retry_due_key("t", "g")).await?;
+    let due = claim_due(&mut conn, "t", "g", "x", &LOSS, &soon, 5, 10).await?;
+    assert_eq!((due.entries.len(), due.waiting, due.indexed), (0, 1, false), "not before it is due");
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    let due = claim_due(&mut conn, "t", "g", "x", &LOSS, &soon, 5, 10).await?;
+    let taken: Vec<&str> = due.entries.iter().map(|e| e.id.as_str()).collect();
+    assert_eq!((taken, due.indexed), (vec![id.as_str()], false));
+
+    // Nothing parked any more (acked by hand): the stale index is dropped.
+    let pending: Vec<(String, String, u64, u64)> =
+        redis::cmd("XPENDING").arg("s").arg("g").arg("-").arg("+").arg(1000).query_async(&mut conn).await?;
+    let parked: Vec<&String> = pending.iter().filter(|p| p.1.starts_with("streamfleet:")).map(|p| &p.0).collect();
+    assert_eq!(parked.len(), 200);
+    let _: u64 = conn.xack("s", "g", &parked).await?;
+    assert_eq!(conn.zcard::<_, u64>(&index).await?, 200, "stale IDs in the index");
+    let due = claim_due(&mut conn, "s", "g", "x", &LOSS, &hour, 5, 10).await?;
+    assert_eq!((due.entries.len(), due.waiting), (0, 0));
+    assert!(!conn.exists::<_, bool>(&index).await?, "the stale index dropped");
     Ok(())
 }
 

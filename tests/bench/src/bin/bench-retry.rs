@@ -25,7 +25,8 @@ const PAGE: usize = 100;
 const LOSS: LossRecord<'static> = LossRecord { dead_letter_stream: "dead", consumer: "x", why: "gone" };
 
 /// `n` entries delivered to a consumer; all but every 100th parked (after
-/// failing their first delivery) for an hour.
+/// failing their first delivery) for an hour, as `retry::park` leaves them:
+/// held by the parking consumer, in the due-time index an hour ahead.
 async fn arrange(conn: &mut Conn, stream: &str, n: usize, park: bool) -> Result<usize> {
     ensure_group(conn, stream, "g", "0").await?;
     fill(conn, stream, n).await?;
@@ -33,6 +34,9 @@ async fn arrange(conn: &mut Conn, stream: &str, n: usize, park: bool) -> Result<
     if !park {
         return Ok(0);
     }
+    let (secs, _): (u64, u64) = redis::cmd("TIME").query_async(conn).await?;
+    let due_ms = (secs + 3600) * 1000;
+    let index = streamfleet_streams::keys::retry_due_key(stream, "g");
     let mut start = "-".to_string();
     let mut parked = 0;
     loop {
@@ -61,6 +65,8 @@ async fn arrange(conn: &mut Conn, stream: &str, n: usize, park: bool) -> Result<
                 .arg("JUSTID")
                 .query_async(conn)
                 .await?;
+            let members: Vec<(u64, &str)> = chunk.iter().map(|id| (due_ms, *id)).collect();
+            let _: u64 = redis::AsyncCommands::zadd_multiple(conn, &index, &members).await?;
             parked += chunk.len();
         }
     }
