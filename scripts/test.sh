@@ -3,6 +3,10 @@
 # builds (or reuses from cache) the Go-built control plane, then fmt, clippy,
 # generated-file drift, and the unit, integration and end-to-end tests on the
 # real local test bed.
+#
+# `--quick`: the tier for a one-line change, no control plane: fmt, clippy,
+# and the unit and Redis-level integration tests (real redis-server and
+# Redis Cluster; every crate but the end-to-end ones).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -11,6 +15,20 @@ step() { printf '\n==> %s (%ss)\n' "$*" "$(( $(date +%s) - start ))" >&2; }
 
 step "install Debian packages"
 bash scripts/install-deps.sh
+
+if [[ "${1:-}" == "--quick" ]]; then
+  step "cargo fmt --check"
+  cargo fmt --all -- --check
+  step "cargo clippy"
+  cargo clippy --workspace --all-targets --locked -- -D warnings
+  step "unit and Redis-level integration tests"
+  RUST_TEST_THREADS=${RUST_TEST_THREADS:-4} cargo test --locked --no-fail-fast \
+    -p streamfleet-contract -p streamfleet-crd -p streamfleet-streams -p streamfleet-process \
+    -p streamfleet-worker -p streamfleet-operator -p streamfleet-images -p streamfleet-bench
+  cargo test --locked -p streamfleet-testbed --lib --test redis
+  step "done (quick tier: no control plane, no end-to-end tests)"
+  exit 0
+fi
 step "build control-plane tools (cached after the first run)"
 bash scripts/build-tools.sh
 
@@ -48,7 +66,7 @@ step "build the images (OCI layouts in target/images; tests/e2e/tests/images.rs 
 STREAMFLEET_IMAGE_REGISTRY=testbed.local bash scripts/build-images.sh
 step "tests"
 # Tests mostly wait on the control plane and Redis: run more than one per core.
-RUST_TEST_THREADS=${RUST_TEST_THREADS:-4} cargo test --workspace --locked
+RUST_TEST_THREADS=${RUST_TEST_THREADS:-4} cargo test --workspace --locked --no-fail-fast
 step "interleaving tests (failpoints)"
 cargo test -p streamfleet-worker --features failpoints --test interleavings --locked
 step "done"

@@ -51,7 +51,8 @@ return redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 # consumer, ID, delivery count n, error, T(n) ms, this entry's delay ms,
 # retryFor ms (0: none). Parks an entry whose delivery n failed transiently
 # with the parking consumer for n, its idle time set so it is due when its
-# delay is over, and indexes it at that time.
+# delay is over, and indexes it: score n * 2^42 + the ms its idle time
+# counts from (min(n, 2047)), the PEL's own figure.
 # Returns the delay, -1 past the retryFor horizon (dead-letter it), -2 not
 # ours, -3 payload gone (left: a claim records it lost).
 PARK = """
@@ -71,58 +72,83 @@ if limit > 0 then
 end
 local idle = math.max(0, tonumber(ARGV[6]) - delay)
 redis.call('XCLAIM', KEYS[1], ARGV[1], 'streamfleet:retry:' .. ARGV[4], 0, id, 'IDLE', string.format('%.0f', idle), 'JUSTID')
-redis.call('ZADD', KEYS[3], string.format('%.0f', now + delay), id)
+redis.call('ZADD', KEYS[3], string.format('%.0f', math.min(tonumber(ARGV[4]), 2047) * 4398046511104 + now - idle), id)
 return delay
 """
 
-# Rule 10. KEYS: stream, due-time index. ARGV: group, consumer, count, then
-# T(1), T(2), ... ms (the last serves every higher count). Claims parked
-# entries that are due: from the index, each checked against the PEL (still
-# parked, idle past T(n)); when the index holds fewer IDs than are parked,
-# by a scan of each parking consumer. One whose payload is gone is left to
-# a Rust claimer or the sweep, which record it lost.
+# Rule 10. KEYS: stream, due-time index, entry records. ARGV: group,
+# consumer, count, then T(1), T(2), ... ms (the last serves every higher
+# count). Claims parked entries that are due. Per delivery count n whose
+# range of the index (scores n * 2^42 ...) holds as many IDs as its parking
+# consumer holds entries: the IDs scored up to n * 2^42 + now - T(n), each
+# checked against the PEL (not parked: dropped; else re-scored to what the
+# PEL says unless due). Otherwise a scan (XPENDING IDLE T(n)), and 1,000 of
+# that consumer's entries indexed from a cursor. One whose payload is gone
+# is left to a Rust claimer or the sweep, which record it lost.
 CLAIM_DUE = """
-local due, want, parked, parking = {}, tonumber(ARGV[3]), 0, {}
+local SPAN = 4398046511104
+local function bucket(n) return math.min(n, 2047) end
+local function score(n, since) return string.format('%.0f', bucket(n) * SPAN + since) end
+local function parked_count(name) return tonumber(string.match(name, '^streamfleet:retry:(%d+)$') or '') end
+local function threshold(n) return tonumber(ARGV[3 + math.max(1, math.min(n, #ARGV - 3))]) end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local due, want, parked, ranges, order = {}, tonumber(ARGV[3]), 0, {}, {}
 for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
   local info = {}
   for k = 1, #c, 2 do info[c[k]] = c[k + 1] end
-  local n = tonumber(string.match(info['name'], '^streamfleet:retry:(%d+)$') or '')
+  local n = parked_count(info['name'])
   if n and info['pending'] > 0 then
     parked = parked + info['pending']
-    parking[#parking + 1] = {info['name'], n}
+    local b = bucket(n)
+    if not ranges[b] then ranges[b] = {pending = 0, parking = {}}; order[#order + 1] = b end
+    ranges[b].pending = ranges[b].pending + info['pending']
+    table.insert(ranges[b].parking, {info['name'], n})
   end
 end
-local function threshold(n) return tonumber(ARGV[3 + math.max(1, math.min(n, #ARGV - 3))]) end
-local function take(p, later)
+if parked == 0 then redis.call('DEL', KEYS[2]) end
+local function take(p)
   if #redis.call('XRANGE', KEYS[1], p[1], p[1]) > 0 then
     redis.call('ZREM', KEYS[2], p[1])
     due[#due + 1] = p[1]
-  elseif later then
-    -- Payload gone: behind the others, still indexed for a Rust claimer.
-    redis.call('ZADD', KEYS[2], later, p[1])
+    return true
   end
+  return false
 end
-if parked == 0 then
-  redis.call('DEL', KEYS[2])
-elseif redis.call('ZCARD', KEYS[2]) >= parked then
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', string.format('%.0f', now), 'LIMIT', 0, want)) do
-    local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)[1]
-    local n = p and tonumber(string.match(p[2], '^streamfleet:retry:(%d+)$') or '')
-    if not n then
-      redis.call('ZREM', KEYS[2], id)
-    elseif p[3] < threshold(n) then
-      redis.call('ZADD', KEYS[2], string.format('%.0f', now + threshold(n) - p[3]), id)
-    else
-      take(p, string.format('%.0f', now + threshold(n)))
+local looked = 0
+for _, b in ipairs(order) do
+  local low = b * SPAN
+  if redis.call('ZCOUNT', KEYS[2], low, low + SPAN - 1) >= ranges[b].pending then
+    local high = string.format('%.0f', low + now - threshold(b))
+    local from = 0
+    while #due < want and looked < 10 * want do
+      local ids = redis.call('ZRANGEBYSCORE', KEYS[2], low, high, 'LIMIT', from, want - #due)
+      if #ids == 0 then break end
+      for _, id in ipairs(ids) do
+        looked = looked + 1
+        local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)[1]
+        local n = p and parked_count(p[2])
+        if not n then
+          redis.call('ZREM', KEYS[2], id)
+        elseif bucket(n) == b and p[3] >= threshold(n) then
+          -- A payload gone stays (a Rust claimer records it lost): skip it.
+          if not take(p) then from = from + 1 end
+        else
+          redis.call('ZADD', KEYS[2], score(n, now - p[3]), id)
+        end
+      end
     end
-  end
-else
-  for _, c in ipairs(parking) do
-    if #due < want then
-      for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', threshold(c[2]), '-', '+', want - #due, c[1])) do
-        take(p)
+  else
+    for _, c in ipairs(ranges[b].parking) do
+      local field = 'retry-index:' .. c[2]
+      local cursor = redis.call('HGET', KEYS[3], field)
+      local page = redis.call('XPENDING', KEYS[1], ARGV[1], cursor and ('(' .. cursor) or '-', '+', 1000, c[1])
+      for _, p in ipairs(page) do redis.call('ZADD', KEYS[2], 'NX', score(c[2], now - p[3]), p[1]) end
+      if #page < 1000 then redis.call('HDEL', KEYS[3], field) else redis.call('HSET', KEYS[3], field, page[#page][1]) end
+      if #due < want then
+        for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', threshold(c[2]), '-', '+', want - #due, c[1])) do
+          take(p)
+        end
       end
     end
   end
@@ -352,7 +378,7 @@ class Worker:
         """Rule 10: parked entries whose retry is due."""
         thresholds = [self.schedule.threshold(n) for n in range(1, max(self.max_deliveries, 1) + 1)]
         while not self.stopping:
-            claimed = self.claim_due(keys=[stream, self.retry_due(stream)], args=[self.group, self.consumer, self.batch] + thresholds)
+            claimed = self.claim_due(keys=[stream, self.retry_due(stream), self.records(stream)], args=[self.group, self.consumer, self.batch] + thresholds)
             claimed = [(e[0], dict(zip(e[1][::2], e[1][1::2]))) for e in claimed]
             if claimed:
                 counts = self.delivery_counts(stream, claimed)

@@ -501,34 +501,50 @@ pub async fn autoclaim<C: ConnectionLike + Send>(
 }
 
 /// Takes parked entries whose retry is due (`retry`), then `XCLAIM`s them
-/// (counted: their delivery ended, so the next counts). Due entries are
-/// found in the due-time index (`keys::retry_due_key`), each checked
-/// against the PEL: still parked (else dropped from the index) and idle
-/// past its parking consumer's threshold (else re-indexed at the time the
-/// PEL says). When the index holds fewer IDs than are parked, some were
-/// parked without it: then per parking consumer `streamfleet:retry:<n>`,
-/// `XPENDING … IDLE <threshold(n)>` (a scan of that consumer's entries).
-/// Nothing parked: the index holds only stale IDs and is dropped. Payloads
-/// gone meanwhile are recorded lost. KEYS: stream, dead-letter stream, loss
-/// count, loss IDs, entry records, due-time index. ARGV[4] claimer, ARGV[5]
-/// count, then the thresholds (ms) for deliveries 1, 2, … (the last one
-/// serves every higher count). Returns the claimed entries, the lost IDs,
-/// the delivery and crash counts, how many entries stay parked, and 1 when
-/// the index served (0: scanned).
+/// (counted: their delivery ended, so the next counts). Per range of the
+/// due-time index (`retry::INDEX_SPAN_MS`, a delivery count) that holds at
+/// least as many IDs as its parking consumers hold entries: the IDs whose
+/// idle time reached the threshold, by score, each checked against the PEL
+/// (not parked any more: dropped; parked at another count or since another
+/// time: re-scored to what the PEL says), at most ten IDs looked at per
+/// entry wanted. A range holding fewer (entries parked without the index:
+/// an older worker, the index lost) is served by `XPENDING … IDLE
+/// <threshold(n)> … streamfleet:retry:<n>` (a scan of that consumer's
+/// entries), and 1,000 of its entries are indexed per call, from a cursor
+/// kept in the entry records (`retry-index:<n>`). Nothing parked: the index
+/// holds only stale IDs and is dropped. Payloads gone meanwhile are
+/// recorded lost. KEYS: stream, dead-letter stream, loss count, loss IDs,
+/// entry records, due-time index. ARGV[4] claimer, ARGV[5] count, then the
+/// thresholds (ms) for deliveries 1, 2, … (the last one serves every
+/// higher count). Returns the claimed entries, the lost IDs, the delivery
+/// and crash counts, how many entries stay parked, and 1 when the index
+/// served every range (0: some were scanned).
 static CLAIM_DUE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(&format!(
-        r"{}{}{}{}{}
+        r"{}{}{}{}{}{}
         local want = tonumber(ARGV[5])
-        local existing, counts, gone, parked, parking = {{}}, {{}}, {{}}, 0, {{}}
+        local t = redis.call('TIME')
+        local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+        local existing, counts, gone, parked = {{}}, {{}}, {{}}, 0
+        local ranges, order = {{}}, {{}}
         for _, c in ipairs(consumers(KEYS[1], ARGV[1])) do
             local n = parked_count(c.name)
             if n and c.pending > 0 then
                 parked = parked + c.pending
-                parking[#parking + 1] = {{ name = c.name, n = n }}
+                local b = bucket(n)
+                if not ranges[b] then
+                    ranges[b] = {{ pending = 0, parking = {{}} }}
+                    order[#order + 1] = b
+                end
+                ranges[b].pending = ranges[b].pending + c.pending
+                table.insert(ranges[b].parking, {{ name = c.name, n = n }})
             end
         end
         local function threshold(n)
             return tonumber(ARGV[5 + math.max(1, math.min(n, #ARGV - 5))])
+        end
+        local function left()
+            return want - #existing - #gone
         end
         local function found(p)
             redis.call('ZREM', KEYS[6], p[1])
@@ -540,31 +556,52 @@ static CLAIM_DUE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(
                 gone[#gone + 1] = p[1]
             end
         end
-        local indexed = 0
+        local function reindex(c)
+            local field = 'retry-index:' .. c.n
+            local from = redis.call('HGET', KEYS[5], field)
+            local page = redis.call('XPENDING', KEYS[1], ARGV[1], from and ('(' .. from) or '-', '+', 1000, c.name)
+            for _, p in ipairs(page) do
+                redis.call('ZADD', KEYS[6], 'NX', index_score(c.n, now - p[3]), p[1])
+            end
+            if #page < 1000 then
+                redis.call('HDEL', KEYS[5], field)
+            else
+                redis.call('HSET', KEYS[5], field, page[#page][1])
+            end
+        end
         if parked == 0 then
             redis.call('DEL', KEYS[6])
-        elseif redis.call('ZCARD', KEYS[6]) >= parked then
-            indexed = 1
-            local t = redis.call('TIME')
-            local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-            local due = redis.call('ZRANGEBYSCORE', KEYS[6], '-inf', string.format('%.0f', now), 'LIMIT', 0, want)
-            for _, id in ipairs(due) do
-                local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)[1]
-                local n = p and parked_count(p[2])
-                if not n then
-                    redis.call('ZREM', KEYS[6], id)
-                elseif p[3] < threshold(n) then
-                    redis.call('ZADD', KEYS[6], string.format('%.0f', now + threshold(n) - p[3]), id)
-                else
-                    found(p)
+        end
+        local indexed, looked = 1, 0
+        for _, b in ipairs(order) do
+            local low = b * INDEX_SPAN
+            if redis.call('ZCOUNT', KEYS[6], low, low + INDEX_SPAN - 1) >= ranges[b].pending then
+                local high = string.format('%.0f', low + now - threshold(b))
+                while left() > 0 and looked < 10 * want do
+                    local ids = redis.call('ZRANGEBYSCORE', KEYS[6], low, high, 'LIMIT', 0, left())
+                    if #ids == 0 then break end
+                    for _, id in ipairs(ids) do
+                        looked = looked + 1
+                        local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)[1]
+                        local n = p and parked_count(p[2])
+                        if not n then
+                            redis.call('ZREM', KEYS[6], id)
+                        elseif bucket(n) == b and p[3] >= threshold(n) then
+                            found(p)
+                        else
+                            redis.call('ZADD', KEYS[6], index_score(n, now - p[3]), id)
+                        end
+                    end
                 end
-            end
-        else
-            for _, c in ipairs(parking) do
-                local left = want - #existing - #gone
-                if left > 0 then
-                    local page = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', threshold(c.n), '-', '+', left, c.name)
-                    for _, p in ipairs(page) do found(p) end
+            else
+                indexed = 0
+                for _, c in ipairs(ranges[b].parking) do
+                    -- (Indexed first: what is taken next leaves the index.)
+                    reindex(c)
+                    if left() > 0 then
+                        local page = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', threshold(c.n), '-', '+', left(), c.name)
+                        for _, p in ipairs(page) do found(p) end
+                    end
                 end
             end
         end
@@ -575,6 +612,7 @@ static CLAIM_DUE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(
         xclaim_lua(),
         take_lua(),
         crate::retry::consumers_lua(),
+        crate::retry::due_index_lua(),
     ))
 });
 

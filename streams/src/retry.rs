@@ -7,10 +7,13 @@
 //! when its next attempt is due. A claim takes it back only then: its ID
 //! and delivery count stay what they are (the count is the retry count),
 //! no second stream, no mover. The claim finds due entries in a due-time
-//! index beside the stream (`keys::retry_due_key`, written with the park)
-//! and checks each against the PEL, so a page of due entries costs what a
-//! page of idle ones does however many wait; entries parked without the
-//! index are found by `XPENDING … IDLE threshold … streamfleet:retry:<n>`.
+//! index beside the stream (`keys::retry_due_key`, written with the park,
+//! a mirror of the PEL's delivery times, [`INDEX_SPAN_MS`]) and checks each
+//! against the PEL, so a page of due entries costs what a page of idle
+//! ones does however many wait, and a schedule changed since applies to
+//! entries already parked, as with the scan; entries parked without the
+//! index are found by `XPENDING … IDLE threshold … streamfleet:retry:<n>`
+//! and indexed page by page.
 //!
 //! Every parking consumer holds entries with one delivery count, so they
 //! share one threshold; the entry's own delay (with jitter, cut short at
@@ -64,6 +67,38 @@ pub(crate) fn consumers_lua() -> String {
                 out[#out + 1] = {{ name = info['name'], pending = tonumber(info['pending']) or 0 }}
             end
             return out
+        end
+        "
+    )
+}
+
+/// The due-time index (`keys::retry_due_key`) mirrors what the PEL says of
+/// each parked entry: its score is the parking consumer's delivery count
+/// `n` times [`INDEX_SPAN_MS`] plus the instant its idle time counts from
+/// (server ms), so one sorted set holds a range per `n`, and the entries
+/// of `n` due under a threshold `T` are the range up to `n · span + now −
+/// T`: `XPENDING … IDLE T`, without the walk. Counts from
+/// [`INDEX_BUCKETS`] up share the last range.
+pub const INDEX_SPAN_MS: u64 = 1 << 42;
+/// Ranges in the index: `span · buckets` stays below 2^53, where a Redis
+/// score (a double) is still exact to the millisecond.
+pub const INDEX_BUCKETS: u64 = 2047;
+// The largest score is exact in a double; a range holds server ms to 2109.
+const _: () = assert!(INDEX_BUCKETS * INDEX_SPAN_MS + (INDEX_SPAN_MS - 1) < 1 << 53);
+const _: () = assert!(INDEX_SPAN_MS > 4_000_000_000_000);
+
+/// Lua shared by the scripts that write or read the due-time index:
+/// `bucket(n)`, and `index_score(n, since)` for an entry parked at
+/// delivery `n` whose idle time counts from `since` (formatted for ZADD).
+pub(crate) fn due_index_lua() -> String {
+    format!(
+        r"
+        local INDEX_SPAN = {INDEX_SPAN_MS}
+        local function bucket(n)
+            return math.min(n, {INDEX_BUCKETS})
+        end
+        local function index_score(n, since)
+            return string.format('%.0f', bucket(n) * INDEX_SPAN + since)
         end
         "
     )
@@ -203,7 +238,7 @@ pub enum Parked {
 /// (ms) it was parked for, -1 past the horizon, -2 not ours, -3 lost.
 static PARK: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(&format!(
-        r"{}{}
+        r"{}{}{}
         local id = ARGV[5]
         local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)[1]
         if p == nil or p[2] ~= ARGV[4] then return -2 end
@@ -224,10 +259,11 @@ static PARK: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
         end
         local idle = math.max(0, tonumber(ARGV[9]) - delay)
         redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[8], 0, id, 'IDLE', string.format('%.0f', idle), 'JUSTID')
-        redis.call('ZADD', KEYS[6], string.format('%.0f', now + delay), id)
+        redis.call('ZADD', KEYS[6], index_score(tonumber(ARGV[6]), now - idle), id)
         return delay",
         crate::started::redelivery_lua(),
         crate::claim::lost_lua(),
+        due_index_lua(),
     ))
 });
 

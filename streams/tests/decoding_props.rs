@@ -279,7 +279,7 @@ const SHAPED: &[(&str, &[Shape])] = {
         ("consumers::delete_if_empty", &[Int]),
         ("dlq::cap", &[Int]),
         ("dlq::purge", &[Int]),
-        ("destroy_group", &[Int, Int, Int, Int, Int, Int, Int, Int]),
+        ("destroy_group", &[Int, Int, Int, Int, Int, Int, Int, Int, Int]),
     ]
 };
 

@@ -131,7 +131,10 @@ async fn due_claims_read_the_index_and_the_pel_stays_the_truth() -> Result<()> {
         jitter_percent: 0,
         retry_for: None,
     };
-    let (hour, soon) = (fixed(3_600_000), fixed(400));
+    // One schedule; `soon` is it with a 1 s retryFor horizon, which cuts
+    // an entry's delay short: due in 1 s under the same thresholds.
+    let hour = fixed(3_600_000);
+    let soon = Schedule { retry_for: Some(Duration::from_millis(1_000)), ..hour.clone() };
     let index = keys::retry_due_key("s", "g");
     // 200 parked for an hour at delivery 1; the claims use that schedule.
     for id in &ids[..200] {
@@ -143,44 +146,66 @@ async fn due_claims_read_the_index_and_the_pel_stays_the_truth() -> Result<()> {
     assert_eq!((due.entries.len(), due.waiting, due.indexed), (0, 200, true));
     assert_eq!(calls.get("xpending"), None, "no scan of the parked entries: {calls:?}");
 
-    // An index that says "due now" is checked against the PEL: not taken,
-    // put back at the hour the PEL says.
-    let _: () = conn.zadd(&index, &ids[0], 0).await?;
+    // An index that says "due now" (idle since 1970) is checked against the
+    // PEL: not taken, put back at the time the PEL says.
+    let span = streamfleet_streams::retry::INDEX_SPAN_MS;
+    let (secs, _): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await?;
+    let _: () = conn.zadd(&index, &ids[0], span).await?;
     let due = claim_due(&mut conn, "s", "g", "x", &LOSS, &hour, 5, 10).await?;
     assert!(due.entries.is_empty(), "taken early on the index's word");
-    let score: f64 = conn.zscore(&index, &ids[0]).await?;
-    let (secs, _): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await?;
-    assert!(score > (secs * 1000 + 3_500_000) as f64, "re-indexed at its due time: {score}");
+    let score: u64 = conn.zscore(&index, &ids[0]).await?;
+    assert!((span + (secs - 5) * 1000..=span + (secs + 5) * 1000).contains(&score), "re-scored: {score}");
 
-    // Two parked beside them (the same parking consumer) for 400 ms: taken
+    // Two parked beside them (the same parking consumer) for 1 s: taken
     // when due, one XPENDING each.
     for id in &ids[200..202] {
         park(&mut conn, &entry(id, 1), "g", "w", &LOSS, &soon, "down", 0.0).await?;
     }
-    tokio::time::sleep(Duration::from_millis(450)).await;
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
     let before = command_calls(&mut counter).await?;
-    let due = claim_due(&mut conn, "s", "g", "x", &LOSS, &soon, 5, 10).await?;
+    let due = claim_due(&mut conn, "s", "g", "x", &LOSS, &hour, 5, 10).await?;
     let calls = calls_between(&before, &command_calls(&mut counter).await?);
     let taken: Vec<(&str, u64)> = due.entries.iter().map(|e| (e.id.as_str(), e.deliveries)).collect();
-    // (The 200 parked for an hour are not offered: the index keeps the due
-    // time they were parked with.)
     assert_eq!(taken, vec![(ids[200].as_str(), 2), (ids[201].as_str(), 2)]);
     assert_eq!((due.waiting, due.indexed), (200, true));
     assert_eq!(calls.get("xpending"), Some(&2), "{calls:?}");
+    assert_eq!(conn.zcard::<_, u64>(&index).await?, 200, "taken IDs leave the index");
 
-    // The index lost: a parked entry is still claimed when due, by a scan.
-    ensure_group(&mut conn, "t", "g", "0").await?;
-    let id: String = conn.xadd("t", "*", &[("i", 0)]).await?;
-    let _: StreamReadReply = conn.xread_options(&["t"], &[">"], &opts).await?;
-    let lone = Entry { stream: "t".into(), ..entry(&id, 1) };
-    park(&mut conn, &lone, "g", "w", &LOSS, &soon, "down", 0.0).await?;
-    let _: () = conn.del(keys::retry_due_key("t", "g")).await?;
-    let due = claim_due(&mut conn, "t", "g", "x", &LOSS, &soon, 5, 10).await?;
-    assert_eq!((due.entries.len(), due.waiting, due.indexed), (0, 1, false), "not before it is due");
-    tokio::time::sleep(Duration::from_millis(450)).await;
-    let due = claim_due(&mut conn, "t", "g", "x", &LOSS, &soon, 5, 10).await?;
+    // Stale IDs ahead of a due one (acked or dead-lettered while parked)
+    // do not hold it back: they leave the index as they are looked at.
+    for k in 1..=15u64 {
+        let _: () = conn.zadd(&index, format!("1-{k}"), span + k).await?;
+    }
+    park(&mut conn, &entry(&ids[202], 1), "g", "w", &LOSS, &soon, "down", 0.0).await?;
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let due = claim_due(&mut conn, "s", "g", "x", &LOSS, &hour, 5, 10).await?;
     let taken: Vec<&str> = due.entries.iter().map(|e| e.id.as_str()).collect();
-    assert_eq!((taken, due.indexed), (vec![id.as_str()], false));
+    assert_eq!((taken, due.indexed), (vec![ids[202].as_str()], true));
+    assert_eq!(conn.zcard::<_, u64>(&index).await?, 200, "the stale IDs dropped");
+
+    // The index lost: parked entries are indexed again from the PEL, and
+    // claimed when due by a scan meanwhile.
+    ensure_group(&mut conn, "t", "g", "0").await?;
+    let mut lone = Vec::new();
+    for i in 0..2 {
+        let id: String = conn.xadd("t", "*", &[("i", i)]).await?;
+        lone.push(id);
+    }
+    let _: StreamReadReply = conn.xread_options(&["t"], &[">"], &opts).await?;
+    let t_index = keys::retry_due_key("t", "g");
+    for id in &lone {
+        park(&mut conn, &Entry { stream: "t".into(), ..entry(id, 1) }, "g", "w", &LOSS, &soon, "down", 0.0).await?;
+    }
+    let _: () = conn.del(&t_index).await?;
+    let due = claim_due(&mut conn, "t", "g", "x", &LOSS, &hour, 5, 10).await?;
+    assert_eq!((due.entries.len(), due.waiting, due.indexed), (0, 2, false), "none due yet");
+    assert_eq!(conn.zcard::<_, u64>(&t_index).await?, 2, "indexed again from the PEL");
+    let _: () = conn.del(&t_index).await?;
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let due = claim_due(&mut conn, "t", "g", "x", &LOSS, &hour, 5, 10).await?;
+    let taken: Vec<&String> = due.entries.iter().map(|e| &e.id).collect();
+    assert_eq!((taken, due.indexed), (lone.iter().collect(), false));
+    assert_eq!(conn.zcard::<_, u64>(&t_index).await?, 0, "taken, not left in the index");
 
     // Nothing parked any more (acked by hand): the stale index is dropped.
     let pending: Vec<(String, String, u64, u64)> =

@@ -26,7 +26,8 @@ const LOSS: LossRecord<'static> = LossRecord { dead_letter_stream: "dead", consu
 
 /// `n` entries delivered to a consumer; all but every 100th parked (after
 /// failing their first delivery) for an hour, as `retry::park` leaves them:
-/// held by the parking consumer, in the due-time index an hour ahead.
+/// held by the parking consumer (idle 0, so due in an hour), in the
+/// due-time index (delivery 1's range, idle since now).
 async fn arrange(conn: &mut Conn, stream: &str, n: usize, park: bool) -> Result<usize> {
     ensure_group(conn, stream, "g", "0").await?;
     fill(conn, stream, n).await?;
@@ -35,7 +36,7 @@ async fn arrange(conn: &mut Conn, stream: &str, n: usize, park: bool) -> Result<
         return Ok(0);
     }
     let (secs, _): (u64, u64) = redis::cmd("TIME").query_async(conn).await?;
-    let due_ms = (secs + 3600) * 1000;
+    let score = streamfleet_streams::retry::INDEX_SPAN_MS + secs * 1000;
     let index = streamfleet_streams::keys::retry_due_key(stream, "g");
     let mut start = "-".to_string();
     let mut parked = 0;
@@ -65,7 +66,7 @@ async fn arrange(conn: &mut Conn, stream: &str, n: usize, park: bool) -> Result<
                 .arg("JUSTID")
                 .query_async(conn)
                 .await?;
-            let members: Vec<(u64, &str)> = chunk.iter().map(|id| (due_ms, *id)).collect();
+            let members: Vec<(u64, &str)> = chunk.iter().map(|id| (score, *id)).collect();
             let _: u64 = redis::AsyncCommands::zadd_multiple(conn, &index, &members).await?;
             parked += chunk.len();
         }
@@ -77,6 +78,7 @@ async fn arrange(conn: &mut Conn, stream: &str, n: usize, park: bool) -> Result<
 async fn library_step(conn: &mut Conn, stream: &str, schedule: &Schedule) -> Result<usize> {
     let due = claim_due(conn, stream, "g", "x", &LOSS, schedule, 5, PAGE).await?;
     ensure!(due.entries.is_empty(), "nothing is due");
+    ensure!(due.indexed || stream != "big", "the due-time index serves the claim, no scan");
     let claimed = autoclaim(conn, stream, "g", "x", &LOSS, Duration::ZERO, "0-0", PAGE).await?;
     Ok(claimed.entries.len())
 }
