@@ -160,6 +160,9 @@ async fn a_tenfold_ramp_is_brought_back_under_the_delay_objective_and_replicas_c
     assert!(most > 2, "never scaled up: {samples:?}");
     assert!(back_under <= 90.0, "delay over the objective until {back_under}s after the ramp began");
     assert!(end <= 2, "replicas not back down: {end}");
+    // Scale-in never interrupts work: a pod told to stop finishes what it
+    // started and hands back the rest with its delivery uncounted.
+    assert_eq!(redelivered, 0, "deliveries after the first, with no fault injected: from scale-downs");
     // The objective sized the fleet, not the entry count.
     let events = events_about(&client, &ns, "orders").await?;
     let by_objective = events
