@@ -11,6 +11,8 @@ pub const CONFLICT: &str = "Conflict";
 pub const DEAD_LETTER_CAP_REACHED: &str = "DeadLetterCapReached";
 /// True only while the stream's IDs are not times (explicit IDs): no delay.
 pub const DELAY_UNKNOWN: &str = "DelayUnknown";
+/// True while the Redis server may evict keys (`maxmemory-policy`).
+pub const EVICTION_POSSIBLE: &str = "EvictionPossible";
 
 /// Sets condition `type_` in `conditions`; its transition time changes only
 /// when its status does.

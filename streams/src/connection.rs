@@ -133,27 +133,65 @@ impl ConnectionLike for StreamConnection {
     }
 }
 
-/// One connection per endpoint, shared by every caller that names it.
+/// One connection per endpoint, shared by every caller that names it, with
+/// what was last read of the server's eviction setting.
 #[derive(Clone, Default)]
 pub struct Connections {
-    by_endpoint: Arc<Mutex<HashMap<Endpoint, StreamConnection>>>,
+    by_endpoint: Arc<Mutex<HashMap<Endpoint, Shared>>>,
 }
+
+#[derive(Clone)]
+struct Shared {
+    conn: StreamConnection,
+    eviction: crate::version::Eviction,
+    /// When `eviction` was read.
+    checked: std::time::Instant,
+}
+
+/// How often the eviction setting is read again (one `INFO memory` per
+/// endpoint): a policy changed with `CONFIG SET` shows within this.
+pub const EVICTION_CHECK_EVERY: Duration = Duration::from_secs(60);
 
 impl Connections {
     /// The shared connection for `endpoint`, connecting on first use.
     pub async fn get(&self, endpoint: &Endpoint) -> Result<StreamConnection, StreamError> {
-        if let Some(conn) = self.by_endpoint.lock().await.get(endpoint) {
-            return Ok(conn.clone());
-        }
-        // Connect outside the lock: one slow endpoint must not block the others.
-        let mut conn = StreamConnection::connect(endpoint).await?;
-        // Once per connection: a server too old is refused (never kept, so
-        // every poll says so again until it is upgraded).
-        if let Some(version) = crate::version::server_version(&mut conn).await?.filter(|v| !v.is_supported()) {
-            return Err(StreamError::unsupported(version));
-        }
+        Ok(self.get_checked(endpoint).await?.0)
+    }
+
+    /// The shared connection for `endpoint` and the server's eviction
+    /// setting, read at most every [`EVICTION_CHECK_EVERY`] (unknown when
+    /// it could not be read: never an error for the caller).
+    pub async fn get_checked(
+        &self,
+        endpoint: &Endpoint,
+    ) -> Result<(StreamConnection, crate::version::Eviction), StreamError> {
+        let cached = self.by_endpoint.lock().await.get(endpoint).cloned();
+        let mut conn = match cached {
+            Some(shared) if shared.checked.elapsed() < EVICTION_CHECK_EVERY => {
+                return Ok((shared.conn, shared.eviction));
+            }
+            Some(shared) => shared.conn,
+            None => {
+                // Connect outside the lock: one slow endpoint must not block the others.
+                let mut conn = StreamConnection::connect(endpoint).await?;
+                // Once per connection: a server too old is refused (never
+                // kept, so every poll says so again until it is upgraded).
+                if let Some(version) = crate::version::server_version(&mut conn).await?.filter(|v| !v.is_supported()) {
+                    return Err(StreamError::unsupported(version));
+                }
+                conn
+            }
+        };
+        let eviction = crate::version::server_eviction(&mut conn).await.unwrap_or(crate::version::Eviction::Unknown);
         let mut map = self.by_endpoint.lock().await;
-        Ok(map.entry(endpoint.clone()).or_insert(conn).clone())
+        let shared = map.entry(endpoint.clone()).or_insert(Shared {
+            conn,
+            eviction: eviction.clone(),
+            checked: std::time::Instant::now(),
+        });
+        shared.eviction = eviction;
+        shared.checked = std::time::Instant::now();
+        Ok((shared.conn.clone(), shared.eviction.clone()))
     }
 
     /// How many endpoints have a shared connection.

@@ -62,6 +62,52 @@ pub async fn server_version<C: ConnectionLike + Send>(conn: &mut C) -> Result<Op
     Ok(texts.iter().filter_map(|t| parse_info(t)).min())
 }
 
+/// Whether the server may evict keys when its memory is full
+/// (`maxmemory-policy` other than `noeviction`, with a `maxmemory` set).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Eviction {
+    /// `noeviction`, or no memory limit: a write fails instead.
+    Never,
+    /// Keys can be evicted: under `allkeys-*` a stream with its groups and
+    /// every pending entry; under `volatile-*` the keys that expire (the
+    /// idempotency guard's marks and completion records) before their time.
+    Possible { policy: String, maxmemory: u64 },
+    /// `INFO memory` did not say.
+    Unknown,
+}
+
+/// The eviction setting out of `INFO memory`; `None` when it is not there.
+pub fn parse_eviction(info: &str) -> Option<Eviction> {
+    let field = |name: &str| info.lines().find_map(|l| l.trim().strip_prefix(name)).map(str::trim);
+    let policy = field("maxmemory_policy:")?;
+    let maxmemory: u64 = field("maxmemory:")?.parse().ok()?;
+    Some(if policy == "noeviction" || maxmemory == 0 {
+        Eviction::Never
+    } else {
+        Eviction::Possible { policy: policy.to_string(), maxmemory }
+    })
+}
+
+/// The server's eviction setting; on a Redis Cluster the first node that
+/// may evict (any node losing a shard's stream loses its work).
+pub async fn server_eviction<C: ConnectionLike + Send>(conn: &mut C) -> Result<Eviction, StreamError> {
+    let reply: redis::Value = redis::cmd("INFO")
+        .arg("memory")
+        .query_async(conn)
+        .await
+        .map_err(|e| StreamError::new("reading the eviction policy", e))?;
+    let mut texts = Vec::new();
+    collect_texts(reply, &mut texts);
+    let each: Vec<Option<Eviction>> = texts.iter().map(|t| parse_eviction(t)).collect();
+    Ok(if let Some(possible) = each.iter().flatten().find(|e| matches!(e, Eviction::Possible { .. })) {
+        possible.clone()
+    } else if !each.is_empty() && each.iter().all(|e| *e == Some(Eviction::Never)) {
+        Eviction::Never
+    } else {
+        Eviction::Unknown
+    })
+}
+
 /// Every text in a reply: one for a server, one per node (a map keyed by the
 /// node's address) for a cluster.
 fn collect_texts(value: redis::Value, out: &mut Vec<String>) {
@@ -73,6 +119,24 @@ fn collect_texts(value: redis::Value, out: &mut Vec<String>) {
         }
         redis::Value::Map(pairs) => pairs.into_iter().for_each(|(_, v)| collect_texts(v, out)),
         _ => {}
+    }
+}
+
+#[cfg(test)]
+mod eviction_tests {
+    use super::*;
+
+    #[test]
+    fn eviction_needs_a_policy_that_evicts_and_a_memory_limit() {
+        let info = |policy: &str, max: &str| format!("# Memory\r\nmaxmemory:{max}\r\nmaxmemory_policy:{policy}\r\n");
+        assert_eq!(parse_eviction(&info("noeviction", "1073741824")), Some(Eviction::Never));
+        assert_eq!(parse_eviction(&info("allkeys-lru", "0")), Some(Eviction::Never));
+        assert_eq!(
+            parse_eviction(&info("allkeys-lru", "1073741824")),
+            Some(Eviction::Possible { policy: "allkeys-lru".into(), maxmemory: 1_073_741_824 })
+        );
+        assert_eq!(parse_eviction("# Memory\r\nused_memory:1\r\n"), None);
+        assert_eq!(parse_eviction(&info("volatile-ttl", "x")), None);
     }
 }
 

@@ -24,6 +24,7 @@ use streamfleet_streams::payload_loss::PayloadLoss;
 use streamfleet_streams::recovery::RecoveryReport;
 use streamfleet_streams::retention::{self, Retention, StreamId};
 use streamfleet_streams::retry::Schedule;
+use streamfleet_streams::version::Eviction;
 
 /// What the policies remember about one resource between polls.
 #[derive(Default)]
@@ -40,6 +41,9 @@ pub struct PolicyMemory {
     /// The health last announced, for the same reason: a transition is
     /// announced once even when the next reconcile reads a stale status.
     pub health_announced: Option<Health>,
+    /// Whether a server that may evict keys was announced, for the same
+    /// reason (`None`: not known yet, the status decides).
+    pub eviction_announced: Option<bool>,
 }
 
 /// What one reconcile will do.
@@ -101,6 +105,8 @@ pub struct Convergence {
     pub dead_letter_trims: Vec<(String, u64)>,
     /// Whether a dead-letter stream is at its cap (`None`: no cap).
     pub dead_letter_cap_reached: Option<bool>,
+    /// The server's eviction setting, for the `EvictionPossible` condition.
+    pub eviction: streamfleet_streams::version::Eviction,
     pub reap: Vec<Reap>,
     /// On a scale-down, each worker pod's deletion cost (the entries its
     /// consumer holds), so the ReplicaSet removes the idlest pods first.
@@ -249,9 +255,11 @@ pub fn decide(
     memory.health_announced = Some(health);
     let (dead_letter_trims, cap_events, dead_letter_cap_reached) = dead_letter_cap(spec, observed);
     events.extend(cap_events);
+    events.extend(eviction_event(at.scg, &observed.eviction, &mut memory.eviction_announced));
     Ok(Plan::Converge(Box::new(Convergence {
         dead_letter_trims,
         dead_letter_cap_reached,
+        eviction: observed.eviction.clone(),
         reap: reap_plan(at.scg, &snapshot, observed),
         deletion_costs: match current_replicas {
             Some(current) if scaling.replicas < current => deletion_costs(&snapshot, &observed.pods),
@@ -274,6 +282,51 @@ pub fn decide(
         throughput,
         events,
     })))
+}
+
+/// What the `EvictionPossible` condition and its Warning say of a server
+/// that may evict keys.
+pub fn eviction_message(policy: &str, maxmemory: u64) -> String {
+    let what = if policy.starts_with("allkeys") {
+        "the stream itself, with its consumer groups and every pending entry"
+    } else {
+        "the keys that expire: the idempotency guard's marks and completion records, before their time"
+    };
+    format!(
+        "Redis maxmemory-policy is {policy} with maxmemory {maxmemory} bytes: when memory is full it evicts {what}; \
+         set maxmemory-policy noeviction (writes then fail instead, and nothing is lost)"
+    )
+}
+
+/// A Warning when the server is first seen to be able to evict keys: not
+/// announced since it last could not (or, first, the condition was not
+/// already true).
+fn eviction_event(
+    scg: &StreamConsumerGroup,
+    eviction: &Eviction,
+    announced: &mut Option<bool>,
+) -> Option<PlannedEvent> {
+    let before = announced.unwrap_or_else(|| {
+        scg.status.as_ref().is_some_and(|s| {
+            s.conditions.iter().any(|c| c.type_ == crate::conditions::EVICTION_POSSIBLE && c.status == "True")
+        })
+    });
+    match eviction {
+        Eviction::Possible { policy, maxmemory } => {
+            *announced = Some(true);
+            (!before).then(|| PlannedEvent {
+                type_: EventType::Warning,
+                reason: "EvictionPossible",
+                action: "Inspect",
+                note: eviction_message(policy, *maxmemory),
+            })
+        }
+        Eviction::Never => {
+            *announced = Some(false);
+            None
+        }
+        Eviction::Unknown => None,
+    }
 }
 
 /// Each pod's deletion cost: the entries its consumers hold (a consumer is

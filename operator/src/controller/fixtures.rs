@@ -66,6 +66,7 @@ pub fn observed(group: Option<GroupSnapshot>, replicas: Option<i32>) -> Observat
         live_pods: HashSet::from(["orders-worker-a".to_string()]),
         pods: vec![("orders-worker-a".to_string(), None)],
         claimants: Vec::new(),
+        eviction: streamfleet_streams::version::Eviction::Never,
     }
 }
 

@@ -19,6 +19,7 @@ use streamfleet_streams::health::GroupSnapshot;
 use streamfleet_streams::payload_loss::{self, PayloadLoss};
 use streamfleet_streams::recovery::RecoveryReport;
 use streamfleet_streams::retention::{self, StreamId};
+use streamfleet_streams::version::Eviction;
 use streamfleet_streams::{Endpoint, Mode, StreamConnection};
 
 /// Everything one reconcile knows about the world.
@@ -44,6 +45,8 @@ pub struct Observation {
     pub pods: Vec<(String, Option<String>)>,
     /// Other resources naming the same stream and group on the same Redis.
     pub claimants: Vec<Claimant>,
+    /// Whether the server may evict keys (read at most once a minute).
+    pub eviction: Eviction,
 }
 
 /// Where a retention policy wants to trim, and how low it safely may.
@@ -62,7 +65,7 @@ pub async fn observe(
 ) -> Result<(StreamConnection, Observation), Error> {
     let endpoint = resolve_endpoint(ctx, scg).await?;
     ctx.remember_endpoint(scg, &endpoint);
-    let conn = ctx.connections.get(&endpoint).await?;
+    let (conn, eviction) = ctx.connections.get_checked(&endpoint).await?;
     // Every shard at once: the requests share the multiplexed connection,
     // so each node gets them pipelined, and a poll costs about one shard's
     // round trips however many shards there are.
@@ -99,6 +102,7 @@ pub async fn observe(
         live_pods: pods.iter().flat_map(|(name, uid)| crate::reaper::identities(name, uid.as_deref())).collect(),
         pods,
         claimants: ctx.claimants(scg, &endpoint),
+        eviction,
     };
     Ok((conn, observation))
 }

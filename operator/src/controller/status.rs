@@ -17,6 +17,7 @@ use streamfleet_crd::{
 };
 use streamfleet_streams::health::{Delay, GroupSnapshot, Lag};
 use streamfleet_streams::retention::{Retention, StreamId};
+use streamfleet_streams::version::Eviction;
 
 const MANAGER_STATUS: &str = "streamfleet-status";
 
@@ -88,6 +89,17 @@ pub fn converged(
              minute ahead of the server's clock): the delay cannot be read from IDs; lag and pending still hold",
         ),
         Delay::Known(_) => status.conditions.retain(|c| c.type_ != conditions::DELAY_UNKNOWN),
+    }
+    match &plan.eviction {
+        Eviction::Possible { policy, maxmemory } => set(
+            &mut status,
+            conditions::EVICTION_POSSIBLE,
+            true,
+            "MaxmemoryPolicy",
+            &super::decide::eviction_message(policy, *maxmemory),
+        ),
+        // Never, or not known this minute: nothing to claim.
+        Eviction::Never | Eviction::Unknown => status.conditions.retain(|c| c.type_ != conditions::EVICTION_POSSIBLE),
     }
     status.health = Some(plan.health);
     if plan.last_recovery.is_some() {
@@ -250,8 +262,13 @@ pub fn failed(scg: &StreamConsumerGroup, error: &Error, now: &Time) -> StreamCon
     status.health = Some(Health::Unknown);
     // Unknown, not the last good verdict.
     status.conditions.retain(|c| {
-        ![conditions::RETENTION_BLOCKED, conditions::DEAD_LETTER_CAP_REACHED, conditions::DELAY_UNKNOWN]
-            .contains(&c.type_.as_str())
+        ![
+            conditions::RETENTION_BLOCKED,
+            conditions::DEAD_LETTER_CAP_REACHED,
+            conditions::DELAY_UNKNOWN,
+            conditions::EVICTION_POSSIBLE,
+        ]
+        .contains(&c.type_.as_str())
     });
     set_figures(&mut status, None);
     status

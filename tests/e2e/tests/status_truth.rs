@@ -291,3 +291,46 @@ async fn steady_arrivals_read_as_entries_in_and_out_per_second() -> Result<()> {
     assert!(arrival.is_some_and(near), "streamfleet_arrival_rate {arrival:?}");
     Ok(())
 }
+
+/// A Redis that may evict keys when its memory is full (a `maxmemory-policy`
+/// other than `noeviction`) can drop a stream with its groups and every
+/// pending entry: the resource says so with a condition and one Warning,
+/// and stops saying so within a check (a minute) of the policy being fixed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_may_evict_keys_is_a_condition_and_a_warning_until_fixed() -> Result<()> {
+    let f = Fixture::start_with_redis("e2e-evict", &[], &["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"])
+        .await?;
+    let (client, ns) = (f.client.clone(), f.ns.name.clone());
+    let records = tempfile::tempdir()?;
+    let spec = "  scaling: {minReplicas: 1, maxReplicas: 1, pollIntervalSeconds: 2}";
+    f.apply(&recording_manifest("p", "orders", "billing", &records.path().display().to_string(), spec)).await?;
+    let scg = wait_condition(&client, &ns, "p", "EvictionPossible", "True", Some("MaxmemoryPolicy"), T).await?;
+    let status = scg.status.unwrap();
+    let condition = status.conditions.iter().find(|c| c.type_ == "EvictionPossible").unwrap();
+    assert!(
+        condition.message.contains("allkeys-lru") && condition.message.contains("noeviction"),
+        "{}",
+        condition.message
+    );
+    // The pipeline still runs: a warning, not a refusal.
+    let scgs: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), &ns);
+    eventually("Healthy and Ready", T, || async {
+        let s = scgs.get("p").await?.status.unwrap_or_default();
+        let ready = s.conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True");
+        Ok((ready && s.health == Some(Health::Healthy)).then_some(()))
+    })
+    .await?;
+    assert_eq!(event_count(&client, &ns, "p", "EvictionPossible").await?, 1, "one Warning, not one per poll");
+
+    let mut conn = f.redis.connection().await?;
+    let () = redis::cmd("CONFIG").arg("SET").arg("maxmemory-policy").arg("noeviction").query_async(&mut conn).await?;
+    let fixed = Instant::now();
+    eventually("the condition gone", Duration::from_secs(60 + 30), || async {
+        let s = scgs.get("p").await?.status.unwrap_or_default();
+        Ok((!s.conditions.iter().any(|c| c.type_ == "EvictionPossible")).then_some(()))
+    })
+    .await?;
+    println!("condition gone {:.0}s after the policy was fixed", fixed.elapsed().as_secs_f64());
+    assert_eq!(event_count(&client, &ns, "p", "EvictionPossible").await?, 1);
+    Ok(())
+}
