@@ -11,7 +11,53 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 start=$(date +%s)
-step() { printf '\n==> %s (%ss)\n' "$*" "$(( $(date +%s) - start ))" >&2; }
+# What was there before this run: a fresh clone has no target/, and the
+# Go-built tools come from ~/.cache/streamfleet once built.
+if [ -d target/debug ]; then target_state=kept; else target_state=fresh; fi
+if [ -n "$(find "${STREAMFLEET_CACHE:-$HOME/.cache/streamfleet}/tools" -mindepth 1 -maxdepth 1 2>/dev/null | head -n 1)" ]; then
+  tools_state=cached
+else
+  tools_state=built
+fi
+steps=()
+step() {
+  steps+=("$(( $(date +%s) - start ))	$*")
+  printf '\n==> %s (%ss)\n' "$*" "$(( $(date +%s) - start ))" >&2
+}
+# Writes the run's step timings to target/figures/$1.json (docs-figures.sh
+# copies it to docs/figures/ and docs/benchmarks.md shows it): the test
+# command's time is measured by the test command, never typed.
+record_timings() {
+  STEPS=$(printf '%s\n' "${steps[@]}") python3 - "$1" "$2" "$target_state" "$tools_state" <<'PY'
+import json, os, pathlib, subprocess, sys
+name, what, target, tools = sys.argv[1:5]
+marks = [line.split("\t", 1) for line in os.environ["STEPS"].splitlines() if line]
+rows = [[label, int(marks[i + 1][0]) - int(at)] for i, (at, label) in enumerate(marks[:-1])]
+total = int(marks[-1][0])
+def out(*cmd):
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else ""
+dirty = out("git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/figures") != ""
+cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "unknown CPU")
+mem = next(int(l.split()[1]) for l in open("/proc/meminfo") if l.startswith("MemTotal:")) // 1024 // 1024
+figure = {
+    "what": what,
+    "settings": {"target/ before the run": target, "Go-built tools": tools, "RUST_TEST_THREADS": os.environ.get("RUST_TEST_THREADS", "4")},
+    "columns": ["step", "seconds"],
+    "rows": rows,
+    "summary": f"{total // 60} min {total % 60} s in all (target/ {target}, tools {tools})",
+    "environment": {
+        "commit": out("git", "rev-parse", "--short=12", "HEAD") + ("-dirty" if dirty else ""),
+        "date": out("date", "-u", "+%Y-%m-%d"),
+        "machine": f"{os.cpu_count()} cores ({cpu}), {mem} GiB",
+    },
+}
+path = pathlib.Path("target/figures") / f"{name}.json"
+path.parent.mkdir(parents=True, exist_ok=True)
+path.write_text(json.dumps(figure, indent=2, ensure_ascii=False) + "\n")
+print(f"timings written to {path}", file=sys.stderr)
+PY
+}
 
 step "install Debian packages"
 bash scripts/install-deps.sh
@@ -27,6 +73,7 @@ if [[ "${1:-}" == "--quick" ]]; then
     -p streamfleet-worker -p streamfleet-operator -p streamfleet-images -p streamfleet-bench
   cargo test --locked -p streamfleet-testbed --lib --test redis
   step "done (quick tier: no control plane, no end-to-end tests)"
+  record_timings test-command-quick "The quick tier (bash scripts/test.sh --quick): fmt, clippy, unit and Redis-level integration tests, no control plane; seconds per step"
   exit 0
 fi
 step "build control-plane tools (cached after the first run)"
@@ -80,3 +127,4 @@ RUST_TEST_THREADS=${RUST_TEST_THREADS:-4} cargo test -p streamfleet-streams -p s
 RUST_TEST_THREADS=${RUST_TEST_THREADS:-4} cargo test -p streamfleet-e2e --test pipeline --locked
 unset STREAMFLEET_REDIS_SERVER STREAMFLEET_EXPECT_SERVER
 step "done"
+record_timings test-command "The test command (bash scripts/test.sh, what CI runs): seconds per step"
