@@ -8,6 +8,10 @@
 # and the unit and Redis-level integration tests (real redis-server and
 # Redis Cluster; every crate but the end-to-end ones).
 set -euo pipefail
+case "${1:-}" in
+  "" | --quick) ;;
+  *) echo "usage: bash scripts/test.sh [--quick]" >&2; exit 2 ;;
+esac
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 start=$(date +%s)

@@ -76,15 +76,16 @@ redis.call('ZADD', KEYS[3], string.format('%.0f', math.min(tonumber(ARGV[4]), 20
 return delay
 """
 
-# Rule 10. KEYS: stream, due-time index, entry records. ARGV: group,
-# consumer, count, then T(1), T(2), ... ms (the last serves every higher
-# count). Claims parked entries that are due. Per delivery count n whose
+# Rule 10. KEYS: stream, due-time index, its cursors. ARGV: group, consumer,
+# count, then T(1), T(2), ... ms (the last serves every higher count).
+# Claims parked entries that are due. From each delivery count n whose
 # range of the index (scores n * 2^42 ...) holds as many IDs as its parking
-# consumer holds entries: the IDs scored up to n * 2^42 + now - T(n), each
-# checked against the PEL (not parked: dropped; else re-scored to what the
-# PEL says unless due). Otherwise a scan (XPENDING IDLE T(n)), and 1,000 of
-# that consumer's entries indexed from a cursor. One whose payload is gone
-# is left to a Rust claimer or the sweep, which record it lost.
+# consumer holds entries: the IDs scored up to n * 2^42 + now - T(n), most
+# overdue first across ranges, each checked against the PEL (not parked:
+# dropped; else re-scored to what the PEL says unless due). Otherwise a scan
+# (XPENDING IDLE T(n)), and 1,000 of that consumer's entries indexed from a
+# cursor. One whose payload is gone is left to a Rust claimer or the sweep,
+# which record it lost.
 CLAIM_DUE = """
 local SPAN = 4398046511104
 local function bucket(n) return math.min(n, 2047) end
@@ -106,50 +107,57 @@ for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
     table.insert(ranges[b].parking, {info['name'], n})
   end
 end
-if parked == 0 then redis.call('DEL', KEYS[2]) end
-local function take(p)
+if parked == 0 then redis.call('DEL', KEYS[2], KEYS[3]) end
+local function take(p, later)
   if #redis.call('XRANGE', KEYS[1], p[1], p[1]) > 0 then
     redis.call('ZREM', KEYS[2], p[1])
     due[#due + 1] = p[1]
-    return true
+  elseif later then
+    -- Payload gone: behind the others, still indexed for a Rust claimer.
+    redis.call('ZADD', KEYS[2], later, p[1])
   end
-  return false
 end
-local looked = 0
+local covered, looked = {}, 0
 for _, b in ipairs(order) do
   local low = b * SPAN
   if redis.call('ZCOUNT', KEYS[2], low, low + SPAN - 1) >= ranges[b].pending then
-    local high = string.format('%.0f', low + now - threshold(b))
-    local from = 0
-    while #due < want and looked < 10 * want do
-      local ids = redis.call('ZRANGEBYSCORE', KEYS[2], low, high, 'LIMIT', from, want - #due)
-      if #ids == 0 then break end
-      for _, id in ipairs(ids) do
-        looked = looked + 1
-        local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)[1]
-        local n = p and parked_count(p[2])
-        if not n then
-          redis.call('ZREM', KEYS[2], id)
-        elseif bucket(n) == b and p[3] >= threshold(n) then
-          -- A payload gone stays (a Rust claimer records it lost): skip it.
-          if not take(p) then from = from + 1 end
-        else
-          redis.call('ZADD', KEYS[2], score(n, now - p[3]), id)
-        end
-      end
-    end
+    covered[#covered + 1] = b
   else
     for _, c in ipairs(ranges[b].parking) do
-      local field = 'retry-index:' .. c[2]
+      local field = tostring(c[2])
       local cursor = redis.call('HGET', KEYS[3], field)
       local page = redis.call('XPENDING', KEYS[1], ARGV[1], cursor and ('(' .. cursor) or '-', '+', 1000, c[1])
-      for _, p in ipairs(page) do redis.call('ZADD', KEYS[2], 'NX', score(c[2], now - p[3]), p[1]) end
+      for _, p in ipairs(page) do redis.call('ZADD', KEYS[2], score(c[2], now - p[3]), p[1]) end
       if #page < 1000 then redis.call('HDEL', KEYS[3], field) else redis.call('HSET', KEYS[3], field, page[#page][1]) end
       if #due < want then
         for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', threshold(c[2]), '-', '+', want - #due, c[1])) do
           take(p)
         end
       end
+    end
+  end
+end
+while #due < want and looked < 10 * want and #covered > 0 do
+  local cands = {}
+  for _, b in ipairs(covered) do
+    local low = b * SPAN
+    local high = low + now - threshold(b)
+    local page = redis.call('ZRANGEBYSCORE', KEYS[2], low, string.format('%.0f', high), 'WITHSCORES', 'LIMIT', 0, want - #due)
+    for i = 1, #page, 2 do cands[#cands + 1] = {page[i], b, high - tonumber(page[i + 1])} end
+  end
+  if #cands == 0 then break end
+  table.sort(cands, function(x, y) return x[3] > y[3] end)
+  for _, d in ipairs(cands) do
+    if #due >= want or looked >= 10 * want then break end
+    looked = looked + 1
+    local p = redis.call('XPENDING', KEYS[1], ARGV[1], d[1], d[1], 1)[1]
+    local n = p and parked_count(p[2])
+    if not n then
+      redis.call('ZREM', KEYS[2], d[1])
+    elseif bucket(n) == d[2] and p[3] >= threshold(n) then
+      take(p, score(n, now))
+    else
+      redis.call('ZADD', KEYS[2], score(n, now - p[3]), d[1])
     end
   end
 end
@@ -325,6 +333,9 @@ class Worker:
     def retry_due(self, stream):
         return companion(stream, f"retry-due:{self.group}")
 
+    def retry_cursors(self, stream):
+        return companion(stream, f"retry-index:{self.group}")
+
     def settle(self, stream, entry_id, fields, deliveries):
         # Rule 8: a replay addressed to another group is acked unrun.
         replay_for = fields.get(b"streamfleet.replay-for")
@@ -378,7 +389,7 @@ class Worker:
         """Rule 10: parked entries whose retry is due."""
         thresholds = [self.schedule.threshold(n) for n in range(1, max(self.max_deliveries, 1) + 1)]
         while not self.stopping:
-            claimed = self.claim_due(keys=[stream, self.retry_due(stream), self.records(stream)], args=[self.group, self.consumer, self.batch] + thresholds)
+            claimed = self.claim_due(keys=[stream, self.retry_due(stream), self.retry_cursors(stream)], args=[self.group, self.consumer, self.batch] + thresholds)
             claimed = [(e[0], dict(zip(e[1][::2], e[1][1::2]))) for e in claimed]
             if claimed:
                 counts = self.delivery_counts(stream, claimed)

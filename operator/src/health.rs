@@ -253,19 +253,12 @@ mod tests {
             pending,
             entries_read: Some(10),
             entries_added: None,
-            server_ms: 0,
             last_delivered_id: "10-0".into(),
             oldest_pending_idle_ms: (pending > 0).then_some(1_000),
             max_delivery_count: (pending > 0).then_some(1),
             consumers: vec![ConsumerState { name: "w".into(), pending, idle_ms: 100 }],
-            before_oldest_pending: None,
             stream_length: 100,
-            dead_letter_length: 0,
-            retrying: 0,
-            parked: Vec::new(),
-            delay: Delay::Known(0),
-            oldest_unfinished_ms: None,
-            working_delay: Delay::Known(0),
+            ..GroupSnapshot::default()
         }
     }
 

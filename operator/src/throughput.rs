@@ -104,7 +104,7 @@ impl ThroughputMemory {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use streamfleet_streams::health::{Delay, Lag};
+    use streamfleet_streams::health::Lag;
 
     fn snap(at_ms: u64, added: u64, lag: Lag, pending: u64) -> Option<GroupSnapshot> {
         Some(GroupSnapshot {
@@ -113,18 +113,8 @@ mod tests {
             entries_read: lag.floor().map(|lag| added - lag),
             entries_added: Some(added),
             server_ms: at_ms,
-            last_delivered_id: "0-0".into(),
-            oldest_pending_idle_ms: None,
-            max_delivery_count: None,
-            consumers: Vec::new(),
-            before_oldest_pending: None,
             stream_length: added,
-            dead_letter_length: 0,
-            retrying: 0,
-            parked: Vec::new(),
-            delay: Delay::Known(0),
-            oldest_unfinished_ms: None,
-            working_delay: Delay::Known(0),
+            ..GroupSnapshot::default()
         })
     }
 

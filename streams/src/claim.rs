@@ -219,23 +219,31 @@ pub async fn claimable<C: ConnectionLike + Send>(
 /// back unstarted (`started`). KEYS: stream, server epoch, dead-consumer
 /// registry, alive registry, entry records. ARGV: group, claimer, min idle
 /// ms, deliveries at least, then per entry its ID, idle ms, owner and
-/// delivery count. Returns the IDs claimed. Sent with `EVAL` in a pipeline
+/// delivery count. Returns the IDs claimed, and those among them already
+/// the claimer's (so run twice, by a client re-sending it, it returns them
+/// again rather than nothing). Sent with `EVAL` in a pipeline
 /// ([`claim_justid_command`]), as the dead-letter script is.
 static CLAIM_JUSTID: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
         r"{}{}
         local claimable = claim_rules(KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[3]))
-        local ids = {{}}
+        local ids, mine = {{}}, {{}}
         for j = 5, #ARGV, 4 do
             local id, n = ARGV[j], ARGV[j + 3]
             local counted = tonumber(n)
             if redis.call('HGET', KEYS[5], id .. ':run') == n .. ':back' then counted = counted - 1 end
-            if counted >= tonumber(ARGV[4]) and claimable(ARGV[j + 1], ARGV[j + 2])
+            local held = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)[1]
+            if held and held[2] == ARGV[2] and #redis.call('XRANGE', KEYS[1], id, id) > 0 then
+                -- Already the claimer's (this script run before, its reply lost).
+                mine[#mine + 1] = id
+            elseif counted >= tonumber(ARGV[4]) and claimable(ARGV[j + 1], ARGV[j + 2])
                 and #redis.call('XRANGE', KEYS[1], id, id) > 0 then
                 ids[#ids + 1] = id
             end
         end
-        return xclaim(ARGV[2], ARGV[3], ids, {{ 'JUSTID' }})",
+        local claimed = xclaim(ARGV[2], ARGV[3], ids, {{ 'JUSTID' }})
+        for _, id in ipairs(mine) do claimed[#claimed + 1] = id end
+        return claimed",
         claim_rules_lua(),
         xclaim_lua()
     )
@@ -501,20 +509,21 @@ pub async fn autoclaim<C: ConnectionLike + Send>(
 }
 
 /// Takes parked entries whose retry is due (`retry`), then `XCLAIM`s them
-/// (counted: their delivery ended, so the next counts). Per range of the
-/// due-time index (`retry::INDEX_SPAN_MS`, a delivery count) that holds at
-/// least as many IDs as its parking consumers hold entries: the IDs whose
-/// idle time reached the threshold, by score, each checked against the PEL
-/// (not parked any more: dropped; parked at another count or since another
-/// time: re-scored to what the PEL says), at most ten IDs looked at per
-/// entry wanted. A range holding fewer (entries parked without the index:
-/// an older worker, the index lost) is served by `XPENDING … IDLE
-/// <threshold(n)> … streamfleet:retry:<n>` (a scan of that consumer's
-/// entries), and 1,000 of its entries are indexed per call, from a cursor
-/// kept in the entry records (`retry-index:<n>`). Nothing parked: the index
-/// holds only stale IDs and is dropped. Payloads gone meanwhile are
-/// recorded lost. KEYS: stream, dead-letter stream, loss count, loss IDs,
-/// entry records, due-time index. ARGV[4] claimer, ARGV[5] count, then the
+/// (counted: their delivery ended, so the next counts). From the ranges of
+/// the due-time index (`retry::INDEX_SPAN_MS`, one per delivery count) that
+/// hold at least as many IDs as their parking consumers hold entries: the
+/// IDs whose idle time reached the threshold, most overdue first across
+/// ranges, each checked against the PEL (not parked any more: dropped;
+/// parked at another count or since another time: re-scored to what the
+/// PEL says), at most ten IDs looked at per entry wanted. A range holding
+/// fewer (entries parked without the index: an older worker, the index
+/// lost) is served by `XPENDING … IDLE <threshold(n)> …
+/// streamfleet:retry:<n>` (a scan of that consumer's entries), and 1,000 of
+/// its entries are indexed per call from a cursor per delivery count (the
+/// cursor hash). Nothing parked: the index and cursors hold only stale
+/// IDs and are dropped. Payloads gone meanwhile are recorded lost. KEYS:
+/// stream, dead-letter stream, loss count, loss IDs, entry records,
+/// due-time index, its cursors. ARGV[4] claimer, ARGV[5] count, then the
 /// thresholds (ms) for deliveries 1, 2, … (the last one serves every
 /// higher count). Returns the claimed entries, the lost IDs, the delivery
 /// and crash counts, how many entries stay parked, and 1 when the index
@@ -557,42 +566,26 @@ static CLAIM_DUE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(
             end
         end
         local function reindex(c)
-            local field = 'retry-index:' .. c.n
-            local from = redis.call('HGET', KEYS[5], field)
+            local field = tostring(c.n)
+            local from = redis.call('HGET', KEYS[7], field)
             local page = redis.call('XPENDING', KEYS[1], ARGV[1], from and ('(' .. from) or '-', '+', 1000, c.name)
             for _, p in ipairs(page) do
-                redis.call('ZADD', KEYS[6], 'NX', index_score(c.n, now - p[3]), p[1])
+                redis.call('ZADD', KEYS[6], index_score(c.n, now - p[3]), p[1])
             end
             if #page < 1000 then
-                redis.call('HDEL', KEYS[5], field)
+                redis.call('HDEL', KEYS[7], field)
             else
-                redis.call('HSET', KEYS[5], field, page[#page][1])
+                redis.call('HSET', KEYS[7], field, page[#page][1])
             end
         end
         if parked == 0 then
-            redis.call('DEL', KEYS[6])
+            redis.call('DEL', KEYS[6], KEYS[7])
         end
-        local indexed, looked = 1, 0
+        local indexed, looked, covered = 1, 0, {{}}
         for _, b in ipairs(order) do
             local low = b * INDEX_SPAN
             if redis.call('ZCOUNT', KEYS[6], low, low + INDEX_SPAN - 1) >= ranges[b].pending then
-                local high = string.format('%.0f', low + now - threshold(b))
-                while left() > 0 and looked < 10 * want do
-                    local ids = redis.call('ZRANGEBYSCORE', KEYS[6], low, high, 'LIMIT', 0, left())
-                    if #ids == 0 then break end
-                    for _, id in ipairs(ids) do
-                        looked = looked + 1
-                        local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)[1]
-                        local n = p and parked_count(p[2])
-                        if not n then
-                            redis.call('ZREM', KEYS[6], id)
-                        elseif bucket(n) == b and p[3] >= threshold(n) then
-                            found(p)
-                        else
-                            redis.call('ZADD', KEYS[6], index_score(n, now - p[3]), id)
-                        end
-                    end
-                end
+                covered[#covered + 1] = b
             else
                 indexed = 0
                 for _, c in ipairs(ranges[b].parking) do
@@ -602,6 +595,35 @@ static CLAIM_DUE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(
                         local page = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', threshold(c.n), '-', '+', left(), c.name)
                         for _, p in ipairs(page) do found(p) end
                     end
+                end
+            end
+        end
+        -- The due IDs of every covered range, most overdue first: each ID
+        -- looked at leaves its range (taken, dropped or re-scored later),
+        -- so a second round sees only new ones.
+        while left() > 0 and looked < 10 * want and #covered > 0 do
+            local due = {{}}
+            for _, b in ipairs(covered) do
+                local low = b * INDEX_SPAN
+                local high = low + now - threshold(b)
+                local page = redis.call('ZRANGEBYSCORE', KEYS[6], low, string.format('%.0f', high), 'WITHSCORES', 'LIMIT', 0, left())
+                for i = 1, #page, 2 do
+                    due[#due + 1] = {{ id = page[i], b = b, late = high - tonumber(page[i + 1]) }}
+                end
+            end
+            if #due == 0 then break end
+            table.sort(due, function(x, y) return x.late > y.late end)
+            for _, d in ipairs(due) do
+                if left() <= 0 or looked >= 10 * want then break end
+                looked = looked + 1
+                local p = redis.call('XPENDING', KEYS[1], ARGV[1], d.id, d.id, 1)[1]
+                local n = p and parked_count(p[2])
+                if not n then
+                    redis.call('ZREM', KEYS[6], d.id)
+                elseif bucket(n) == d.b and p[3] >= threshold(n) then
+                    found(p)
+                else
+                    redis.call('ZADD', KEYS[6], index_score(n, now - p[3]), d.id)
                 end
             end
         end
@@ -646,6 +668,7 @@ pub async fn claim_due<C: ConnectionLike + Send>(
     script
         .key(crate::keys::last_error_key(stream, group))
         .key(crate::keys::retry_due_key(stream, group))
+        .key(crate::keys::retry_index_cursor_key(stream, group))
         .arg(consumer)
         .arg(count);
     for n in 1..=max_deliveries.clamp(1, 1_000) {

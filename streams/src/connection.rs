@@ -165,12 +165,23 @@ impl Connections {
         &self,
         endpoint: &Endpoint,
     ) -> Result<(StreamConnection, crate::version::Eviction), StreamError> {
-        let cached = self.by_endpoint.lock().await.get(endpoint).cloned();
-        let mut conn = match cached {
-            Some(shared) if shared.checked.elapsed() < EVICTION_CHECK_EVERY => {
-                return Ok((shared.conn, shared.eviction));
+        let cached = {
+            let mut map = self.by_endpoint.lock().await;
+            match map.get_mut(endpoint) {
+                Some(shared) if shared.checked.elapsed() < EVICTION_CHECK_EVERY => {
+                    return Ok((shared.conn.clone(), shared.eviction.clone()));
+                }
+                // Due: this caller reads it again; the others meanwhile use
+                // what is known (one INFO per endpoint, not one per caller).
+                Some(shared) => {
+                    shared.checked = std::time::Instant::now();
+                    Some(shared.clone())
+                }
+                None => None,
             }
-            Some(shared) => shared.conn,
+        };
+        let (mut conn, known) = match cached {
+            Some(shared) => (shared.conn, Some(shared.eviction)),
             None => {
                 // Connect outside the lock: one slow endpoint must not block the others.
                 let mut conn = StreamConnection::connect(endpoint).await?;
@@ -179,10 +190,15 @@ impl Connections {
                 if let Some(version) = crate::version::server_version(&mut conn).await?.filter(|v| !v.is_supported()) {
                     return Err(StreamError::unsupported(version));
                 }
-                conn
+                (conn, None)
             }
         };
-        let eviction = crate::version::server_eviction(&mut conn).await.unwrap_or(crate::version::Eviction::Unknown);
+        // A failed read keeps what was known: a setting, not a figure, and
+        // it does not change because one read failed.
+        let eviction = match crate::version::server_eviction(&mut conn).await {
+            Ok(read) => read,
+            Err(_) => known.unwrap_or(crate::version::Eviction::Unknown),
+        };
         let mut map = self.by_endpoint.lock().await;
         let shared = map.entry(endpoint.clone()).or_insert(Shared {
             conn,
@@ -190,7 +206,6 @@ impl Connections {
             checked: std::time::Instant::now(),
         });
         shared.eviction = eviction;
-        shared.checked = std::time::Instant::now();
         Ok((shared.conn.clone(), shared.eviction.clone()))
     }
 

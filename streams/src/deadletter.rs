@@ -60,23 +60,31 @@ impl Reason {
 /// `redis.call` stops the script there (Redis does not undo what ran): every
 /// entry before it is dead-lettered and acked, the failing one neither acked
 /// nor lost, the rest untouched. (A MULTI would ack even when the XADD failed.)
-/// KEYS: dead-letter stream, stream, last-error hash, payload-lost count and
-/// IDs. ARGV: group, last index of the kept lost IDs, then per entry: its
-/// ID, lost (1/0), the number of field and value arguments, and those.
+/// An entry flagged `p` is dead-lettered only while it is still pending: run
+/// again (a client re-sending after a lost reply, the sweep and a claim both
+/// finding one lost payload) it writes no second letter and counts no second
+/// loss; its ID comes back empty. KEYS: dead-letter stream, stream,
+/// last-error hash, payload-lost count and IDs. ARGV: group, last index of
+/// the kept lost IDs, then per entry: its ID, its flags (`l` lost, `p` only
+/// while pending), the number of field and value arguments, and those.
 /// Sent as `EVAL` (Redis caches the compiled script; one per batch), so it
 /// rides in a pipeline on a cluster too.
 const DEAD_LETTER: &str = r"
     local ids = {}
     local i = 3
     while i <= #ARGV do
-        local id, lost, n = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
-        ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, i + 3, i + 2 + n))
-        redis.call('XACK', KEYS[2], ARGV[1], id)
-        redis.call('HDEL', KEYS[3], id, id .. ':run', id .. ':crashes', id .. ':since')
-        if lost == '1' then
-            redis.call('HINCRBY', KEYS[4], 'count', 1)
-            redis.call('LPUSH', KEYS[5], id)
-            redis.call('LTRIM', KEYS[5], 0, tonumber(ARGV[2]))
+        local id, flags, n = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+        if string.find(flags, 'p', 1, true) and #redis.call('XPENDING', KEYS[2], ARGV[1], id, id, 1) == 0 then
+            ids[#ids + 1] = ''
+        else
+            ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, i + 3, i + 2 + n))
+            redis.call('XACK', KEYS[2], ARGV[1], id)
+            redis.call('HDEL', KEYS[3], id, id .. ':run', id .. ':crashes', id .. ':since')
+            if string.find(flags, 'l', 1, true) then
+                redis.call('HINCRBY', KEYS[4], 'count', 1)
+                redis.call('LPUSH', KEYS[5], id)
+                redis.call('LTRIM', KEYS[5], 0, tonumber(ARGV[2]))
+            end
         end
         i = i + 3 + n
     end
@@ -89,25 +97,35 @@ pub struct Letter<'a> {
     pub reason: Reason,
     pub error: &'a str,
     pub business_key: Option<&'a str>,
+    /// Write the letter only while the entry is still pending in the group
+    /// (a worker's or the sweep's entries): a repeated call writes none.
+    /// Off for an entry that was never pending (at-most-once delivery).
+    pub while_pending: bool,
 }
 
 /// Moves `entry` to `dead_letter_stream` and acks it, atomically; also drops
 /// its last-error bookkeeping, and records a lost payload in the group's
-/// payload-loss record (`payload_loss`). Returns the dead letter's ID.
+/// payload-loss record (`payload_loss`). Returns the dead letter's ID;
+/// `None` when the letter asked for a pending entry and it no longer was
+/// (already dead-lettered or acknowledged: nothing written).
 pub async fn dead_letter<C: ConnectionLike + Send>(
     conn: &mut C,
     dead_letter_stream: &str,
     entry: &Entry,
     letter: &Letter<'_>,
-) -> Result<String, StreamError> {
+) -> Result<Option<String>, StreamError> {
     let ids: Vec<String> = command(dead_letter_stream, &[(entry, letter)])
         .query_async(conn)
         .await
         .map_err(|e| StreamError::new("dead-lettering an entry", e))?;
-    ids.into_iter().next().ok_or_else(|| {
-        let e = redis::RedisError::from((redis::ErrorKind::UnexpectedReturnType, "no dead letter ID"));
-        StreamError::new("dead-lettering an entry", e)
-    })
+    match ids.into_iter().next() {
+        Some(id) if id.is_empty() => Ok(None),
+        Some(id) => Ok(Some(id)),
+        None => {
+            let e = redis::RedisError::from((redis::ErrorKind::UnexpectedReturnType, "no dead letter ID"));
+            Err(StreamError::new("dead-lettering an entry", e))
+        }
+    }
 }
 
 /// The one command that dead-letters every entry of `letters` (see
@@ -144,7 +162,13 @@ pub fn command(dead_letter_stream: &str, letters: &[(&Entry, &Letter<'_>)]) -> r
         let own: Vec<&(String, Vec<u8>)> = entry.fields.iter().collect();
         let own = crate::entry::field_args(&own);
         let n = 2 * (meta.len() + usize::from(letter.business_key.is_some()) + own.len());
-        cmd.arg(&entry.id).arg(if lost { "1" } else { "0" }).arg(n);
+        let flags = match (lost, letter.while_pending) {
+            (true, true) => "lp",
+            (true, false) => "l",
+            (false, true) => "p",
+            (false, false) => "",
+        };
+        cmd.arg(&entry.id).arg(flags).arg(n);
         for (k, v) in meta {
             cmd.arg(k).arg(v);
         }

@@ -47,6 +47,7 @@ pub async fn destroy_group<C: ConnectionLike + Send>(
         crate::recovery::report_key(stream, group),
         crate::keys::last_error_key(stream, group),
         crate::keys::retry_due_key(stream, group),
+        crate::keys::retry_index_cursor_key(stream, group),
         crate::keys::dead_consumers_key(stream, group),
         crate::keys::alive_key(stream, group),
         crate::keys::suppressed_key(stream, group),

@@ -136,7 +136,8 @@ pub struct ConsumerState {
     pub idle_ms: u64,
 }
 
-/// One inspection of a group.
+/// One inspection of a group. The default is an empty group at rest (no
+/// entry, nothing pending, lag and delay 0): what fixtures start from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GroupSnapshot {
     pub lag: Lag,
@@ -173,6 +174,30 @@ pub struct GroupSnapshot {
     /// The same, leaving out entries parked for a retry: the lateness more
     /// workers could shorten.
     pub working_delay: Delay,
+}
+
+impl Default for GroupSnapshot {
+    fn default() -> Self {
+        GroupSnapshot {
+            lag: Lag::Known(0),
+            pending: 0,
+            entries_read: Some(0),
+            entries_added: Some(0),
+            server_ms: 0,
+            last_delivered_id: "0-0".into(),
+            oldest_pending_idle_ms: None,
+            max_delivery_count: None,
+            consumers: Vec::new(),
+            before_oldest_pending: None,
+            stream_length: 0,
+            dead_letter_length: 0,
+            retrying: 0,
+            parked: Vec::new(),
+            delay: Delay::Known(0),
+            oldest_unfinished_ms: None,
+            working_delay: Delay::Known(0),
+        }
+    }
 }
 
 /// The entries parked after failing at one delivery count (`retry`).

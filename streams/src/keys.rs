@@ -40,6 +40,12 @@ pub fn retry_due_key(stream: &str, group: &str) -> String {
     companion_key(stream, &format!("retry-due:{group}"))
 }
 
+/// Where re-indexing parked entries missing from the due-time index got to,
+/// per delivery count (a hash: field the count, value the last ID indexed).
+pub fn retry_index_cursor_key(stream: &str, group: &str) -> String {
+    companion_key(stream, &format!("retry-index:{group}"))
+}
+
 /// The sorted set of consumers of `group` declared dead (member: consumer
 /// name, score: when, in ms). Their idempotency-guard marks are void, so a
 /// live worker may take over an entry they held without waiting them out.

@@ -53,10 +53,13 @@ pub const F_REPLAY_OF: &str = "streamfleet.replay-of";
 /// check the guard, then the new entry's fields and values. An event
 /// completed since is not replayed. A `processing` lock is cleared only when
 /// its owner was declared dead: a live holder's lock stands (the replay
-/// waits). Returns {1, new ID}, or {0, why}.
+/// waits). A letter no longer there (replayed or purged since it was read,
+/// or this script run a second time by a client re-sending it) is not
+/// requeued again. Returns {1, new ID}, or {0, why}.
 static REPLAY: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         r"
+        if #redis.call('XRANGE', KEYS[2], ARGV[1], ARGV[1]) == 0 then return {0, 'gone'} end
         if ARGV[2] == '1' then
             if redis.call('GET', KEYS[5]) == 'completed' then return {0, 'completed'} end
             local mark = redis.call('GET', KEYS[3])
@@ -155,6 +158,13 @@ pub async fn replay<C: ConnectionLike + Send>(
         }
         let (done, detail): (u8, String) =
             script.invoke_async(conn).await.map_err(|e| StreamError::new("replaying a dead letter", e))?;
+        if done == 0 && detail == "gone" {
+            out.push(Replayed::Skipped {
+                dead_letter_id: id,
+                why: "no longer in the dead-letter stream: replayed or purged since it was read".into(),
+            });
+            continue;
+        }
         if done == 0 {
             out.push(Replayed::Skipped {
                 dead_letter_id: id,

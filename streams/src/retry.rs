@@ -234,13 +234,20 @@ pub enum Parked {
 /// ARGV[4] owner, ARGV[5] ID, ARGV[6] delivery count, ARGV[7] error,
 /// ARGV[8] parking consumer, ARGV[9] its threshold ms, ARGV[10] delay ms,
 /// ARGV[11] retryFor ms (0: none). Owner-checked: an entry another
-/// consumer took since is left alone, its records too. Returns the delay
-/// (ms) it was parked for, -1 past the horizon, -2 not ours, -3 lost.
+/// consumer took since is left alone, its records too; one already parked
+/// at this delivery (the script run twice) is left as it is. Returns the
+/// delay (ms) it was parked for (or has left), -1 past the horizon, -2 not
+/// ours, -3 lost.
 static PARK: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(&format!(
         r"{}{}{}
         local id = ARGV[5]
         local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)[1]
+        if p and p[2] == ARGV[8] and p[4] == tonumber(ARGV[6]) then
+            -- Parked already, at this delivery (this script run before, its
+            -- reply lost): what is left of its delay.
+            return math.max(0, tonumber(ARGV[9]) - p[3])
+        end
         if p == nil or p[2] ~= ARGV[4] then return -2 end
         if #redis.call('XRANGE', KEYS[1], id, id) == 0 then
             lost(id, p[2], KEYS[5])

@@ -157,6 +157,7 @@ pub async fn sweep<C: ConnectionLike + Send>(
                 reason: Reason::PayloadMissing,
                 error: "payload trimmed or deleted while pending",
                 business_key: None,
+                while_pending: true,
             })
             .collect();
         if !lost.is_empty() {
@@ -224,6 +225,7 @@ pub async fn sweep<C: ConnectionLike + Send>(
                 reason: Reason::MaxDeliveries,
                 error,
                 business_key: None,
+                while_pending: true,
             })
             .collect();
         if !taken.is_empty() {

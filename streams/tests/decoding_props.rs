@@ -279,7 +279,7 @@ const SHAPED: &[(&str, &[Shape])] = {
         ("consumers::delete_if_empty", &[Int]),
         ("dlq::cap", &[Int]),
         ("dlq::purge", &[Int]),
-        ("destroy_group", &[Int, Int, Int, Int, Int, Int, Int, Int, Int]),
+        ("destroy_group", &[Int, Int, Int, Int, Int, Int, Int, Int, Int, Int]),
     ]
 };
 
@@ -380,7 +380,7 @@ fn runner(cases: u32) -> TestRunner {
 }
 
 fn letter(reason: Reason) -> Letter<'static> {
-    Letter { group: "g", consumer: "c1", reason, error: "boom", business_key: Some("k") }
+    Letter { group: "g", consumer: "c1", reason, error: "boom", business_key: Some("k"), while_pending: false }
 }
 
 /// Runs every reply-reading function of the crate, each against the

@@ -159,8 +159,15 @@ async fn replay_requeues_original_fields_and_removes_the_dead_letter() -> Result
         };
         let entry = Entry { stream: "orders".into(), id, fields, deliveries: 1, crashes: 0 };
         let key = format!("o{i}");
-        let letter = dl::Letter { group: "g", consumer: "w", reason, error: "no", business_key: Some(&key) };
-        dead.push(dl::dead_letter(&mut conn, "{orders}:dead", &entry, &letter).await?);
+        let letter = dl::Letter {
+            group: "g",
+            consumer: "w",
+            reason,
+            error: "no",
+            business_key: Some(&key),
+            while_pending: false,
+        };
+        dead.push(dl::dead_letter(&mut conn, "{orders}:dead", &entry, &letter).await?.unwrap());
     }
     let before: usize = conn.xlen("orders").await?;
 
@@ -221,8 +228,9 @@ async fn replay_clears_only_a_dead_owners_mark() -> Result<()> {
             reason: dl::Reason::Permanent,
             error: "no",
             business_key: Some(key),
+            while_pending: false,
         };
-        letters_by_key.push(dl::dead_letter(&mut conn, "{orders}:dead", &entry, &letter).await?);
+        letters_by_key.push(dl::dead_letter(&mut conn, "{orders}:dead", &entry, &letter).await?.unwrap());
     }
     let _: () = conn.set("{orders}:idem:g:alive", "processing:live-1:7").await?;
     let _: () = conn.set("{orders}:idem:g:gone", "processing:dead-1:8").await?;

@@ -222,6 +222,39 @@ async fn due_claims_read_the_index_and_the_pel_stays_the_truth() -> Result<()> {
     Ok(())
 }
 
+/// When more entries are due than a claim takes, the most overdue go first,
+/// whatever their delivery count (the parking consumers come in name order:
+/// `streamfleet:retry:10` before `streamfleet:retry:2`).
+#[tokio::test]
+async fn the_most_overdue_retries_are_taken_first_across_delivery_counts() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    ensure_group(&mut conn, "s", "g", "0").await?;
+    let a: String = conn.xadd("s", "*", &[("i", "a")]).await?;
+    let b: String = conn.xadd("s", "*", &[("i", "b")]).await?;
+    let opts = StreamReadOptions::default().group("g", "w").count(2);
+    let _: StreamReadReply = conn.xread_options(&["s"], &[">"], &opts).await?;
+    let hour = Schedule {
+        backoff: Backoff::Fixed,
+        initial: Duration::from_secs(3600),
+        max: Duration::from_secs(3600),
+        jitter_percent: 0,
+        retry_for: None,
+    };
+    // Both due 1 s after parking (their retryFor horizon): a at delivery 2,
+    // then b at delivery 10, 600 ms later.
+    let soon = Schedule { retry_for: Some(Duration::from_secs(1)), ..hour.clone() };
+    park(&mut conn, &entry(&a, 2), "g", "w", &LOSS, &soon, "down", 0.0).await?;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    park(&mut conn, &entry(&b, 10), "g", "w", &LOSS, &soon, "down", 0.0).await?;
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let first = claim_due(&mut conn, "s", "g", "x", &LOSS, &hour, 10, 1).await?;
+    let second = claim_due(&mut conn, "s", "g", "x", &LOSS, &hour, 10, 1).await?;
+    let taken: Vec<&str> = first.entries.iter().chain(&second.entries).map(|e| e.id.as_str()).collect();
+    assert_eq!(taken, vec![a.as_str(), b.as_str()], "the longer overdue first");
+    Ok(())
+}
+
 /// The recovery sweep leaves an entry waiting for its retry alone, even one
 /// whose delivery count reached its `maxDeliveries` (lowered since it was
 /// parked): its next delivery decides, not the sweep.

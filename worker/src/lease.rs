@@ -69,7 +69,9 @@ static EXTEND: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
 /// effect happened); the ack (and the entry's last error cleared) only when
 /// it is. Which are ours comes from this consumer's own PEL over the
 /// entries' ID span, read in pages (`XPENDING … <consumer>`: one call for a
-/// batch read together, not one per entry). Returns the IDs not acked.
+/// batch read together, not one per entry). Returns the IDs another
+/// consumer holds now (not acked here); run twice, the second run acks
+/// nothing and reports nothing.
 static COMMIT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         r"
@@ -115,7 +117,9 @@ static COMMIT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
             if ours[id] then
                 acked[#acked + 1] = id
                 if #acked == 500 then ack() end
-            else
+            elseif #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1) > 0 then
+                -- Another consumer's now. (Not pending at all: acked, by
+                -- this script run before or by its claimer: nothing lost.)
                 lost[#lost + 1] = id
             end
         end

@@ -466,8 +466,14 @@ async fn a_dead_letter_that_cannot_be_written_leaves_its_entry_pending() -> Resu
     // The dead-letter key holds something else: XADD fails.
     let _: () = conn.set("{orders}:dead", "not a stream").await?;
     let entry = Entry { stream: "orders".into(), id: id.clone(), fields: vec![], deliveries: 1, crashes: 0 };
-    let letter =
-        dl::Letter { group: "g", consumer: "c1", reason: dl::Reason::Permanent, error: "no", business_key: None };
+    let letter = dl::Letter {
+        group: "g",
+        consumer: "c1",
+        reason: dl::Reason::Permanent,
+        error: "no",
+        business_key: None,
+        while_pending: true,
+    };
     let moved = dl::dead_letter(&mut conn, "{orders}:dead", &entry, &letter).await;
     assert!(moved.is_err(), "{moved:?}");
     assert_eq!(pending(&mut conn).await?, 1, "not acked: the entry is not lost");

@@ -30,7 +30,6 @@ pub fn snapshot(lag: u64, pending: u64, consumers: &[(&str, u64)]) -> GroupSnaps
         pending,
         entries_read: Some(10),
         entries_added: None,
-        server_ms: 0,
         last_delivered_id: "10-0".into(),
         oldest_pending_idle_ms: (pending > 0).then_some(1_000),
         max_delivery_count: (pending > 0).then_some(1),
@@ -40,12 +39,10 @@ pub fn snapshot(lag: u64, pending: u64, consumers: &[(&str, u64)]) -> GroupSnaps
             .collect(),
         before_oldest_pending: (pending > 0).then(|| "4-0".into()),
         stream_length: 1000,
-        dead_letter_length: 0,
-        retrying: 0,
-        parked: Vec::new(),
         delay: Delay::Known(if lag + pending > 0 { 3_000 } else { 0 }),
         oldest_unfinished_ms: (lag + pending > 0).then_some(1_796_000_000_000),
         working_delay: Delay::Known(if lag + pending > 0 { 3_000 } else { 0 }),
+        ..GroupSnapshot::default()
     }
 }
 

@@ -98,8 +98,9 @@ pub fn converged(
             "MaxmemoryPolicy",
             &super::decide::eviction_message(policy, *maxmemory),
         ),
-        // Never, or not known this minute: nothing to claim.
-        Eviction::Never | Eviction::Unknown => status.conditions.retain(|c| c.type_ != conditions::EVICTION_POSSIBLE),
+        Eviction::Never => status.conditions.retain(|c| c.type_ != conditions::EVICTION_POSSIBLE),
+        // Never read (INFO memory refused): nothing to claim either way.
+        Eviction::Unknown => {}
     }
     status.health = Some(plan.health);
     if plan.last_recovery.is_some() {

@@ -446,6 +446,24 @@ fn kinds(docs: &[serde_json::Value]) -> Vec<String> {
     docs.iter().map(|d| d["kind"].as_str().unwrap_or_default().to_string()).collect()
 }
 
+/// As a subchart (a parent's `global` values) and under other names: the
+/// strict schema accepts `global`, and every object, the Lease its Role
+/// names included, follows `fullnameOverride` or `nameOverride`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_chart_works_as_a_subchart_and_under_other_names() -> Result<()> {
+    let bed = TestBed::shared()?;
+    let docs = rendered(bed, &["global.imageRegistry=registry.example", "fullnameOverride=payments-ops"]).await?;
+    let deployment = docs.iter().find(|d| d["kind"] == "Deployment").unwrap();
+    assert_eq!(deployment["metadata"]["name"], "payments-ops");
+    let lease_role = docs.iter().find(|d| d["kind"] == "Role").unwrap();
+    let named = lease_role["rules"].as_array().unwrap().iter().find(|r| r["resourceNames"].is_array()).unwrap();
+    assert_eq!(named["resourceNames"][0], "payments-ops-leader");
+    let docs = rendered(bed, &["nameOverride=queues"]).await?;
+    let deployment = docs.iter().find(|d| d["kind"] == "Deployment").unwrap();
+    assert_eq!(deployment["metadata"]["name"], "t-queues");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_chart_renders_what_a_production_install_sets() -> Result<()> {
     let bed = TestBed::shared()?;
@@ -638,8 +656,14 @@ async fn dead_letters_are_listed_inspected_counted_replayed_and_purged_through_t
             crashes: 0,
         };
         let key = format!("o-{i}");
-        let letter =
-            Letter { group: "billing", consumer: "c1", reason, error: "card declined", business_key: Some(&key) };
+        let letter = Letter {
+            group: "billing",
+            consumer: "c1",
+            reason,
+            error: "card declined",
+            business_key: Some(&key),
+            while_pending: false,
+        };
         dead_letter(&mut f.conn, "{orders}:dead", &entry, &letter).await?;
     }
     let plugin = tempfile::tempdir()?;
@@ -733,9 +757,15 @@ async fn dead_letters_are_listed_inspected_counted_replayed_and_purged_through_t
         if !entry.field_str("order_id").is_some_and(|o| o.starts_with("late")) {
             continue;
         }
-        let letter =
-            Letter { group: "billing", consumer: "c1", reason: Reason::Permanent, error: "x", business_key: None };
-        newest = dead_letter(&mut f.conn, "{orders}:dead", &entry, &letter).await?;
+        let letter = Letter {
+            group: "billing",
+            consumer: "c1",
+            reason: Reason::Permanent,
+            error: "x",
+            business_key: None,
+            while_pending: false,
+        };
+        newest = dead_letter(&mut f.conn, "{orders}:dead", &entry, &letter).await?.unwrap_or_default();
     }
     let scgs: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), &ns);
     let cap = serde_json::json!({"spec": {"recovery": {"deadLetterMaxLength": 1}}});

@@ -341,12 +341,23 @@ impl<H: Handler> Worker<H> {
         error: &str,
         business_key: Option<&str>,
     ) -> Result<(), WorkerError> {
-        let letter = Letter { group: &self.config.group, consumer: &self.config.consumer, reason, error, business_key };
+        let letter = Letter {
+            group: &self.config.group,
+            consumer: &self.config.consumer,
+            reason,
+            error,
+            business_key,
+            // (At-most-once: read with NOACK, never pending.)
+            while_pending: !self.at_most_once,
+        };
         let dead_letter_stream = self.config.dead_letter_stream_of(&entry.stream);
         match deadletter::dead_letter(conn, &dead_letter_stream, entry, &letter).await {
-            Ok(id) => {
+            Ok(Some(id)) => {
                 self.stats.dead_lettered_as(reason.as_str());
                 tracing::warn!(stream = %entry.stream, id = %entry.id, dead_letter = %id, reason = reason.as_str(), error, "dead-lettered");
+            }
+            Ok(None) => {
+                tracing::info!(stream = %entry.stream, id = %entry.id, reason = reason.as_str(), "no longer pending (already dead-lettered or acknowledged): no letter written");
             }
             // Nothing was acked (the script acks only after its XADD): the
             // entry stays pending and fails alone; the rest of the batch goes on.

@@ -1,0 +1,142 @@
+//! A write sent twice has one effect. A client can send a script again when
+//! the reply to the first send was lost (the Redis Cluster client re-sends
+//! after a dropped connection or a timeout, when the script may already
+//! have run), and two callers can race on one entry (the sweep and a
+//! worker's claim both finding a lost payload; two people replaying one
+//! dead letter). Each script below runs twice with the same arguments, on a
+//! real redis-server, and the second run changes nothing.
+
+// A test fails by panicking.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use anyhow::Result;
+use redis::AsyncCommands as _;
+use redis::streams::{StreamReadOptions, StreamReadReply};
+use std::time::Duration;
+use streamfleet_streams::claim::{LossRecord, claim_justid_command};
+use streamfleet_streams::deadletter::{self as dl};
+use streamfleet_streams::replay::{Replayed, Selection, replay};
+use streamfleet_streams::retry::{Backoff, Parked, Schedule, park};
+use streamfleet_streams::{Entry, ensure_group, payload_loss};
+use streamfleet_testbed::RedisServer;
+
+type Conn = redis::aio::MultiplexedConnection;
+
+/// `n` entries of `orders` read by consumer `w` (pending, delivered once).
+async fn pending_entries(conn: &mut Conn, n: usize) -> Result<Vec<String>> {
+    ensure_group(conn, "orders", "g", "0").await?;
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let id: String = conn.xadd("orders", "*", &[("order_id", format!("o{i}"))]).await?;
+        ids.push(id);
+    }
+    let opts = StreamReadOptions::default().group("g", "w").count(n);
+    let _: StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
+    Ok(ids)
+}
+
+fn entry(id: &str, deliveries: u64) -> Entry {
+    Entry { stream: "orders".into(), id: id.into(), fields: Vec::new(), deliveries, crashes: 0 }
+}
+
+#[tokio::test]
+async fn a_dead_letter_sent_twice_is_written_and_a_loss_counted_once() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    let ids = pending_entries(&mut conn, 2).await?;
+    let letter =
+        |reason| dl::Letter { group: "g", consumer: "w", reason, error: "no", business_key: None, while_pending: true };
+    let refused = letter(dl::Reason::Permanent);
+    let first = dl::dead_letter(&mut conn, "{orders}:dead", &entry(&ids[0], 1), &refused).await?;
+    let second = dl::dead_letter(&mut conn, "{orders}:dead", &entry(&ids[0], 1), &refused).await?;
+    assert!(first.is_some());
+    assert_eq!(second, None, "no second letter");
+    // A lost payload recorded by two callers: one letter, one loss.
+    let lost = letter(dl::Reason::PayloadMissing);
+    for _ in 0..2 {
+        dl::dead_letter(&mut conn, "{orders}:dead", &entry(&ids[1], 1), &lost).await?;
+    }
+    let letters: u64 = conn.xlen("{orders}:dead").await?;
+    assert_eq!(letters, 2, "one letter per entry");
+    let loss = payload_loss::read(&mut conn, "orders", "g").await?;
+    assert_eq!((loss.total, loss.latest), (1, vec![ids[1].clone()]), "the loss counted once");
+    Ok(())
+}
+
+#[tokio::test]
+async fn one_dead_letter_replayed_by_many_at_once_is_requeued_once() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    let ids = pending_entries(&mut conn, 1).await?;
+    let letter = dl::Letter {
+        group: "g",
+        consumer: "w",
+        reason: dl::Reason::Permanent,
+        error: "no",
+        business_key: None,
+        while_pending: true,
+    };
+    let fields = vec![("order_id".to_string(), b"o0".to_vec())];
+    let id =
+        dl::dead_letter(&mut conn, "{orders}:dead", &Entry { fields, ..entry(&ids[0], 1) }, &letter).await?.unwrap();
+    let before: u64 = conn.xlen("orders").await?;
+    // Eight replays at once over one multiplexed connection: each reads the
+    // letter before any requeues it.
+    let mut replays = tokio::task::JoinSet::new();
+    for _ in 0..8 {
+        let mut conn = conn.clone();
+        let selection = Selection::Ids(vec![id.clone()]);
+        replays.spawn(async move { replay(&mut conn, "{orders}:dead", &selection, false).await });
+    }
+    let mut outcomes = Vec::new();
+    while let Some(outcome) = replays.join_next().await {
+        outcomes.push(outcome??);
+    }
+    let requeued = outcomes.iter().flatten().filter(|r| matches!(r, Replayed::Requeued { .. })).count();
+    let after: u64 = conn.xlen("orders").await?;
+    assert_eq!((requeued, after - before), (1, 1), "{outcomes:?}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_claim_of_poison_sent_twice_returns_what_it_claimed() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    let ids = pending_entries(&mut conn, 2).await?;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let rows: Vec<(&str, u64, &str, u64)> = ids.iter().map(|id| (id.as_str(), 50, "w", 1)).collect();
+    let command = claim_justid_command("orders", "g", "sweeper", 10, 1, &rows);
+    let first: Vec<String> = command.query_async(&mut conn).await?;
+    let second: Vec<String> = command.query_async(&mut conn).await?;
+    assert_eq!(first, ids);
+    assert_eq!(second, ids, "the second run returns the entries the first claimed, for the sweep to dead-letter");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_park_sent_twice_leaves_the_entry_parked_once() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    let ids = pending_entries(&mut conn, 1).await?;
+    let schedule = Schedule {
+        backoff: Backoff::Fixed,
+        initial: Duration::from_secs(60),
+        max: Duration::from_secs(60),
+        jitter_percent: 0,
+        retry_for: None,
+    };
+    let loss = LossRecord { dead_letter_stream: "{orders}:dead", consumer: "w", why: "gone" };
+    let first = park(&mut conn, &entry(&ids[0], 1), "g", "w", &loss, &schedule, "down", 0.0).await?;
+    let second = park(&mut conn, &entry(&ids[0], 1), "g", "w", &loss, &schedule, "down", 0.0).await?;
+    assert_eq!(first, Parked::Until(Duration::from_secs(60)));
+    assert!(
+        matches!(second, Parked::Until(left) if left <= Duration::from_secs(60) && left > Duration::from_secs(59)),
+        "what is left of the same delay, not 'no longer ours': {second:?}"
+    );
+    let pending: Vec<(String, String, u64, u64)> =
+        redis::cmd("XPENDING").arg("orders").arg("g").arg("-").arg("+").arg(10).query_async(&mut conn).await?;
+    assert_eq!((pending[0].1.as_str(), pending[0].3), ("streamfleet:retry:1", 1));
+    let indexed: u64 = conn.zcard(streamfleet_streams::keys::retry_due_key("orders", "g")).await?;
+    assert_eq!(indexed, 1);
+    Ok(())
+}
