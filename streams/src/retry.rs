@@ -139,6 +139,11 @@ pub const DEFAULT_MAX_DELAY: Duration = Duration::from_secs(15 * 60);
 pub const DEFAULT_JITTER_PERCENT: u32 = 20;
 
 impl Schedule {
+    /// The same delay after every failure, no jitter, no `retryFor`.
+    pub fn fixed(delay: Duration) -> Schedule {
+        Schedule { backoff: Backoff::Fixed, initial: delay, max: delay, jitter_percent: 0, retry_for: None }
+    }
+
     /// A schedule from what a user set (the CRD's `spec.recovery.retry`, or
     /// the env contract), with the defaults for what they did not: the
     /// first delay min-idle-time, the cap [`DEFAULT_MAX_DELAY`] (or the

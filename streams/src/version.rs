@@ -52,14 +52,21 @@ pub fn parse_info(info: &str) -> Option<Version> {
 /// The server's version; on a Redis Cluster, where `INFO` answers once per
 /// node, the lowest of them (a feature is usable only if every node has it).
 pub async fn server_version<C: ConnectionLike + Send>(conn: &mut C) -> Result<Option<Version>, StreamError> {
-    let reply: redis::Value = redis::cmd("INFO")
-        .arg("server")
-        .query_async(conn)
-        .await
-        .map_err(|e| StreamError::new("reading the server version", e))?;
+    let texts = info(conn, "server", "reading the server version").await?;
+    Ok(texts.iter().filter_map(|t| parse_info(t)).min())
+}
+
+/// `INFO <section>`: one text for a server, one per node on a cluster.
+async fn info<C: ConnectionLike + Send>(
+    conn: &mut C,
+    section: &str,
+    action: &'static str,
+) -> Result<Vec<String>, StreamError> {
+    let reply: redis::Value =
+        redis::cmd("INFO").arg(section).query_async(conn).await.map_err(|e| StreamError::new(action, e))?;
     let mut texts = Vec::new();
     collect_texts(reply, &mut texts);
-    Ok(texts.iter().filter_map(|t| parse_info(t)).min())
+    Ok(texts)
 }
 
 /// Whether the server may evict keys when its memory is full
@@ -91,13 +98,7 @@ pub fn parse_eviction(info: &str) -> Option<Eviction> {
 /// The server's eviction setting; on a Redis Cluster the first node that
 /// may evict (any node losing a shard's stream loses its work).
 pub async fn server_eviction<C: ConnectionLike + Send>(conn: &mut C) -> Result<Eviction, StreamError> {
-    let reply: redis::Value = redis::cmd("INFO")
-        .arg("memory")
-        .query_async(conn)
-        .await
-        .map_err(|e| StreamError::new("reading the eviction policy", e))?;
-    let mut texts = Vec::new();
-    collect_texts(reply, &mut texts);
+    let texts = info(conn, "memory", "reading the eviction policy").await?;
     let each: Vec<Option<Eviction>> = texts.iter().map(|t| parse_eviction(t)).collect();
     Ok(if let Some(possible) = each.iter().flatten().find(|e| matches!(e, Eviction::Possible { .. })) {
         possible.clone()

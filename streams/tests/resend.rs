@@ -16,7 +16,7 @@ use std::time::Duration;
 use streamfleet_streams::claim::{LossRecord, claim_justid_command};
 use streamfleet_streams::deadletter::{self as dl};
 use streamfleet_streams::replay::{Replayed, Selection, replay};
-use streamfleet_streams::retry::{Backoff, Parked, Schedule, park};
+use streamfleet_streams::retry::{Parked, Schedule, park};
 use streamfleet_streams::{Entry, ensure_group, payload_loss};
 use streamfleet_testbed::RedisServer;
 
@@ -118,13 +118,7 @@ async fn a_park_sent_twice_leaves_the_entry_parked_once() -> Result<()> {
     let server = RedisServer::start().await?;
     let mut conn = server.connection().await?;
     let ids = pending_entries(&mut conn, 1).await?;
-    let schedule = Schedule {
-        backoff: Backoff::Fixed,
-        initial: Duration::from_secs(60),
-        max: Duration::from_secs(60),
-        jitter_percent: 0,
-        retry_for: None,
-    };
+    let schedule = Schedule::fixed(Duration::from_secs(60));
     let loss = LossRecord { dead_letter_stream: "{orders}:dead", consumer: "w", why: "gone" };
     let first = park(&mut conn, &entry(&ids[0], 1), "g", "w", &loss, &schedule, "down", 0.0).await?;
     let second = park(&mut conn, &entry(&ids[0], 1), "g", "w", &loss, &schedule, "down", 0.0).await?;

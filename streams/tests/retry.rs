@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use streamfleet_streams::claim::{LossRecord, autoclaim, claim_due};
 use streamfleet_streams::entry::Entry;
 use streamfleet_streams::health::inspect;
-use streamfleet_streams::retry::{Backoff, Parked, Schedule, park};
+use streamfleet_streams::retry::{Parked, Schedule, park};
 use streamfleet_streams::{ensure_group, keys};
 use streamfleet_testbed::RedisServer;
 use streamfleet_testbed::redis_server::{calls_between, command_calls};
@@ -38,13 +38,7 @@ async fn a_parked_entry_waits_out_its_delay_unseen_by_idle_claims_and_keeps_its_
     }
     let opts = StreamReadOptions::default().group("g", "w").count(3);
     let _: StreamReadReply = conn.xread_options(&["s"], &[">"], &opts).await?;
-    let schedule = Schedule {
-        backoff: Backoff::Fixed,
-        initial: Duration::from_millis(1_500),
-        max: Duration::from_millis(1_500),
-        jitter_percent: 0,
-        retry_for: None,
-    };
+    let schedule = Schedule::fixed(Duration::from_millis(1_500));
 
     // Not ours: left alone.
     let parked = park(&mut conn, &entry(&ids[0], 1), "g", "someone-else", &LOSS, &schedule, "down", 0.0).await?;
@@ -124,13 +118,7 @@ async fn due_claims_read_the_index_and_the_pel_stays_the_truth() -> Result<()> {
     }
     let opts = StreamReadOptions::default().group("g", "w").count(205);
     let _: StreamReadReply = conn.xread_options(&["s"], &[">"], &opts).await?;
-    let fixed = |ms| Schedule {
-        backoff: Backoff::Fixed,
-        initial: Duration::from_millis(ms),
-        max: Duration::from_millis(ms),
-        jitter_percent: 0,
-        retry_for: None,
-    };
+    let fixed = |ms| Schedule::fixed(Duration::from_millis(ms));
     // One schedule; `soon` is it with a 1 s retryFor horizon, which cuts
     // an entry's delay short: due in 1 s under the same thresholds.
     let hour = fixed(3_600_000);
@@ -234,13 +222,7 @@ async fn the_most_overdue_retries_are_taken_first_across_delivery_counts() -> Re
     let b: String = conn.xadd("s", "*", &[("i", "b")]).await?;
     let opts = StreamReadOptions::default().group("g", "w").count(2);
     let _: StreamReadReply = conn.xread_options(&["s"], &[">"], &opts).await?;
-    let hour = Schedule {
-        backoff: Backoff::Fixed,
-        initial: Duration::from_secs(3600),
-        max: Duration::from_secs(3600),
-        jitter_percent: 0,
-        retry_for: None,
-    };
+    let hour = Schedule::fixed(Duration::from_secs(3600));
     // Both due 1 s after parking (their retryFor horizon): a at delivery 2,
     // then b at delivery 10, 600 ms later.
     let soon = Schedule { retry_for: Some(Duration::from_secs(1)), ..hour.clone() };
@@ -266,13 +248,7 @@ async fn the_sweep_never_dead_letters_an_entry_waiting_for_its_retry() -> Result
     let id: String = conn.xadd("s", "*", &[("i", 1)]).await?;
     let opts = StreamReadOptions::default().group("g", "w").count(1);
     let _: StreamReadReply = conn.xread_options(&["s"], &[">"], &opts).await?;
-    let schedule = Schedule {
-        backoff: Backoff::Fixed,
-        initial: Duration::from_millis(100),
-        max: Duration::from_millis(100),
-        jitter_percent: 0,
-        retry_for: None,
-    };
+    let schedule = Schedule::fixed(Duration::from_millis(100));
     let parked = park(&mut conn, &entry(&id, 1), "g", "w", &LOSS, &schedule, "down", 0.0).await?;
     assert_eq!(parked, Parked::Until(Duration::from_millis(100)));
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -315,13 +291,7 @@ async fn idle_claims_page_through_every_consumer_once_and_skip_the_parked() -> R
         let _: StreamReadReply = conn.xread_options(&["s"], &[">"], &opts).await?;
     }
     let of = |c: &str| owned.iter().filter(|(o, _)| o == c).map(|(_, id)| id.clone()).collect::<Vec<_>>();
-    let schedule = Schedule {
-        backoff: Backoff::Fixed,
-        initial: Duration::from_secs(3600),
-        max: Duration::from_secs(3600),
-        jitter_percent: 0,
-        retry_for: None,
-    };
+    let schedule = Schedule::fixed(Duration::from_secs(3600));
     // One of w's entries fails and is parked for an hour.
     let parked_id = of("w")[0].clone();
     park(&mut conn, &entry(&parked_id, 1), "g", "w", &LOSS, &schedule, "down", 0.0).await?;

@@ -632,14 +632,7 @@ mod tests {
 
     #[test]
     fn parked_entries_are_read_against_the_schedule() {
-        use streamfleet_streams::retry::Backoff;
-        let schedule = Schedule {
-            backoff: Backoff::Fixed,
-            initial: Duration::from_secs(10),
-            max: Duration::from_secs(10),
-            jitter_percent: 0,
-            retry_for: None,
-        };
+        let schedule = Schedule::fixed(Duration::from_secs(10));
         let parked = |deliveries, entries, most_idle_ms, error: &str| ParkedState {
             deliveries,
             entries,

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use streamfleet_bench::{Runs, deliver_all, fill, redis_version};
 use streamfleet_streams::claim::{LossRecord, autoclaim, claim_due};
 use streamfleet_streams::ensure_group;
-use streamfleet_streams::retry::{Backoff, Schedule, parked_consumer};
+use streamfleet_streams::retry::{Schedule, parked_consumer};
 use streamfleet_testbed::RedisServer;
 use streamfleet_testbed::redis_server::{calls_between, command_calls};
 
@@ -111,13 +111,7 @@ async fn main() -> Result<()> {
     let parked = arrange(&mut conn, "big", big, true).await?;
     arrange(&mut conn, "small", big - parked, false).await?;
     arrange(&mut conn, "bare", big - parked, false).await?;
-    let schedule = Schedule {
-        backoff: Backoff::Fixed,
-        initial: Duration::from_secs(3600),
-        max: Duration::from_secs(3600),
-        jitter_percent: 0,
-        retry_for: None,
-    };
+    let schedule = Schedule::fixed(Duration::from_secs(3600));
     let cases = ["big", "small", "bare"];
     let mut micros: BTreeMap<&str, Runs> = BTreeMap::new();
     let mut commands: BTreeMap<&str, Runs> = BTreeMap::new();
