@@ -2,7 +2,9 @@
 //! election and probes. `main.rs` wires them into the `streamfleet` binary.
 
 pub mod conditions;
+pub mod console;
 pub mod controller;
+pub mod dead_letter_cli;
 pub mod error;
 pub mod events;
 pub mod health;
@@ -12,5 +14,5 @@ pub mod objects;
 pub mod probes;
 pub mod reaper;
 pub mod scaling;
+pub mod sweep_command;
 pub mod throughput;
-pub mod tools;

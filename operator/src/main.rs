@@ -3,7 +3,9 @@
 //! * `streamfleet run`: the controller (leader-elected).
 //! * `streamfleet crd`: prints the CRD YAML.
 //! * `streamfleet sweep`: the recovery sweep (run by the recovery CronJob).
-//! * `streamfleet dead-letters list|replay`: dead-letter tools.
+//! * `streamfleet dead-letters list|show|stats|replay|purge`: dead-letter
+//!   tools (`kubectl streamfleet dlq …` as a kubectl plugin).
+//! * `streamfleet console`: the console API (see `console`).
 
 use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand, ValueEnum};
@@ -44,8 +46,10 @@ enum Command {
     /// dead-letter entries past maxDeliveries, record lost payloads, leave the
     /// rest to the workers. Configured by the STREAMFLEET_* env contract.
     Sweep,
-    /// Inspect and replay a dead-letter stream.
-    DeadLetters(streamfleet_operator::tools::DeadLetterArgs),
+    /// Inspect, count, replay and purge a pipeline's dead letters.
+    DeadLetters(streamfleet_operator::dead_letter_cli::DeadLetterArgs),
+    /// Serve the console API (an aggregated API of the Kubernetes API server).
+    Console(streamfleet_operator::console::ConsoleArgs),
 }
 
 #[derive(clap::Args)]
@@ -84,7 +88,7 @@ struct RunArgs {
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    let cli = Cli::parse_from(streamfleet_operator::tools::plugin_args(std::env::args_os()));
+    let cli = Cli::parse_from(streamfleet_operator::dead_letter_cli::plugin_args(std::env::args_os()));
     let filter = tracing_subscriber::EnvFilter::try_new(&cli.log).context("--log")?;
     match cli.log_format {
         LogFormat::Json => tracing_subscriber::fmt().json().with_env_filter(filter).init(),
@@ -96,8 +100,9 @@ async fn main() -> Result<()> {
             Ok(())
         }
         Command::Run(args) => run(args).await,
-        Command::Sweep => streamfleet_operator::tools::run_sweep().await,
-        Command::DeadLetters(args) => streamfleet_operator::tools::run_dead_letters(args).await,
+        Command::Sweep => streamfleet_operator::sweep_command::run_sweep().await,
+        Command::DeadLetters(args) => streamfleet_operator::dead_letter_cli::run(args).await,
+        Command::Console(args) => streamfleet_operator::console::run(args).await,
     }
 }
 

@@ -66,6 +66,8 @@ pub struct Filter {
     /// Dead-lettered before (Unix ms).
     pub until_ms: Option<u64>,
     pub business_key: Option<String>,
+    /// The handler's error contains this text (case-insensitive).
+    pub error_contains: Option<String>,
     /// Inclusive ID range of the dead-letter stream (`-` / `+` when absent).
     pub from: Option<String>,
     pub to: Option<String>,
@@ -77,6 +79,9 @@ impl Filter {
             && self.since_ms.is_none_or(|since| letter.at_ms >= since)
             && self.until_ms.is_none_or(|until| letter.at_ms < until)
             && self.business_key.as_ref().is_none_or(|k| letter.business_key.as_ref() == Some(k))
+            && self.error_contains.as_ref().is_none_or(|text| {
+                letter.error.as_ref().is_some_and(|e| e.to_lowercase().contains(&text.to_lowercase()))
+            })
     }
 
     /// The `XRANGE` bounds to scan: the ID range, narrowed by the time range
@@ -110,7 +115,22 @@ pub async fn page<C: ConnectionLike + Send>(
     after: Option<&str>,
     limit: usize,
 ) -> Result<Page, StreamError> {
+    page_bounded(conn, stream, filter, after, limit, usize::MAX).await
+}
+
+/// [`page`], reading at most about `max_scanned` letters (whole `XRANGE`
+/// pages): a selective filter over a long stream then returns fewer letters
+/// and a cursor to read on, instead of reading the whole stream for one view.
+pub async fn page_bounded<C: ConnectionLike + Send>(
+    conn: &mut C,
+    stream: &str,
+    filter: &Filter,
+    after: Option<&str>,
+    limit: usize,
+    max_scanned: usize,
+) -> Result<Page, StreamError> {
     let (from, to) = filter.scan_range();
+    let mut scanned = 0usize;
     let mut start = match after {
         Some(id) => format!("({id}"),
         None => from,
@@ -133,6 +153,10 @@ pub async fn page<C: ConnectionLike + Send>(
         }
         if n < PAGE {
             return Ok(Page { letters, next: None });
+        }
+        scanned += n;
+        if scanned >= max_scanned {
+            return Ok(Page { letters, next: Some(last) });
         }
         start = format!("({last}");
     }
@@ -194,6 +218,33 @@ pub struct Stats {
     pub by_reason: BTreeMap<String, u64>,
     /// Start of the hour (Unix ms, UTC) → count.
     pub by_hour: BTreeMap<u64, u64>,
+    /// Error signature ([`error_signature`]) → count: one line per kind of
+    /// failure, whatever the IDs and numbers in each message.
+    pub by_signature: BTreeMap<String, u64>,
+}
+
+/// What kind of failure an error message is: the message with every run of
+/// digits (IDs, amounts, ports, hex) replaced by `#`, cut to 200 bytes, so
+/// "order 17 timed out after 3000 ms" and "order 912 timed out after 3001
+/// ms" group together.
+pub fn error_signature(error: &str) -> String {
+    let mut out = String::new();
+    let mut in_number = false;
+    for c in error.chars() {
+        let digitish = c.is_ascii_digit() || (in_number && c.is_ascii_hexdigit());
+        if digitish {
+            if !in_number {
+                out.push('#');
+            }
+        } else {
+            out.push(c);
+        }
+        in_number = digitish;
+        if out.len() >= 200 {
+            break;
+        }
+    }
+    out
 }
 
 impl Stats {
@@ -201,6 +252,8 @@ impl Stats {
         self.total += 1;
         *self.by_reason.entry(letter.reason.clone().unwrap_or_else(|| "unknown".into())).or_default() += 1;
         *self.by_hour.entry(letter.at_ms - letter.at_ms % HOUR_MS).or_default() += 1;
+        let signature = letter.error.as_deref().map_or_else(|| "(no error)".into(), error_signature);
+        *self.by_signature.entry(signature).or_default() += 1;
     }
 
     pub fn of<'a>(letters: impl IntoIterator<Item = &'a DeadLetter>) -> Self {
@@ -230,6 +283,29 @@ pub async fn purge<C: ConnectionLike + Send>(conn: &mut C, stream: &str, ids: &[
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn errors_that_differ_only_in_numbers_share_a_signature() {
+        assert_eq!(
+            error_signature("order 17 timed out after 3000 ms"),
+            error_signature("order 912 timed out after 3001 ms")
+        );
+        assert_eq!(error_signature("order 17 timed out"), "order # timed out");
+        assert_eq!(error_signature("id 0x1f3a failed"), "id #x# failed");
+        assert_ne!(error_signature("card declined"), error_signature("card expired"));
+        assert!(error_signature(&"x".repeat(5000)).len() <= 200);
+    }
+
+    #[test]
+    fn error_text_filters_ignore_case() {
+        let mut l = letter("1-0", "permanent", None, 1);
+        l.error = Some("Card DECLINED by issuer".into());
+        let f = |t: &str| Filter { error_contains: Some(t.into()), ..Filter::default() };
+        assert!(f("declined").matches(&l));
+        assert!(!f("expired").matches(&l));
+        l.error = None;
+        assert!(!f("declined").matches(&l));
+    }
 
     fn letter(id: &str, reason: &str, key: Option<&str>, at_ms: u64) -> DeadLetter {
         let mut fields = vec![

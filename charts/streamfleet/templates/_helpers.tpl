@@ -47,3 +47,15 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 {{- join "," $names -}}
 {{- end -}}
+
+{{- define "streamfleet.consoleSelectorLabels" -}}
+app.kubernetes.io/name: streamfleet-console
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "streamfleet.consoleLabels" -}}
+{{ include "streamfleet.consoleSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}

@@ -79,6 +79,10 @@ pub async fn install_operator(bed: &TestBed, namespace: &str, extra: &[&str]) ->
         "log.format=text",
         "--set",
         "log.level=info\\,streamfleet_operator=debug",
+        // The console's APIService is cluster-wide: only the tests of the
+        // console install it (passing console.enabled=true).
+        "--set",
+        "console.enabled=false",
         "--wait",
         "--timeout",
         "120s",

@@ -32,6 +32,8 @@ async fn one_cluster_wide_operator_serves_every_namespace_with_its_cluster_role(
             &system.name,
             "--set",
             "log.format=text",
+            "--set",
+            "console.enabled=false",
             "--wait",
             "--timeout",
             "120s",

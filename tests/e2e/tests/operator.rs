@@ -442,6 +442,14 @@ async fn rendered(bed: &TestBed, sets: &[&str]) -> Result<Vec<serde_json::Value>
     Ok(docs)
 }
 
+/// The first rendered object of `kind` that is the operator's own, not the
+/// console's (which has its own Deployment, Service, Roles).
+fn operator_object<'a>(docs: &'a [serde_json::Value], kind: &str) -> &'a serde_json::Value {
+    docs.iter()
+        .find(|d| d["kind"] == kind && d["metadata"]["labels"]["app.kubernetes.io/name"] != "streamfleet-console")
+        .unwrap_or_else(|| panic!("no {kind} of the operator's"))
+}
+
 fn kinds(docs: &[serde_json::Value]) -> Vec<String> {
     docs.iter().map(|d| d["kind"].as_str().unwrap_or_default().to_string()).collect()
 }
@@ -453,13 +461,13 @@ fn kinds(docs: &[serde_json::Value]) -> Vec<String> {
 async fn the_chart_works_as_a_subchart_and_under_other_names() -> Result<()> {
     let bed = TestBed::shared()?;
     let docs = rendered(bed, &["global.imageRegistry=registry.example", "fullnameOverride=payments-ops"]).await?;
-    let deployment = docs.iter().find(|d| d["kind"] == "Deployment").unwrap();
+    let deployment = operator_object(&docs, "Deployment");
     assert_eq!(deployment["metadata"]["name"], "payments-ops");
-    let lease_role = docs.iter().find(|d| d["kind"] == "Role").unwrap();
+    let lease_role = operator_object(&docs, "Role");
     let named = lease_role["rules"].as_array().unwrap().iter().find(|r| r["resourceNames"].is_array()).unwrap();
     assert_eq!(named["resourceNames"][0], "payments-ops-leader");
     let docs = rendered(bed, &["nameOverride=queues"]).await?;
-    let deployment = docs.iter().find(|d| d["kind"] == "Deployment").unwrap();
+    let deployment = operator_object(&docs, "Deployment");
     assert_eq!(deployment["metadata"]["name"], "t-queues");
     Ok(())
 }
@@ -474,7 +482,7 @@ async fn the_chart_renders_what_a_production_install_sets() -> Result<()> {
         assert!(default_kinds.contains(&kind.to_string()), "{kind} by default: {default_kinds:?}");
     }
     assert!(!default_kinds.iter().any(|k| k == "PodDisruptionBudget" || k == "ServiceMonitor"), "{default_kinds:?}");
-    let lease_role = defaults.iter().find(|d| d["kind"] == "Role").unwrap();
+    let lease_role = operator_object(&defaults, "Role");
     let named = lease_role["rules"].as_array().unwrap().iter().find(|r| r["resourceNames"].is_array()).unwrap();
     assert_eq!(named["resourceNames"][0], "t-streamfleet-leader", "renews only its own Lease");
 
@@ -525,13 +533,13 @@ async fn the_chart_renders_what_a_production_install_sets() -> Result<()> {
     for kind in ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"] {
         assert!(!found.contains(&kind.to_string()), "{kind} with rbac.create/serviceAccount.create off: {found:?}");
     }
-    let pdb = docs.iter().find(|d| d["kind"] == "PodDisruptionBudget").unwrap();
+    let pdb = operator_object(&docs, "PodDisruptionBudget");
     assert_eq!(pdb["spec"]["minAvailable"], 1);
-    let monitor = docs.iter().find(|d| d["kind"] == "ServiceMonitor").unwrap();
+    let monitor = operator_object(&docs, "ServiceMonitor");
     assert_eq!(monitor["metadata"]["labels"]["release"], "prom");
     assert_eq!(monitor["spec"]["endpoints"][0]["port"], "metrics");
     assert_eq!(monitor["spec"]["endpoints"][0]["honorLabels"], true, "the pipeline's namespace label stays");
-    let rules = docs.iter().find(|d| d["kind"] == "PrometheusRule").unwrap();
+    let rules = operator_object(&docs, "PrometheusRule");
     let alerts = rules["spec"]["groups"][0]["rules"].as_array().unwrap();
     assert!(alerts.len() >= 9, "{alerts:?}");
     for alert in alerts {
@@ -540,15 +548,15 @@ async fn the_chart_renders_what_a_production_install_sets() -> Result<()> {
     }
     let objective = alerts.iter().find(|a| a["alert"] == "StreamfleetDelayObjectiveBreached").unwrap();
     assert_eq!(objective["for"], "2m", "prometheusRule.delayObjectiveFor");
-    let dashboard = docs.iter().find(|d| d["kind"] == "ConfigMap").unwrap();
+    let dashboard = operator_object(&docs, "ConfigMap");
     assert_eq!(dashboard["metadata"]["labels"]["grafana_dashboard"], "1");
     let json: serde_json::Value =
         serde_json::from_str(dashboard["data"]["streamfleet-pipelines.json"].as_str().unwrap())?;
     assert_eq!(json["uid"], "streamfleet-pipelines");
-    let service = docs.iter().find(|d| d["kind"] == "Service").unwrap();
+    let service = operator_object(&docs, "Service");
     assert_eq!(service["spec"]["ports"][0]["targetPort"], "health");
 
-    let deployment = docs.iter().find(|d| d["kind"] == "Deployment").unwrap();
+    let deployment = operator_object(&docs, "Deployment");
     let pod = &deployment["spec"]["template"];
     assert_eq!(pod["metadata"]["annotations"]["team"], "payments");
     assert_eq!(pod["metadata"]["labels"]["tier"], "ops");
@@ -605,188 +613,6 @@ async fn the_chart_renders_what_a_production_install_sets() -> Result<()> {
     Ok(())
 }
 
-/// `kubectl streamfleet dlq ARGS` with the plugin on the PATH, against the test bed.
-async fn kubectl_dlq(bed: &TestBed, plugin_dir: &std::path::Path, args: &[&str]) -> Result<(bool, String, String)> {
-    let path = format!("{}:{}", plugin_dir.display(), std::env::var("PATH").unwrap_or_default());
-    let out = tokio::process::Command::new(streamfleet_testbed::tools::tool("kubectl")?)
-        .arg("streamfleet")
-        .arg("dlq")
-        .args(args)
-        .env("KUBECONFIG", &bed.kubeconfig)
-        .env("PATH", path)
-        .output()
-        .await?;
-    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-    Ok((out.status.success(), text(&out.stdout), text(&out.stderr)))
-}
-
-fn json_lines(text: &str) -> Vec<serde_json::Value> {
-    text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dead_letters_are_listed_inspected_counted_replayed_and_purged_through_the_kubectl_plugin() -> Result<()> {
-    use streamfleet_streams::deadletter::{Letter, Reason, dead_letter};
-    let mut f = Fixture::start("e2e-dlq", &[]).await?;
-    let (bed, client, ns) = (f.bed, f.client.clone(), f.ns.name.clone());
-    let records = tempfile::tempdir()?;
-    let spec = "  scaling: {minReplicas: 0, maxReplicas: 1, pollIntervalSeconds: 1}";
-    f.apply(&recording_manifest("p", "orders", "billing", &records.path().display().to_string(), spec)).await?;
-    wait_condition(&client, &ns, "p", "GroupReady", "True", None, T).await?;
-    // Six orders delivered to a consumer and dead-lettered as a worker would.
-    let reasons = [
-        Reason::Permanent,
-        Reason::Permanent,
-        Reason::Permanent,
-        Reason::Malformed,
-        Reason::Malformed,
-        Reason::MaxDeliveries,
-    ];
-    for i in 0..reasons.len() {
-        let _: String = f.conn.xadd("orders", "*", &[("order_id", format!("o-{i}"))]).await?;
-    }
-    let opts = redis::streams::StreamReadOptions::default().group("billing", "c1").count(10);
-    let read: redis::streams::StreamReadReply = f.conn.xread_options(&["orders"], &[">"], &opts).await?;
-    for (i, (e, reason)) in read.keys[0].ids.iter().zip(reasons).enumerate() {
-        let entry = streamfleet_streams::Entry {
-            stream: "orders".into(),
-            id: e.id.clone(),
-            fields: streamfleet_streams::entry::fields_from_map(e.map.clone()),
-            deliveries: 1,
-            crashes: 0,
-        };
-        let key = format!("o-{i}");
-        let letter = Letter {
-            group: "billing",
-            consumer: "c1",
-            reason,
-            error: "card declined",
-            business_key: Some(&key),
-            while_pending: false,
-        };
-        dead_letter(&mut f.conn, "{orders}:dead", &entry, &letter).await?;
-    }
-    let plugin = tempfile::tempdir()?;
-    std::os::unix::fs::symlink(
-        streamfleet_testbed::tools::cargo_bin("streamfleet")?,
-        plugin.path().join("kubectl-streamfleet"),
-    )?;
-    let pipeline = format!("{ns}/p");
-    let dlq = async |args: &[&str]| {
-        let mut all = vec!["--pipeline", pipeline.as_str(), "-o", "json"];
-        all.extend_from_slice(args);
-        kubectl_dlq(bed, plugin.path(), &all).await
-    };
-
-    // Paged: 4, then the rest from the cursor the first page printed.
-    let (ok, out, err) = dlq(&["list", "--limit", "4"]).await?;
-    assert!(ok, "{err}");
-    let first = json_lines(&out);
-    assert_eq!(first.len(), 4, "{out}");
-    let cursor = err.trim().strip_prefix("more: --after ").expect(&err).to_string();
-    let (_, out, err) = dlq(&["list", "--limit", "4", "--after", &cursor]).await?;
-    let second = json_lines(&out);
-    assert_eq!(second.len(), 2, "{out}");
-    assert!(!err.contains("more:"), "the last page: {err}");
-    assert_eq!(second[0]["deadLetterStream"], "{orders}:dead", "found through the resource");
-
-    // Filters: reason and business key.
-    let (_, out, _) = dlq(&["list", "--reason", "malformed"]).await?;
-    let keys: Vec<String> = json_lines(&out).iter().map(|l| l["businessKey"].as_str().unwrap().to_string()).collect();
-    assert_eq!(keys, vec!["o-3", "o-4"]);
-    let (_, out, _) = dlq(&["list", "--key", "o-5"]).await?;
-    let only = json_lines(&out);
-    assert_eq!((only.len(), only[0]["reason"].as_str()), (1, Some("max-deliveries")));
-    let (_, out, _) = dlq(&["list", "--since", "2999-01-01T00:00:00Z"]).await?;
-    assert!(json_lines(&out).is_empty(), "nothing in the future: {out}");
-
-    // Show: the original payload with its metadata.
-    let id = first[0]["id"].as_str().unwrap().to_string();
-    let (_, out, _) = dlq(&["show", &id]).await?;
-    let shown: serde_json::Value = serde_json::from_str(out.trim())?;
-    assert_eq!(shown["payload"]["order_id"], "o-0");
-    assert_eq!((shown["group"].as_str(), shown["error"].as_str()), (Some("billing"), Some("card declined")));
-
-    // Stats by reason and by hour.
-    let (_, out, _) = dlq(&["stats"]).await?;
-    let stats: serde_json::Value = serde_json::from_str(out.trim())?;
-    assert_eq!(stats["total"], 6);
-    assert_eq!(stats["byReason"], serde_json::json!({"malformed": 2, "max-deliveries": 1, "permanent": 3}));
-    let hours: u64 = stats["byHour"].as_object().unwrap().values().filter_map(serde_json::Value::as_u64).sum();
-    assert_eq!(hours, 6);
-
-    // Replay by filter: the malformed ones go back to `orders` for `billing`.
-    let length_before: usize = f.conn.xlen("orders").await?;
-    let (ok, out, err) = dlq(&["replay", "--reason", "malformed"]).await?;
-    assert!(ok, "{err}");
-    assert_eq!(json_lines(&out).iter().filter(|r| r["requeued"] == true).count(), 2, "{out}");
-    let length_after: usize = f.conn.xlen("orders").await?;
-    assert_eq!(length_after, length_before + 2);
-    let dead: usize = f.conn.xlen("{orders}:dead").await?;
-    assert_eq!(dead, 4);
-
-    // Purge asks for --yes; a dry run deletes nothing; then the permanent ones go.
-    let (ok, _, err) = dlq(&["purge", "--reason", "permanent"]).await?;
-    assert!(!ok && err.contains("--yes"), "{err}");
-    let (_, out, _) = dlq(&["purge", "--reason", "permanent", "--dry-run"]).await?;
-    assert_eq!(json_lines(&out)[0]["purged"], 3);
-    let dead: usize = f.conn.xlen("{orders}:dead").await?;
-    assert_eq!(dead, 4, "a dry run deletes nothing");
-    let (ok, out, err) = dlq(&["purge", "--reason", "permanent", "--yes"]).await?;
-    assert!(ok, "{err}");
-    assert_eq!(json_lines(&out)[0]["purged"], 3);
-    let (_, out, _) = dlq(&["list"]).await?;
-    let left: Vec<String> = json_lines(&out).iter().map(|l| l["reason"].as_str().unwrap().to_string()).collect();
-    assert_eq!(left, vec!["max-deliveries"]);
-
-    // A pipeline that does not exist is a clear error.
-    let (ok, _, err) = kubectl_dlq(bed, plugin.path(), &["--pipeline", &format!("{ns}/nope"), "list"]).await?;
-    assert!(!ok && err.contains("nope"), "{err}");
-
-    // A cap: two more letters make three; capped at one, the oldest two go,
-    // with the condition and a Warning saying so.
-    let _: String = f.conn.xadd("orders", "*", &[("order_id", "late-1")]).await?;
-    let _: String = f.conn.xadd("orders", "*", &[("order_id", "late-2")]).await?;
-    let read: redis::streams::StreamReadReply = f.conn.xread_options(&["orders"], &[">"], &opts).await?;
-    let mut newest = String::new();
-    for e in read.keys.iter().flat_map(|k| &k.ids) {
-        let fields = streamfleet_streams::entry::fields_from_map(e.map.clone());
-        let entry =
-            streamfleet_streams::Entry { stream: "orders".into(), id: e.id.clone(), fields, deliveries: 1, crashes: 0 };
-        // The two replayed orders are read here too: they are not letters again.
-        if !entry.field_str("order_id").is_some_and(|o| o.starts_with("late")) {
-            continue;
-        }
-        let letter = Letter {
-            group: "billing",
-            consumer: "c1",
-            reason: Reason::Permanent,
-            error: "x",
-            business_key: None,
-            while_pending: false,
-        };
-        newest = dead_letter(&mut f.conn, "{orders}:dead", &entry, &letter).await?.unwrap_or_default();
-    }
-    let scgs: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), &ns);
-    let cap = serde_json::json!({"spec": {"recovery": {"deadLetterMaxLength": 1}}});
-    scgs.patch("p", &PatchParams::default(), &Patch::Merge(cap)).await?;
-    let scg = wait_condition(&client, &ns, "p", "DeadLetterCapReached", "True", None, T).await?;
-    let condition = scg.status.unwrap().conditions.into_iter().find(|c| c.type_ == "DeadLetterCapReached").unwrap();
-    assert_eq!(condition.reason, "AtCap");
-    let kept: redis::streams::StreamRangeReply = f.conn.xrange_all("{orders}:dead").await?;
-    let kept: Vec<String> = kept.ids.into_iter().map(|e| e.id).collect();
-    assert_eq!(kept, vec![newest], "the newest letter stays");
-    let warning = eventually("a DeadLetterCapReached Warning", T, || async {
-        let events = events_about(&client, &ns, "p").await?;
-        Ok(events.into_iter().find(|e| e.reason.as_deref() == Some("DeadLetterCapReached")))
-    })
-    .await?;
-    assert_eq!(warning.type_.as_deref(), Some("Warning"));
-    let note = warning.note.unwrap_or_default();
-    assert!(note.contains("holds 3") && note.contains("oldest 2"), "{note}");
-    Ok(())
-}
-
 /// The documents of a YAML file of the repository.
 fn yaml_docs(rel: &str) -> Vec<serde_json::Value> {
     let text = std::fs::read_to_string(repo_path(rel)).unwrap();
@@ -818,7 +644,7 @@ async fn the_quick_start_manifests_are_accepted_under_restricted_pod_security() 
     // Pod Security is enforced on pods: the Redis pod, and a worker pod of
     // the example pipeline's template, are admitted as they are.
     let redis = yaml_docs("deploy/examples/redis.yaml");
-    let sts = redis.iter().find(|d| d["kind"] == "StatefulSet").unwrap();
+    let sts = operator_object(&redis, "StatefulSet");
     let mut redis_pod = sts["spec"]["template"]["spec"].clone();
     // The claim the StatefulSet controller would make for the template's volume.
     redis_pod["volumes"].as_array_mut().unwrap().push(serde_json::json!({"name": "data", "emptyDir": {}}));
@@ -838,7 +664,7 @@ async fn the_quick_start_manifests_are_accepted_under_restricted_pod_security() 
     let secret = yaml_docs("deploy/examples/redis-secret.yaml");
     let url = secret[0]["stringData"]["url"].as_str().unwrap();
     assert!(url.starts_with("redis://streamfleet:") && url.contains("@redis.shop.svc:6379"), "{url}");
-    let users = redis.iter().find(|d| d["kind"] == "Secret").unwrap()["stringData"]["users.acl"].as_str().unwrap();
+    let users = operator_object(&redis, "Secret")["stringData"]["users.acl"].as_str().unwrap();
     assert!(users.contains("user default off") && users.contains("user streamfleet on >"), "{users}");
     Ok(())
 }

@@ -20,6 +20,15 @@ cronjob-controller,garbage-collector-controller,namespace-controller,disruption-
 serviceaccount-controller,serviceaccount-token-controller,\
 root-ca-certificate-publisher-controller,ttl-after-finished-controller";
 
+/// People the API server knows besides the admin: bearer tokens of users
+/// in the group `testbed:people`, with no rights until a test grants some.
+pub const PEOPLE: [&str; 2] = ["alice", "bob"];
+
+/// The kubeconfig of one of [`PEOPLE`] in the test bed at `dir`.
+pub fn person_kubeconfig(dir: &Path, person: &str) -> PathBuf {
+    dir.join(format!("kubeconfig-{person}"))
+}
+
 pub struct ControlPlane {
     pub server: String,
     pub kubeconfig: PathBuf,
@@ -43,7 +52,14 @@ impl ControlPlane {
         let pki = Pki::generate(&dir.join("pki"))?;
         let token = crate::random_string(32);
         let tokens = dir.join("tokens.csv");
-        std::fs::write(&tokens, format!("{token},admin,admin,system:masters\n"))?;
+        let mut token_lines = format!("{token},admin,admin,system:masters\n");
+        let mut people = Vec::new();
+        for person in PEOPLE {
+            let token = crate::random_string(32);
+            token_lines.push_str(&format!("{token},{person},{person},testbed:people\n"));
+            people.push((person, token));
+        }
+        std::fs::write(&tokens, token_lines)?;
 
         let etcd = start_etcd(dir, &logs).await?;
         let audit_log = logs.join("audit.log");
@@ -53,6 +69,9 @@ impl ControlPlane {
 
         let kubeconfig = dir.join("kubeconfig");
         std::fs::write(&kubeconfig, kubeconfig_yaml(&server, &pki.ca_pem, &token, "default"))?;
+        for (person, token) in &people {
+            std::fs::write(person_kubeconfig(dir, person), kubeconfig_yaml(&server, &pki.ca_pem, token, "default"))?;
+        }
         let client = client_from(&kubeconfig).await?;
         wait_ready(&client, &mut apiserver).await?;
 
@@ -158,7 +177,19 @@ async fn start_apiserver(
         "--service-account-issuer=https://kubernetes.default.svc".into(),
         format!("--service-account-key-file={}", pki.sa_pub.display()),
         format!("--service-account-signing-key-file={}", pki.sa_key.display()),
-        "--service-cluster-ip-range=10.96.0.0/16".into(),
+        // Service IPs on loopback, where the kubelet stand-in's service
+        // proxy listens for them (see `kubelet::services`).
+        "--service-cluster-ip-range=127.96.0.0/16".into(),
+        // Aggregated APIs (the console): the API server authenticates the
+        // user and passes the identity on in headers, proven by its client
+        // certificate from the front-proxy CA.
+        format!("--requestheader-client-ca-file={}", pki.front_proxy_ca.display()),
+        format!("--requestheader-allowed-names={}", crate::certs::FRONT_PROXY_CLIENT),
+        "--requestheader-username-headers=X-Remote-User".into(),
+        "--requestheader-group-headers=X-Remote-Group".into(),
+        "--requestheader-extra-headers-prefix=X-Remote-Extra-".into(),
+        format!("--proxy-client-cert-file={}", pki.proxy_client_cert.display()),
+        format!("--proxy-client-key-file={}", pki.proxy_client_key.display()),
         // Loopback cannot be published as the `kubernetes` Service endpoint.
         "--endpoint-reconciler-type=none".into(),
         "--profiling=false".into(),

@@ -121,6 +121,13 @@ impl TestBed {
         control_plane::client_from(&self.kubeconfig).await
     }
 
+    /// The kubeconfig of a person (one of [`control_plane::PEOPLE`]): a
+    /// user of their own, with no rights until a test binds some.
+    pub fn person_kubeconfig(&self, person: &str) -> Result<PathBuf> {
+        anyhow::ensure!(control_plane::PEOPLE.contains(&person), "the test bed knows no {person:?}");
+        Ok(control_plane::person_kubeconfig(&self.dir, person))
+    }
+
     /// Creates a namespace named `prefix-<random>`; it is deleted when the
     /// returned guard drops, even if the test fails.
     pub async fn namespace(&self, client: &Client, prefix: &str) -> Result<TestNamespace> {

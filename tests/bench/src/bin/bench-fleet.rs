@@ -193,7 +193,19 @@ async fn main() -> Result<()> {
     run_ok(
         bed,
         "helm",
-        &["install", "sf", &chart, "--namespace", NS, "--set", "watchNamespace=fleet", "--set", "log.level=warn"],
+        &[
+            "install",
+            "sf",
+            &chart,
+            "--namespace",
+            NS,
+            "--set",
+            "watchNamespace=fleet",
+            "--set",
+            "log.level=warn",
+            "--set",
+            "console.enabled=false",
+        ],
         None,
     )
     .await?;

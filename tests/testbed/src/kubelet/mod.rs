@@ -19,7 +19,8 @@
 //!   `KUBECONFIG`, so RBAC applies to the process exactly as in a cluster.
 //! * **Network.** Pods share the host's network, but each gets its own pod IP
 //!   in 127.0.0.0/8 (reported in status and `status.podIP`), so servers that
-//!   bind their pod IP do not collide.
+//!   bind their pod IP do not collide. Services with a selector get a
+//!   userspace proxy on their cluster IP (also on loopback) to ready pods.
 //! * **Start.** Creating a container takes a while, as a warm image start
 //!   does: 1 s by default (`TESTBED_POD_START_MS`); the pod shows
 //!   `ContainerCreating` meanwhile.
@@ -44,6 +45,7 @@ mod images;
 mod lifecycle;
 mod network;
 mod probes;
+mod services;
 
 pub use env::field_value;
 pub use images::{ImageMap, Resolved, image_repository};
@@ -101,6 +103,7 @@ impl Kubelet {
     /// kills every process it started).
     pub async fn run(self) -> Result<()> {
         self.register_node().await?;
+        let _services = services::AbortOnDrop(tokio::spawn(services::proxy(self.client.clone())));
         let this = Arc::new(self);
         let pods: Api<Pod> = Api::all(this.client.clone());
         let mut supervisors: HashMap<String, watch::Sender<Option<Pod>>> = HashMap::new();

@@ -1,0 +1,301 @@
+//! The console API's routes. Every pipeline route authenticates the caller
+//! (see [`super::auth`]), authorizes them twice with their own RBAC (`get`
+//! on the StreamConsumerGroup, and the console verb on the subresource), then
+//! reads or acts through one shared Redis connection per endpoint.
+
+use super::auth::{Access, Caller, FrontProxy, allowed};
+use super::letters::{Action, Letters, Refusal, VIEW_SCAN_LIMIT};
+use super::tls::Peer;
+use super::wire::{ActionRequest, ActionResult, FilterSpec, GROUP, Letter, LetterList, LetterStats, VERSION};
+use crate::events::{EventPublisher, EventType};
+use axum::extract::{ConnectInfo, Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use kube::{Api, Client, Resource as _};
+use serde::Deserialize;
+use serde_json::json;
+use std::sync::Arc;
+use streamfleet_crd::StreamConsumerGroup;
+use streamfleet_streams::Connections;
+
+pub struct Console {
+    pub client: Client,
+    pub front_proxy: FrontProxy,
+    pub connections: Connections,
+    pub events: EventPublisher,
+}
+
+pub fn router(console: Arc<Console>) -> Router {
+    let base = format!("/apis/{GROUP}/{VERSION}");
+    let pipeline = format!("{base}/namespaces/{{namespace}}/pipelines/{{name}}");
+    Router::new()
+        .route("/apis", get(group_list))
+        .route(&format!("/apis/{GROUP}"), get(group))
+        .route(&base, get(resources))
+        .route(&format!("{pipeline}/deadletters"), get(list_letters))
+        .route(&format!("{pipeline}/deadletters/{{id}}"), get(show_letter))
+        .route(&format!("{pipeline}/deadletterstats"), get(letter_stats))
+        .route(&format!("{pipeline}/replay"), post(replay))
+        .route(&format!("{pipeline}/purge"), post(purge))
+        .with_state(console)
+}
+
+/// An error as the API server reports one (a `Status`), so `kubectl get
+/// --raw` and the CLI show its message.
+#[derive(Debug)]
+pub struct ApiError {
+    code: StatusCode,
+    reason: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    fn new(code: StatusCode, reason: &'static str, message: impl Into<String>) -> Self {
+        Self { code, reason, message: message.into() }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": self.message, "reason": self.reason, "code": self.code.as_u16(),
+        });
+        (self.code, Json(body)).into_response()
+    }
+}
+
+/// Anything unexpected: logged in full here, said briefly to the caller
+/// (an error from Redis or a Secret can name what the caller must not see).
+fn internal(what: &str, e: &anyhow::Error) -> ApiError {
+    tracing::warn!(error = format!("{e:#}"), "{what}");
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "ServiceUnavailable",
+        format!("{what} failed; the console's log says why"),
+    )
+}
+
+fn refused(e: anyhow::Error) -> ApiError {
+    match e.downcast_ref::<Refusal>() {
+        Some(r @ Refusal::OverCap { .. }) => ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", r.to_string()),
+        Some(r) => ApiError::new(StatusCode::BAD_REQUEST, "BadRequest", r.to_string()),
+        None => internal("reading the dead letters", &e),
+    }
+}
+
+const SCG: Access =
+    Access { verb: "get", group: "streamfleet.io", resource: "streamconsumergroups", subresource: None };
+
+const fn console_access(verb: &'static str, subresource: &'static str) -> Access {
+    Access { verb, group: GROUP, resource: "pipelines", subresource: Some(subresource) }
+}
+
+struct Opened {
+    caller: Caller,
+    scg: StreamConsumerGroup,
+    letters: Letters,
+}
+
+impl Console {
+    /// Authenticates and authorizes the caller for `access` on the
+    /// pipeline, then connects to its Redis.
+    async fn open(
+        &self,
+        peer: &Peer,
+        headers: &HeaderMap,
+        namespace: &str,
+        name: &str,
+        access: Access,
+    ) -> Result<Opened, ApiError> {
+        let caller = self.front_proxy.caller(peer, headers).ok_or_else(|| {
+            ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "Unauthorized",
+                "reach the console through the Kubernetes API server (kubectl get --raw, kubectl proxy)",
+            )
+        })?;
+        let (scg_check, console_check) = tokio::join!(
+            allowed(&self.client, &caller, &SCG, namespace, name),
+            allowed(&self.client, &caller, &access, namespace, name),
+        );
+        for (check, wanted) in [(scg_check, &SCG), (console_check, &access)] {
+            let (ok, why) = check.map_err(|e| internal("authorizing the request", &e))?;
+            if !ok {
+                let resource = match wanted.subresource {
+                    Some(sub) => format!("{}/{sub}", wanted.resource),
+                    None => wanted.resource.to_string(),
+                };
+                let why = if why.is_empty() { String::new() } else { format!(": {why}") };
+                return Err(ApiError::new(
+                    StatusCode::FORBIDDEN,
+                    "Forbidden",
+                    format!(
+                        "User {:?} cannot {} resource {resource:?} in API group {:?} in the namespace {namespace:?}{why}",
+                        caller.user, wanted.verb, wanted.group
+                    ),
+                ));
+            }
+        }
+        let scg = Api::<StreamConsumerGroup>::namespaced(self.client.clone(), namespace)
+            .get_opt(name)
+            .await
+            .map_err(|e| internal("reading the StreamConsumerGroup", &e.into()))?
+            .ok_or_else(|| {
+                ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "NotFound",
+                    format!("streamconsumergroups.streamfleet.io {name:?} not found in {namespace:?}"),
+                )
+            })?;
+        let (endpoint, streams) = super::pipeline::redis_of(&self.client, &scg).await.map_err(|e| {
+            ApiError::new(StatusCode::CONFLICT, "Conflict", format!("{namespace}/{name} cannot be read: {e}"))
+        })?;
+        let conn = self
+            .connections
+            .get(&endpoint)
+            .await
+            .map_err(|e| internal("connecting to the pipeline's Redis", &e.into()))?;
+        Ok(Opened { caller, scg, letters: Letters { conn, streams } })
+    }
+}
+
+async fn group_list() -> Json<serde_json::Value> {
+    Json(json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": [group_json()]}))
+}
+
+async fn group() -> Json<serde_json::Value> {
+    Json(group_json())
+}
+
+fn group_json() -> serde_json::Value {
+    let version = json!({"groupVersion": format!("{GROUP}/{VERSION}"), "version": VERSION});
+    json!({"kind": "APIGroup", "apiVersion": "v1", "name": GROUP, "versions": [version], "preferredVersion": version})
+}
+
+/// Discovery: what RBAC rules name (`pipelines/<subresource>` with `get`
+/// or `create`).
+async fn resources() -> Json<serde_json::Value> {
+    let resource = |name: &str, kind: &str, verbs: &[&str]| json!({"name": name, "singularName": "", "namespaced": true, "kind": kind, "verbs": verbs});
+    Json(json!({
+        "kind": "APIResourceList", "apiVersion": "v1", "groupVersion": format!("{GROUP}/{VERSION}"),
+        "resources": [
+            resource("pipelines", "Pipeline", &[]),
+            resource("pipelines/deadletters", "DeadLetterList", &["get"]),
+            resource("pipelines/deadletterstats", "DeadLetterStats", &["get"]),
+            resource("pipelines/replay", "DeadLetterAction", &["create"]),
+            resource("pipelines/purge", "DeadLetterAction", &["create"]),
+        ],
+    }))
+}
+
+#[derive(Deserialize)]
+struct ListQuery {
+    #[serde(flatten)]
+    filter: FilterSpec,
+    limit: Option<usize>,
+    #[serde(rename = "continue")]
+    continue_: Option<String>,
+}
+
+fn bad_filter(e: anyhow::Error) -> ApiError {
+    ApiError::new(StatusCode::BAD_REQUEST, "BadRequest", format!("{e:#}"))
+}
+
+async fn list_letters(
+    State(console): State<Arc<Console>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    headers: HeaderMap,
+    Path((namespace, name)): Path<(String, String)>,
+    Query(query): Query<ListQuery>,
+) -> Result<Json<LetterList>, ApiError> {
+    let filter = query.filter.filter().map_err(bad_filter)?;
+    let access = console_access("get", "deadletters");
+    let mut opened = console.open(&peer, &headers, &namespace, &name, access).await?;
+    let limit = query.limit.unwrap_or(50).clamp(1, 500);
+    let list = opened.letters.list(&filter, query.continue_.as_deref(), limit, VIEW_SCAN_LIMIT).await;
+    list.map(Json).map_err(refused)
+}
+
+async fn show_letter(
+    State(console): State<Arc<Console>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    headers: HeaderMap,
+    Path((namespace, name, id)): Path<(String, String, String)>,
+) -> Result<Json<Letter>, ApiError> {
+    let access = console_access("get", "deadletters");
+    let mut opened = console.open(&peer, &headers, &namespace, &name, access).await?;
+    let letter = opened.letters.show(&id).await.map_err(refused)?;
+    letter.map(Json).ok_or_else(|| {
+        ApiError::new(StatusCode::NOT_FOUND, "NotFound", format!("no dead letter {id:?} in {namespace}/{name}"))
+    })
+}
+
+async fn letter_stats(
+    State(console): State<Arc<Console>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    headers: HeaderMap,
+    Path((namespace, name)): Path<(String, String)>,
+    Query(filter): Query<FilterSpec>,
+) -> Result<Json<LetterStats>, ApiError> {
+    let filter = filter.filter().map_err(bad_filter)?;
+    let access = console_access("get", "deadletterstats");
+    let mut opened = console.open(&peer, &headers, &namespace, &name, access).await?;
+    opened.letters.stats(&filter, VIEW_SCAN_LIMIT).await.map(Json).map_err(refused)
+}
+
+async fn replay(
+    state: State<Arc<Console>>,
+    peer: ConnectInfo<Peer>,
+    headers: HeaderMap,
+    path: Path<(String, String)>,
+    request: Json<ActionRequest>,
+) -> Result<Json<ActionResult>, ApiError> {
+    act(state, peer, headers, path, request, Action::Replay).await
+}
+
+async fn purge(
+    state: State<Arc<Console>>,
+    peer: ConnectInfo<Peer>,
+    headers: HeaderMap,
+    path: Path<(String, String)>,
+    request: Json<ActionRequest>,
+) -> Result<Json<ActionResult>, ApiError> {
+    act(state, peer, headers, path, request, Action::Purge).await
+}
+
+/// A replay or purge. The body must be JSON (a browser cannot send that
+/// cross-site without a CORS preflight, which nothing here answers: the
+/// CSRF guard); the action is recorded as an Event naming the user.
+async fn act(
+    State(console): State<Arc<Console>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    headers: HeaderMap,
+    Path((namespace, name)): Path<(String, String)>,
+    Json(request): Json<ActionRequest>,
+    action: Action,
+) -> Result<Json<ActionResult>, ApiError> {
+    let (subresource, done_word, reason) = match action {
+        Action::Replay => ("replay", "replayed", "DeadLettersReplayed"),
+        Action::Purge => ("purge", "purged", "DeadLettersPurged"),
+    };
+    let mut opened = console.open(&peer, &headers, &namespace, &name, console_access("create", subresource)).await?;
+    let result = opened.letters.act(action, &request).await.map_err(refused)?;
+    tracing::info!(
+        user = %opened.caller.user, pipeline = %format!("{namespace}/{name}"), action = subresource,
+        dry_run = request.dry_run, matched = result.matched, done = result.done, "dead-letter action"
+    );
+    if !request.dry_run {
+        let note = format!(
+            "{} {done_word} {} of {} dead letters chosen through the console",
+            opened.caller.user, result.done, result.matched
+        );
+        let regarding = opened.scg.object_ref(&());
+        if let Err(e) = console.events.publish(&regarding, EventType::Normal, reason, subresource, &note).await {
+            tracing::warn!(error = %e, "recording the action as an Event");
+        }
+    }
+    Ok(Json(result))
+}

@@ -1,0 +1,30 @@
+//! A pipeline's Redis: the endpoint its spec and Secrets name, and its
+//! dead-letter streams (one per shard).
+
+use anyhow::{Context as _, Result};
+use k8s_openapi::api::core::v1::Secret;
+use kube::{Api, Client, ResourceExt as _};
+use streamfleet_crd::{RedisMode, SecretKeyRef, StreamConsumerGroup};
+use streamfleet_streams::{Endpoint, Mode};
+
+pub async fn redis_of(client: &Client, scg: &StreamConsumerGroup) -> Result<(Endpoint, Vec<String>)> {
+    let namespace = scg.namespace().unwrap_or_default();
+    let secrets = Api::<Secret>::namespaced(client.clone(), &namespace);
+    let read = async |r: &SecretKeyRef| -> Result<Vec<u8>> {
+        let secret = secrets.get(&r.name).await.with_context(|| format!("Secret {namespace}/{}", r.name))?;
+        let value = secret.data.and_then(|mut d| d.remove(&r.key));
+        Ok(value.with_context(|| format!("Secret {namespace}/{} has no key {:?}", r.name, r.key))?.0)
+    };
+    let url = String::from_utf8(read(&scg.spec.redis.url_secret_ref).await?).context("the Redis URL is not UTF-8")?;
+    let ca_pem = match scg.spec.redis.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
+        Some(r) => Some(read(r).await?),
+        None => None,
+    };
+    let mode = match scg.spec.redis.mode {
+        RedisMode::Standalone => Mode::Standalone,
+        RedisMode::Cluster => Mode::Cluster,
+    };
+    let spec = crate::controller::validate::validate(scg).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let streams = spec.streams.iter().map(|s| spec.dead_letter_stream_of(s)).collect();
+    Ok((Endpoint { url: url.trim().to_string(), mode, ca_pem }, streams))
+}

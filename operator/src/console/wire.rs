@@ -1,0 +1,233 @@
+//! What the console API sends and takes, as JSON. The CLI prints the same
+//! types whether it read them through the API or, break-glass, from Redis.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use streamfleet_streams::dlq::{DeadLetter, Filter};
+
+pub const GROUP: &str = "console.streamfleet.io";
+pub const VERSION: &str = "v1alpha1";
+
+/// `/apis/console.streamfleet.io/v1alpha1/namespaces/{ns}/pipelines/{name}`.
+pub fn pipeline_path(namespace: &str, name: &str) -> String {
+    format!("/apis/{GROUP}/{VERSION}/namespaces/{namespace}/pipelines/{name}")
+}
+
+/// One dead letter.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Letter {
+    pub dead_letter_stream: String,
+    pub id: String,
+    /// RFC 3339.
+    pub at: String,
+    pub reason: Option<String>,
+    pub source_stream: Option<String>,
+    pub source_id: Option<String>,
+    pub group: Option<String>,
+    pub consumer: Option<String>,
+    pub deliveries: Option<u64>,
+    pub business_key: Option<String>,
+    pub error: Option<String>,
+    /// The original fields (lossy UTF-8); only when one letter is asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload: Option<BTreeMap<String, String>>,
+}
+
+impl Letter {
+    pub fn of(stream: &str, l: &DeadLetter, with_payload: bool) -> Self {
+        Self {
+            dead_letter_stream: stream.to_string(),
+            id: l.id.clone(),
+            at: rfc3339(l.at_ms),
+            reason: l.reason.clone(),
+            source_stream: l.source_stream.clone(),
+            source_id: l.source_id.clone(),
+            group: l.group.clone(),
+            consumer: l.consumer.clone(),
+            deliveries: l.deliveries,
+            business_key: l.business_key.clone(),
+            error: l.error.clone(),
+            payload: with_payload
+                .then(|| l.payload.iter().map(|(k, v)| (k.clone(), String::from_utf8_lossy(v).into_owned())).collect()),
+        }
+    }
+}
+
+/// A page of letters; `continue` reads the next one.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LetterList {
+    pub items: Vec<Letter>,
+    #[serde(rename = "continue", default, skip_serializing_if = "Option::is_none")]
+    pub continue_: Option<String>,
+}
+
+/// Counts of the letters a filter matches.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LetterStats {
+    pub total: u64,
+    pub by_reason: BTreeMap<String, u64>,
+    /// Start of the hour (RFC 3339) → count.
+    pub by_hour: BTreeMap<String, u64>,
+    /// Error signature (the message with numbers as `#`) → count.
+    pub by_error: BTreeMap<String, u64>,
+    /// False when the count stopped at the read bound: `total` is then a
+    /// lower bound (narrow the filter, or use the CLI's break-glass mode).
+    pub complete: bool,
+}
+
+/// Which letters an action takes: IDs, a filter, or all of them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Selector {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ids: Vec<String>,
+    #[serde(default)]
+    pub filter: FilterSpec,
+    #[serde(default)]
+    pub all: bool,
+}
+
+/// The filter as query parameters and JSON.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FilterSpec {
+    /// Comma-separated reasons.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// RFC 3339 or Unix ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub until: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    /// Text the error contains (case-insensitive).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to: Option<String>,
+}
+
+impl FilterSpec {
+    pub fn filter(&self) -> anyhow::Result<Filter> {
+        Ok(Filter {
+            reasons: self
+                .reason
+                .iter()
+                .flat_map(|r| r.split(','))
+                .filter(|r| !r.is_empty())
+                .map(String::from)
+                .collect(),
+            since_ms: self.since.as_deref().map(|t| time_ms("since", t)).transpose()?,
+            until_ms: self.until.as_deref().map(|t| time_ms("until", t)).transpose()?,
+            business_key: self.key.clone(),
+            error_contains: self.error.clone(),
+            from: self.from.clone(),
+            to: self.to.clone(),
+        })
+    }
+}
+
+/// A replay or purge: what to take, whether to only count, and the cap.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ActionRequest {
+    #[serde(flatten)]
+    pub selector: Selector,
+    /// Count what would be done; change nothing.
+    #[serde(default)]
+    pub dry_run: bool,
+    /// Refuse when more letters than this are chosen (default
+    /// [`DEFAULT_ACTION_CAP`]): a bulk action is never bigger than asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max: Option<u64>,
+}
+
+/// Letters one action takes unless the request raises `max`.
+pub const DEFAULT_ACTION_CAP: u64 = 1000;
+
+/// What an action did (or, dry run, would do).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ActionResult {
+    pub dry_run: bool,
+    /// Letters chosen.
+    pub matched: u64,
+    /// Letters replayed (requeued) or purged.
+    pub done: u64,
+    /// Replay only: requeued letters and their new entries.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub requeued: Vec<Requeued>,
+    /// Letters left in place, with why.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<Skipped>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Requeued {
+    pub dead_letter_id: String,
+    pub source_stream: String,
+    pub new_id: String,
+    pub business_key: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Skipped {
+    pub dead_letter_id: String,
+    pub why: String,
+}
+
+/// RFC 3339 or Unix milliseconds.
+pub fn time_ms(what: &str, text: &str) -> anyhow::Result<u64> {
+    use anyhow::Context as _;
+    if let Ok(ms) = text.parse::<u64>() {
+        return Ok(ms);
+    }
+    let at: k8s_openapi::jiff::Timestamp =
+        text.parse().with_context(|| format!("{what} {text:?}: not RFC 3339 (2026-12-01T10:00:00Z) nor Unix ms"))?;
+    u64::try_from(at.as_millisecond()).with_context(|| format!("{what} {text:?}: before 1970"))
+}
+
+pub fn rfc3339(ms: u64) -> String {
+    i64::try_from(ms)
+        .ok()
+        .and_then(|ms| k8s_openapi::jiff::Timestamp::from_millisecond(ms).ok())
+        .map_or_else(|| ms.to_string(), |t| t.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_are_rfc3339_or_unix_ms() {
+        assert_eq!(time_ms("since", "1700000000000").ok(), Some(1_700_000_000_000));
+        assert_eq!(time_ms("since", "2023-11-14T22:13:20Z").ok(), Some(1_700_000_000_000));
+        let refused = time_ms("since", "yesterday").err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(refused.contains("since") && refused.contains("RFC 3339"), "{refused}");
+        assert_eq!(rfc3339(1_700_000_000_000), "2023-11-14T22:13:20Z");
+    }
+
+    #[test]
+    fn a_filter_travels_as_a_query_string_and_back() {
+        let spec = FilterSpec {
+            reason: Some("permanent,malformed".into()),
+            error: Some("card declined & more".into()),
+            since: Some("2026-12-01T10:00:00Z".into()),
+            ..FilterSpec::default()
+        };
+        let query = serde_urlencoded::to_string(&spec).unwrap_or_default();
+        let back: FilterSpec = serde_urlencoded::from_str(&query).unwrap_or_default();
+        assert_eq!(back, spec);
+        let filter = back.filter().unwrap_or_default();
+        assert_eq!(filter.reasons, vec!["permanent", "malformed"]);
+        assert_eq!(filter.error_contains.as_deref(), Some("card declined & more"));
+    }
+}

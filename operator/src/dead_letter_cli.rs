@@ -1,0 +1,435 @@
+//! `streamfleet dead-letters` (`kubectl streamfleet dlq` as a kubectl
+//! plugin): list, show, count, replay and purge a pipeline's dead letters.
+//!
+//! By default it goes through the Kubernetes API server to the console API
+//! with the caller's kubeconfig: it works wherever `kubectl` does, with no
+//! Redis URL or password on the laptop, and the caller's RBAC decides.
+//! `--redis-url` talks to Redis directly (break-glass: the console down).
+
+use crate::console::letters::{Action, Letters};
+use crate::console::wire::{self, ActionRequest, ActionResult, FilterSpec, Letter, LetterList, LetterStats, Selector};
+use anyhow::{Context as _, Result, bail};
+use serde::de::DeserializeOwned;
+use streamfleet_streams::{Endpoint, Mode, StreamConnection};
+
+#[derive(clap::Args)]
+pub struct DeadLetterArgs {
+    /// The pipeline, `namespace/name`, reached through the Kubernetes API
+    /// server with your kubeconfig (you need the console's `view` role in
+    /// that namespace; `edit` to replay or purge).
+    #[arg(long, global = true, conflicts_with_all = ["redis_url", "dead_letter_stream"])]
+    pipeline: Option<String>,
+    /// Break-glass: this Redis URL (credentials included) instead of the console.
+    #[arg(long, global = true, env = "STREAMFLEET_REDIS_URL", hide_env_values = true)]
+    redis_url: Option<String>,
+    /// Break-glass: treat the URL as a Redis Cluster node.
+    #[arg(long, global = true)]
+    cluster: bool,
+    /// Break-glass: PEM CA bundle that signs a `rediss://` server's certificate.
+    #[arg(long, global = true)]
+    ca_file: Option<std::path::PathBuf>,
+    /// Break-glass: the dead-letter stream, e.g. `{orders}:dead`.
+    #[arg(long, global = true, env = "STREAMFLEET_DEAD_LETTER_STREAM")]
+    dead_letter_stream: Option<String>,
+    /// `text` (default) or `json` (one object per line).
+    #[arg(long, short = 'o', global = true, default_value = "text")]
+    output: Output,
+    #[command(subcommand)]
+    command: DeadLetterCommand,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Output {
+    Text,
+    Json,
+}
+
+/// Which letters (every condition must hold).
+#[derive(clap::Args, Clone, Default)]
+struct FilterArgs {
+    /// Only these reasons (comma-separated): permanent, malformed, max-deliveries, payload-missing, crashed-worker.
+    #[arg(long)]
+    reason: Option<String>,
+    /// Dead-lettered at or after: RFC 3339 (`2026-12-01T10:00:00Z`) or Unix ms.
+    #[arg(long)]
+    since: Option<String>,
+    /// Dead-lettered before: RFC 3339 or Unix ms.
+    #[arg(long)]
+    until: Option<String>,
+    /// Only this business key.
+    #[arg(long)]
+    key: Option<String>,
+    /// Only letters whose error contains this text (case-insensitive).
+    #[arg(long)]
+    error: Option<String>,
+    /// First dead-letter ID (inclusive).
+    #[arg(long)]
+    from: Option<String>,
+    /// Last dead-letter ID (inclusive).
+    #[arg(long)]
+    to: Option<String>,
+}
+
+impl FilterArgs {
+    fn spec(&self) -> Result<FilterSpec> {
+        let spec = FilterSpec {
+            reason: self.reason.clone(),
+            since: self.since.clone(),
+            until: self.until.clone(),
+            key: self.key.clone(),
+            error: self.error.clone(),
+            from: self.from.clone(),
+            to: self.to.clone(),
+        };
+        // Refused here, naming the flag, before anything is sent.
+        spec.filter().map_err(|e| anyhow::anyhow!("--{e:#}"))?;
+        Ok(spec)
+    }
+}
+
+/// Which letters `replay` and `purge` act on: IDs, a filter, or all of them.
+#[derive(clap::Args, Clone)]
+struct ChosenArgs {
+    /// Dead-letter IDs (comma-separated).
+    #[arg(long, value_delimiter = ',', conflicts_with = "all")]
+    ids: Vec<String>,
+    #[command(flatten)]
+    filter: FilterArgs,
+    /// Every dead letter.
+    #[arg(long)]
+    all: bool,
+    /// Say how many would be taken, change nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Refuse when more than this many letters are chosen (default 1000).
+    #[arg(long)]
+    max: Option<u64>,
+}
+
+impl ChosenArgs {
+    fn request(&self) -> Result<ActionRequest> {
+        let selector = Selector { ids: self.ids.clone(), filter: self.filter.spec()?, all: self.all };
+        // Never everything by default: the user says which.
+        crate::console::letters::selection(&selector).map_err(|_| {
+            anyhow::anyhow!(
+                "say which: --ids, a filter (--reason, --since, --until, --key, --error, --from, --to), or --all"
+            )
+        })?;
+        Ok(ActionRequest { selector, dry_run: self.dry_run, max: self.max })
+    }
+}
+
+#[derive(clap::Subcommand)]
+enum DeadLetterCommand {
+    /// A page of dead letters (ID, time, reason, source, business key, error);
+    /// the last line says how to read the next page.
+    List {
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Letters per page.
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+        /// Read the page after this cursor (the previous page's last line).
+        #[arg(long)]
+        after: Option<String>,
+    },
+    /// One dead letter in full: metadata and original fields.
+    Show {
+        /// The dead letter's ID.
+        id: String,
+    },
+    /// Counts by reason, by hour and by error signature.
+    Stats {
+        #[command(flatten)]
+        filter: FilterArgs,
+    },
+    /// Re-add dead letters to their source stream (for their own group) and
+    /// remove them here; a business key completed since is not replayed.
+    Replay {
+        #[command(flatten)]
+        chosen: ChosenArgs,
+    },
+    /// Delete dead letters for good.
+    Purge {
+        #[command(flatten)]
+        chosen: ChosenArgs,
+        /// Required to delete: purged letters cannot be replayed.
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+/// Run as the kubectl plugin (`kubectl-streamfleet`, found on the PATH):
+/// `kubectl streamfleet dlq …` is `streamfleet dead-letters …`.
+pub fn plugin_args(args: impl IntoIterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    let mut args: Vec<std::ffi::OsString> = args.into_iter().collect();
+    let plugin = args
+        .first()
+        .and_then(|program| std::path::Path::new(program).file_name())
+        .is_some_and(|name| name == "kubectl-streamfleet");
+    if plugin && args.get(1).is_some_and(|a| a == "dlq") {
+        args[1] = "dead-letters".into();
+    }
+    args
+}
+
+/// Where the letters are read and changed.
+enum Backend {
+    /// The console API, through the API server: `path` is the pipeline's.
+    Console { client: kube::Client, path: String },
+    /// Redis itself (break-glass).
+    Redis(Letters),
+}
+
+impl Backend {
+    async fn open(args: &DeadLetterArgs) -> Result<Self> {
+        if let Some(pipeline) = &args.pipeline {
+            let (namespace, name) = pipeline.split_once('/').context("--pipeline: NAMESPACE/NAME")?;
+            let client = kube::Client::try_default().await.context("reading your kubeconfig")?;
+            return Ok(Self::Console { client, path: wire::pipeline_path(namespace, name) });
+        }
+        let url = args
+            .redis_url
+            .clone()
+            .context("say which pipeline: --pipeline NAMESPACE/NAME (or, break-glass, --redis-url)")?;
+        let stream = args.dead_letter_stream.clone().context("--dead-letter-stream (or --pipeline)")?;
+        let ca_pem = match &args.ca_file {
+            Some(path) => Some(std::fs::read(path).with_context(|| format!("--ca-file {}", path.display()))?),
+            None => None,
+        };
+        let mode = if args.cluster { Mode::Cluster } else { Mode::Standalone };
+        let conn = StreamConnection::connect(&Endpoint { url, mode, ca_pem }).await?;
+        Ok(Self::Redis(Letters { conn, streams: vec![stream] }))
+    }
+
+    async fn get<T: DeserializeOwned>(client: &kube::Client, uri: String) -> Result<T> {
+        let request = http::Request::get(&uri).body(Vec::new())?;
+        client.request(request).await.map_err(|e| console_error(e, &uri))
+    }
+
+    async fn list(&mut self, filter: &FilterSpec, after: Option<&str>, limit: usize) -> Result<LetterList> {
+        match self {
+            Self::Console { client, path } => {
+                let mut query = serde_urlencoded::to_string(filter)?;
+                query.push_str(&format!("&limit={limit}"));
+                if let Some(after) = after {
+                    query.push_str(&format!("&{}", serde_urlencoded::to_string([("continue", after)])?));
+                }
+                Self::get(client, format!("{path}/deadletters?{query}")).await
+            }
+            Self::Redis(letters) => letters.list(&filter.filter()?, after, limit, usize::MAX).await,
+        }
+    }
+
+    async fn show(&mut self, id: &str) -> Result<Option<Letter>> {
+        match self {
+            Self::Console { client, path } => {
+                let uri = format!("{path}/deadletters/{id}");
+                let request = http::Request::get(&uri).body(Vec::new())?;
+                match client.request::<Letter>(request).await {
+                    Ok(letter) => Ok(Some(letter)),
+                    Err(kube::Error::Api(e)) if e.code == 404 && e.message.contains("no dead letter") => Ok(None),
+                    Err(e) => Err(console_error(e, &uri)),
+                }
+            }
+            Self::Redis(letters) => letters.show(id).await,
+        }
+    }
+
+    async fn stats(&mut self, filter: &FilterSpec) -> Result<LetterStats> {
+        match self {
+            Self::Console { client, path } => {
+                Self::get(client, format!("{path}/deadletterstats?{}", serde_urlencoded::to_string(filter)?)).await
+            }
+            Self::Redis(letters) => letters.stats(&filter.filter()?, usize::MAX).await,
+        }
+    }
+
+    async fn act(&mut self, action: Action, request: &ActionRequest) -> Result<ActionResult> {
+        match self {
+            Self::Console { client, path } => {
+                let verb = match action {
+                    Action::Replay => "replay",
+                    Action::Purge => "purge",
+                };
+                let uri = format!("{path}/{verb}");
+                let request = http::Request::post(&uri)
+                    .header(http::header::CONTENT_TYPE, "application/json")
+                    .body(serde_json::to_vec(request)?)?;
+                client.request(request).await.map_err(|e| console_error(e, &uri))
+            }
+            Self::Redis(letters) => letters.act(action, request).await,
+        }
+    }
+}
+
+/// The API server's or the console's refusal, said plainly; a console
+/// that is not installed is named as such.
+fn console_error(e: kube::Error, uri: &str) -> anyhow::Error {
+    match e {
+        kube::Error::Api(status) if status.code == 404 && status.message.contains("the server could not find") => {
+            anyhow::anyhow!(
+                "{uri}: the API server does not serve the streamfleet console (is the chart's console enabled?). \
+                 Break-glass: --redis-url"
+            )
+        }
+        kube::Error::Api(status) => anyhow::anyhow!("{} ({})", status.message, status.reason),
+        other => anyhow::Error::new(other).context(format!("GET/POST {uri}")),
+    }
+}
+
+fn letter_line(l: &Letter) -> String {
+    let or_dash = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
+    format!(
+        "{}\t{}\t{}\t{} {}\tkey={}\t{}",
+        l.id,
+        l.at,
+        or_dash(&l.reason),
+        or_dash(&l.source_stream),
+        or_dash(&l.source_id),
+        or_dash(&l.business_key),
+        or_dash(&l.error)
+    )
+}
+
+pub async fn run(args: DeadLetterArgs) -> Result<()> {
+    let mut backend = Backend::open(&args).await?;
+    let json = matches!(args.output, Output::Json);
+    let print = |value: &dyn erased::Json, text: String| {
+        println!("{}", if json { value.to_json() } else { text });
+    };
+    match &args.command {
+        DeadLetterCommand::List { filter, limit, after } => {
+            let list = backend.list(&filter.spec()?, after.as_deref(), *limit).await?;
+            for l in &list.items {
+                print(l, letter_line(l));
+            }
+            if let Some(cursor) = list.continue_ {
+                eprintln!("more: --after {cursor}");
+            }
+        }
+        DeadLetterCommand::Show { id } => {
+            let l = backend.show(id).await?.with_context(|| format!("no dead letter {id}"))?;
+            let mut text = letter_line(&l);
+            text.push_str(&format!(
+                "\ngroup={} consumer={} deliveries={}",
+                l.group.clone().unwrap_or_default(),
+                l.consumer.clone().unwrap_or_default(),
+                l.deliveries.unwrap_or(0)
+            ));
+            for (k, v) in l.payload.iter().flatten() {
+                text.push_str(&format!("\n  {k} = {v}"));
+            }
+            print(&l, text);
+        }
+        DeadLetterCommand::Stats { filter } => {
+            let stats = backend.stats(&filter.spec()?).await?;
+            let mut lines = vec![format!("total\t{}", stats.total)];
+            lines.extend(stats.by_reason.iter().map(|(r, n)| format!("reason\t{r}\t{n}")));
+            lines.extend(stats.by_hour.iter().map(|(h, n)| format!("hour\t{h}\t{n}")));
+            lines.extend(stats.by_error.iter().map(|(e, n)| format!("error\t{n}\t{e}")));
+            print(&stats, lines.join("\n"));
+            if !stats.complete {
+                eprintln!(
+                    "counted up to the console's read bound: narrow the filter (--since, --reason) for exact counts"
+                );
+            }
+        }
+        DeadLetterCommand::Replay { chosen } => {
+            let result = backend.act(Action::Replay, &chosen.request()?).await?;
+            let mut lines: Vec<String> = result
+                .requeued
+                .iter()
+                .map(|r| {
+                    format!(
+                        "requeued {} -> {} {} key={}",
+                        r.dead_letter_id,
+                        r.source_stream,
+                        r.new_id,
+                        r.business_key.clone().unwrap_or_default()
+                    )
+                })
+                .collect();
+            lines.extend(result.skipped.iter().map(|s| format!("skipped {}: {}", s.dead_letter_id, s.why)));
+            print(&result, lines.join("\n"));
+            eprintln!(
+                "{} of {} requeued{}",
+                result.done,
+                result.matched,
+                if result.dry_run { " (dry run)" } else { "" }
+            );
+        }
+        DeadLetterCommand::Purge { chosen, yes } => {
+            let request = chosen.request()?;
+            if !request.dry_run && !*yes {
+                bail!("purged dead letters are gone for good: add --yes (or --dry-run to count them)");
+            }
+            let result = backend.act(Action::Purge, &request).await?;
+            let word = if result.dry_run { "would be purged" } else { "purged" };
+            print(&result, format!("{} {word}", result.done));
+        }
+    }
+    Ok(())
+}
+
+/// Printing any of the wire types as one JSON line.
+mod erased {
+    pub trait Json {
+        fn to_json(&self) -> String;
+    }
+    impl<T: serde::Serialize> Json for T {
+        fn to_json(&self) -> String {
+            serde_json::to_string(self).unwrap_or_default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser as _;
+
+    fn os(args: &[&str]) -> Vec<std::ffi::OsString> {
+        args.iter().map(Into::into).collect()
+    }
+
+    #[test]
+    fn as_a_kubectl_plugin_dlq_means_dead_letters() {
+        assert_eq!(plugin_args(os(&["/usr/local/bin/kubectl-streamfleet", "dlq", "list"]))[1], "dead-letters");
+        assert_eq!(plugin_args(os(&["streamfleet", "dlq"]))[1], "dlq", "only under the plugin's name");
+    }
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: DeadLetterArgs,
+    }
+
+    #[test]
+    fn the_pipeline_goes_before_or_after_the_subcommand() {
+        for line in [
+            &["dlq", "--pipeline", "shop/orders", "stats"][..],
+            &["dlq", "stats", "--pipeline", "shop/orders"],
+            &["dlq", "-o", "json", "stats", "--reason", "permanent", "--pipeline", "shop/orders"],
+        ] {
+            let cli = Cli::try_parse_from(line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+            assert_eq!(cli.args.pipeline.as_deref(), Some("shop/orders"), "{line:?}");
+        }
+        assert!(Cli::try_parse_from(["dlq", "stats", "--pipeline", "a/b", "--redis-url", "redis://x"]).is_err());
+    }
+
+    #[test]
+    fn a_bad_time_names_its_flag() {
+        let args = FilterArgs { since: Some("yesterday".into()), ..FilterArgs::default() };
+        let refused = format!("{:#}", args.spec().err().unwrap_or_else(|| anyhow::anyhow!("accepted")));
+        assert!(refused.starts_with("--since") && refused.contains("RFC 3339"), "{refused}");
+    }
+
+    #[test]
+    fn an_action_says_which_letters() {
+        let chosen = ChosenArgs { ids: vec![], filter: FilterArgs::default(), all: false, dry_run: false, max: None };
+        assert!(chosen.request().is_err());
+        let all = ChosenArgs { all: true, ..chosen.clone() };
+        assert!(all.request().is_ok_and(|r| r.selector.all));
+    }
+}

@@ -1,0 +1,47 @@
+//! The recovery sweep the CronJob runs (`streamfleet sweep`).
+
+use anyhow::{Context as _, Result};
+use streamfleet_streams::StreamConnection;
+use streamfleet_streams::WorkerConfig;
+use streamfleet_streams::recovery::write_report;
+use streamfleet_streams::sweep::{SweepSettings, sweep};
+
+/// `streamfleet sweep`: one pass over the PEL of every stream in the env
+/// contract; writes the report the operator shows as `status.lastRecovery`,
+/// and prints it as JSON.
+pub async fn run_sweep() -> Result<()> {
+    let config = WorkerConfig::from_env().context("the recovery Job's environment")?;
+    let mut conn = StreamConnection::connect(&config.endpoint).await?;
+    // One run over every shard: each shard's figures are printed, and the
+    // run's total is the report every shard carries (the operator shows one).
+    let mut total = streamfleet_streams::recovery::RecoveryReport::default();
+    for stream in &config.streams {
+        let dead_letter_stream = config.dead_letter_stream_of(stream);
+        let settings = SweepSettings {
+            stream,
+            group: &config.group,
+            consumer: &config.consumer,
+            dead_letter_stream: &dead_letter_stream,
+            min_idle: config.min_idle,
+            max_deliveries: config.max_deliveries,
+            batch: config.batch_size,
+        };
+        let report = sweep(&mut conn, &settings).await?;
+        println!(
+            "{}",
+            serde_json::json!({
+                "stream": stream, "group": config.group, "scanned": report.scanned, "claimed": report.claimed,
+                "deadLettered": report.dead_lettered, "payloadLost": report.payload_lost,
+            })
+        );
+        total.scanned += report.scanned;
+        total.claimed += report.claimed;
+        total.dead_lettered += report.dead_lettered;
+        total.payload_lost += report.payload_lost;
+        total.finished_at_ms = total.finished_at_ms.max(report.finished_at_ms);
+    }
+    for stream in &config.streams {
+        write_report(&mut conn, stream, &config.group, &total).await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,276 @@
+//! The console API (`console.streamfleet.io`), an aggregated API reached
+//! through the test bed's kube-apiserver (its Service served by the kubelet
+//! stand-in's service proxy), used by people with their own identity: the
+//! `kubectl streamfleet dlq` plugin and `kubectl get --raw`.
+
+use anyhow::Result;
+use kube::Api;
+use kube::api::{Patch, PatchParams};
+use redis::AsyncCommands as _;
+use std::path::Path;
+use std::time::Duration;
+use streamfleet_crd::StreamConsumerGroup;
+use streamfleet_e2e::*;
+use streamfleet_streams::deadletter::{Letter, Reason, dead_letter};
+use streamfleet_testbed::{eventually, tools};
+
+const T: Duration = Duration::from_secs(90);
+
+/// `kubectl streamfleet dlq ARGS` with the plugin on the PATH, as the user
+/// of `kubeconfig`. The process gets no Redis URL: what it learns of the
+/// pipeline it learns through the API server.
+async fn kubectl_dlq(kubeconfig: &Path, plugin_dir: &Path, args: &[&str]) -> Result<(bool, String, String)> {
+    let path = format!("{}:{}", plugin_dir.display(), std::env::var("PATH").unwrap_or_default());
+    let out = tokio::process::Command::new(streamfleet_testbed::tools::tool("kubectl")?)
+        .arg("streamfleet")
+        .arg("dlq")
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .env("PATH", path)
+        .env_remove("STREAMFLEET_REDIS_URL")
+        .output()
+        .await?;
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    Ok((out.status.success(), text(&out.stdout), text(&out.stderr)))
+}
+
+fn json_lines(text: &str) -> Vec<serde_json::Value> {
+    text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_server_with_the_users_rbac() -> Result<()>
+{
+    let mut f = Fixture::start("e2e-dlq", &["--set", "console.enabled=true"]).await?;
+    let (bed, client, ns) = (f.bed, f.client.clone(), f.ns.name.clone());
+    let records = tempfile::tempdir()?;
+    let spec = "  scaling: {minReplicas: 0, maxReplicas: 1, pollIntervalSeconds: 1}";
+    f.apply(&recording_manifest("p", "orders", "billing", &records.path().display().to_string(), spec)).await?;
+    wait_condition(&client, &ns, "p", "GroupReady", "True", None, T).await?;
+    // Six orders delivered to a consumer and dead-lettered as a worker would.
+    let reasons = [
+        Reason::Permanent,
+        Reason::Permanent,
+        Reason::Permanent,
+        Reason::Malformed,
+        Reason::Malformed,
+        Reason::MaxDeliveries,
+    ];
+    for i in 0..reasons.len() {
+        let _: String = f.conn.xadd("orders", "*", &[("order_id", format!("o-{i}"))]).await?;
+    }
+    let opts = redis::streams::StreamReadOptions::default().group("billing", "c1").count(10);
+    let read: redis::streams::StreamReadReply = f.conn.xread_options(&["orders"], &[">"], &opts).await?;
+    for (i, (e, reason)) in read.keys[0].ids.iter().zip(reasons).enumerate() {
+        let entry = streamfleet_streams::Entry {
+            stream: "orders".into(),
+            id: e.id.clone(),
+            fields: streamfleet_streams::entry::fields_from_map(e.map.clone()),
+            deliveries: 1,
+            crashes: 0,
+        };
+        let key = format!("o-{i}");
+        let letter = Letter {
+            group: "billing",
+            consumer: "c1",
+            reason,
+            error: "card declined",
+            business_key: Some(&key),
+            while_pending: false,
+        };
+        dead_letter(&mut f.conn, "{orders}:dead", &entry, &letter).await?;
+    }
+    let plugin = tempfile::tempdir()?;
+    std::os::unix::fs::symlink(
+        streamfleet_testbed::tools::cargo_bin("streamfleet")?,
+        plugin.path().join("kubectl-streamfleet"),
+    )?;
+    let pipeline = format!("{ns}/p");
+
+    // alice may edit pipelines in this namespace (the chart's ready-made
+    // role); bob has no rights at all. Neither may read the Redis Secret.
+    let alice = bed.person_kubeconfig("alice")?;
+    let bob = bed.person_kubeconfig("bob")?;
+    let edit_role = format!("{}-streamfleet-edit", f.release);
+    run_ok(
+        bed,
+        "kubectl",
+        &["create", "rolebinding", "alice-edit", "-n", &ns, "--clusterrole", &edit_role, "--user", "alice"],
+        None,
+    )
+    .await?;
+    let as_person = async |kubeconfig: &Path, args: &[&str]| {
+        let out = tokio::process::Command::new(tools::tool("kubectl")?)
+            .args(args)
+            .env("KUBECONFIG", kubeconfig)
+            .output()
+            .await?;
+        anyhow::Ok((
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        ))
+    };
+    let (can_read_secret, _, err) = as_person(&alice, &["get", "secret", "redis", "-n", &ns]).await?;
+    assert!(!can_read_secret && err.contains("forbidden"), "alice cannot read the Redis URL: {err}");
+
+    // The console answers through the API server once its APIService is available.
+    let stats_path = format!("/apis/console.streamfleet.io/v1alpha1/namespaces/{ns}/pipelines/p/deadletterstats");
+    let raw = eventually("the console through the API server", T, || async {
+        let (ok, out, _) = as_person(&alice, &["get", "--raw", &stats_path]).await?;
+        Ok(ok.then_some(out))
+    })
+    .await?;
+    let stats: serde_json::Value = serde_json::from_str(&raw)?;
+    assert_eq!(stats["total"], 6, "kubectl get --raw as alice: {raw}");
+
+    // bob: refused, by the API server, and nothing of the letters shown.
+    let (ok, out, err) = as_person(&bob, &["get", "--raw", &stats_path]).await?;
+    assert!(!ok && err.contains("forbidden") && out.is_empty(), "bob: {out} {err}");
+    let (ok, out, err) = kubectl_dlq(&bob, plugin.path(), &["--pipeline", &pipeline, "list"]).await?;
+    assert!(!ok && err.contains("forbidden") && !out.contains("o-") && !err.contains("o-1"), "bob's CLI: {out} {err}");
+
+    let dlq = async |args: &[&str]| {
+        let mut all = vec!["--pipeline", pipeline.as_str(), "-o", "json"];
+        all.extend_from_slice(args);
+        kubectl_dlq(&alice, plugin.path(), &all).await
+    };
+
+    // The documented form, and the pipeline after the subcommand too.
+    let (ok, out, err) = kubectl_dlq(&alice, plugin.path(), &["--pipeline", &pipeline, "stats"]).await?;
+    assert!(ok && out.contains("total\t6") && out.contains("reason\tpermanent\t3"), "{out} {err}");
+    let (ok, out, err) = kubectl_dlq(&alice, plugin.path(), &["stats", "--pipeline", &pipeline]).await?;
+    assert!(ok && out.contains("total\t6"), "{out} {err}");
+
+    // Paged: 4, then the rest from the cursor the first page printed.
+    let (ok, out, err) = dlq(&["list", "--limit", "4"]).await?;
+    assert!(ok, "{err}");
+    let first = json_lines(&out);
+    assert_eq!(first.len(), 4, "{out}");
+    let cursor = err.trim().strip_prefix("more: --after ").expect(&err).to_string();
+    let (_, out, err) = dlq(&["list", "--limit", "4", "--after", &cursor]).await?;
+    let second = json_lines(&out);
+    assert_eq!(second.len(), 2, "{out}");
+    assert!(!err.contains("more:"), "the last page: {err}");
+    assert_eq!(second[0]["deadLetterStream"], "{orders}:dead", "found through the resource");
+
+    // Filters: reason and business key.
+    let (_, out, _) = dlq(&["list", "--reason", "malformed"]).await?;
+    let keys: Vec<String> = json_lines(&out).iter().map(|l| l["businessKey"].as_str().unwrap().to_string()).collect();
+    assert_eq!(keys, vec!["o-3", "o-4"]);
+    let (_, out, _) = dlq(&["list", "--key", "o-5"]).await?;
+    let only = json_lines(&out);
+    assert_eq!((only.len(), only[0]["reason"].as_str()), (1, Some("max-deliveries")));
+    let (_, out, _) = dlq(&["list", "--since", "2999-01-01T00:00:00Z"]).await?;
+    assert!(json_lines(&out).is_empty(), "nothing in the future: {out}");
+
+    // Show: the original payload with its metadata.
+    let id = first[0]["id"].as_str().unwrap().to_string();
+    let (_, out, _) = dlq(&["show", &id]).await?;
+    let shown: serde_json::Value = serde_json::from_str(out.trim())?;
+    assert_eq!(shown["payload"]["order_id"], "o-0");
+    assert_eq!((shown["group"].as_str(), shown["error"].as_str()), (Some("billing"), Some("card declined")));
+
+    // Stats by reason and by hour.
+    let (_, out, _) = dlq(&["stats"]).await?;
+    let stats: serde_json::Value = serde_json::from_str(out.trim())?;
+    assert_eq!(stats["total"], 6);
+    assert_eq!(stats["byReason"], serde_json::json!({"malformed": 2, "max-deliveries": 1, "permanent": 3}));
+    let hours: u64 = stats["byHour"].as_object().unwrap().values().filter_map(serde_json::Value::as_u64).sum();
+    assert_eq!(hours, 6);
+    assert_eq!(stats["byError"], serde_json::json!({"card declined": 6}), "grouped by error signature");
+    assert_eq!(stats["complete"], true);
+
+    // Error text filters, case-insensitive.
+    let (_, out, _) = dlq(&["list", "--error", "DECLINED", "--reason", "max-deliveries"]).await?;
+    assert_eq!(json_lines(&out).len(), 1, "{out}");
+
+    // Replay by filter: a dry run counts, changes nothing; a cap below the
+    // count refuses; then the malformed ones go back to `orders` for `billing`.
+    let length_before: usize = f.conn.xlen("orders").await?;
+    let (ok, out, err) = dlq(&["replay", "--reason", "malformed", "--dry-run"]).await?;
+    assert!(ok, "{err}");
+    assert_eq!(json_lines(&out)[0]["matched"], 2, "{out}");
+    let length: usize = f.conn.xlen("orders").await?;
+    assert_eq!(length, length_before, "a dry run requeues nothing");
+    let (ok, _, err) = dlq(&["replay", "--reason", "malformed", "--max", "1"]).await?;
+    assert!(!ok && err.contains("cap of 1"), "{err}");
+    let (ok, _, err) = kubectl_dlq(&bob, plugin.path(), &["--pipeline", &pipeline, "replay", "--all"]).await?;
+    assert!(!ok && err.contains("forbidden"), "bob cannot replay: {err}");
+    let (ok, out, err) = dlq(&["replay", "--reason", "malformed"]).await?;
+    assert!(ok, "{err}");
+    let replayed = &json_lines(&out)[0];
+    assert_eq!((replayed["done"].as_u64(), replayed["requeued"].as_array().map(Vec::len)), (Some(2), Some(2)), "{out}");
+    let event = eventually("the replay recorded as an Event", T, || async {
+        let events = events_about(&client, &ns, "p").await?;
+        Ok(events.into_iter().find(|e| e.reason.as_deref() == Some("DeadLettersReplayed")))
+    })
+    .await?;
+    let note = event.note.unwrap_or_default();
+    assert!(note.contains("alice") && note.contains("replayed 2 of 2"), "{note}");
+    let length_after: usize = f.conn.xlen("orders").await?;
+    assert_eq!(length_after, length_before + 2);
+    let dead: usize = f.conn.xlen("{orders}:dead").await?;
+    assert_eq!(dead, 4);
+
+    // Purge asks for --yes; a dry run deletes nothing; then the permanent ones go.
+    let (ok, _, err) = dlq(&["purge", "--reason", "permanent"]).await?;
+    assert!(!ok && err.contains("--yes"), "{err}");
+    let (_, out, _) = dlq(&["purge", "--reason", "permanent", "--dry-run"]).await?;
+    assert_eq!(json_lines(&out)[0]["done"], 3);
+    let dead: usize = f.conn.xlen("{orders}:dead").await?;
+    assert_eq!(dead, 4, "a dry run deletes nothing");
+    let (ok, out, err) = dlq(&["purge", "--reason", "permanent", "--yes"]).await?;
+    assert!(ok, "{err}");
+    assert_eq!(json_lines(&out)[0]["done"], 3);
+    let (_, out, _) = dlq(&["list"]).await?;
+    let left: Vec<String> = json_lines(&out).iter().map(|l| l["reason"].as_str().unwrap().to_string()).collect();
+    assert_eq!(left, vec!["max-deliveries"]);
+
+    // A pipeline that does not exist is a clear error.
+    let (ok, _, err) = kubectl_dlq(&alice, plugin.path(), &["--pipeline", &format!("{ns}/nope"), "list"]).await?;
+    assert!(!ok && err.contains("nope"), "{err}");
+
+    // A cap: two more letters make three; capped at one, the oldest two go,
+    // with the condition and a Warning saying so.
+    let _: String = f.conn.xadd("orders", "*", &[("order_id", "late-1")]).await?;
+    let _: String = f.conn.xadd("orders", "*", &[("order_id", "late-2")]).await?;
+    let read: redis::streams::StreamReadReply = f.conn.xread_options(&["orders"], &[">"], &opts).await?;
+    let mut newest = String::new();
+    for e in read.keys.iter().flat_map(|k| &k.ids) {
+        let fields = streamfleet_streams::entry::fields_from_map(e.map.clone());
+        let entry =
+            streamfleet_streams::Entry { stream: "orders".into(), id: e.id.clone(), fields, deliveries: 1, crashes: 0 };
+        // The two replayed orders are read here too: they are not letters again.
+        if !entry.field_str("order_id").is_some_and(|o| o.starts_with("late")) {
+            continue;
+        }
+        let letter = Letter {
+            group: "billing",
+            consumer: "c1",
+            reason: Reason::Permanent,
+            error: "x",
+            business_key: None,
+            while_pending: false,
+        };
+        newest = dead_letter(&mut f.conn, "{orders}:dead", &entry, &letter).await?.unwrap_or_default();
+    }
+    let scgs: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), &ns);
+    let cap = serde_json::json!({"spec": {"recovery": {"deadLetterMaxLength": 1}}});
+    scgs.patch("p", &PatchParams::default(), &Patch::Merge(cap)).await?;
+    let scg = wait_condition(&client, &ns, "p", "DeadLetterCapReached", "True", None, T).await?;
+    let condition = scg.status.unwrap().conditions.into_iter().find(|c| c.type_ == "DeadLetterCapReached").unwrap();
+    assert_eq!(condition.reason, "AtCap");
+    let kept: redis::streams::StreamRangeReply = f.conn.xrange_all("{orders}:dead").await?;
+    let kept: Vec<String> = kept.ids.into_iter().map(|e| e.id).collect();
+    assert_eq!(kept, vec![newest], "the newest letter stays");
+    let warning = eventually("a DeadLetterCapReached Warning", T, || async {
+        let events = events_about(&client, &ns, "p").await?;
+        Ok(events.into_iter().find(|e| e.reason.as_deref() == Some("DeadLetterCapReached")))
+    })
+    .await?;
+    assert_eq!(warning.type_.as_deref(), Some("Warning"));
+    let note = warning.note.unwrap_or_default();
+    assert!(note.contains("holds 3") && note.contains("oldest 2"), "{note}");
+    Ok(())
+}
