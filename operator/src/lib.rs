@@ -1,10 +1,10 @@
 //! The streamfleet operator: controller, owned-object builders, leader
 //! election and probes. `main.rs` wires them into the `streamfleet` binary.
 
+pub mod cli;
 pub mod conditions;
 pub mod console;
 pub mod controller;
-pub mod dead_letter_cli;
 pub mod error;
 pub mod events;
 pub mod health;

@@ -5,6 +5,7 @@
 //! * `streamfleet sweep`: the recovery sweep (run by the recovery CronJob).
 //! * `streamfleet dead-letters list|show|stats|replay|purge`: dead-letter
 //!   tools (`kubectl streamfleet dlq …` as a kubectl plugin).
+//! * `streamfleet pending`: a pipeline's in-flight entries.
 //! * `streamfleet console`: the console API (see `console`).
 
 use anyhow::{Context as _, Result};
@@ -47,7 +48,9 @@ enum Command {
     /// rest to the workers. Configured by the STREAMFLEET_* env contract.
     Sweep,
     /// Inspect, count, replay and purge a pipeline's dead letters.
-    DeadLetters(streamfleet_operator::dead_letter_cli::DeadLetterArgs),
+    DeadLetters(streamfleet_operator::cli::dead_letters::DeadLetterArgs),
+    /// A pipeline's pending (in-flight) entries: holder, idle time, deliveries, last error.
+    Pending(streamfleet_operator::cli::pending::PendingArgs),
     /// Serve the console API (an aggregated API of the Kubernetes API server).
     Console(streamfleet_operator::console::ConsoleArgs),
 }
@@ -88,7 +91,7 @@ struct RunArgs {
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    let cli = Cli::parse_from(streamfleet_operator::dead_letter_cli::plugin_args(std::env::args_os()));
+    let cli = Cli::parse_from(streamfleet_operator::cli::plugin_args(std::env::args_os()));
     let filter = tracing_subscriber::EnvFilter::try_new(&cli.log).context("--log")?;
     match cli.log_format {
         LogFormat::Json => tracing_subscriber::fmt().json().with_env_filter(filter).init(),
@@ -101,7 +104,8 @@ async fn main() -> Result<()> {
         }
         Command::Run(args) => run(args).await,
         Command::Sweep => streamfleet_operator::sweep_command::run_sweep().await,
-        Command::DeadLetters(args) => streamfleet_operator::dead_letter_cli::run(args).await,
+        Command::DeadLetters(args) => streamfleet_operator::cli::dead_letters::run(args).await,
+        Command::Pending(args) => streamfleet_operator::cli::pending::run(args).await,
         Command::Console(args) => streamfleet_operator::console::run(args).await,
     }
 }

@@ -13,6 +13,7 @@ pub mod group;
 pub mod health;
 pub mod keys;
 pub mod payload_loss;
+pub mod pending;
 pub mod recovery;
 pub mod replay;
 pub mod retention;

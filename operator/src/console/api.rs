@@ -6,14 +6,16 @@
 use super::auth::{Access, Caller, FrontProxy, allowed};
 use super::letters::{Action, Letters, Refusal, VIEW_SCAN_LIMIT};
 use super::tls::Peer;
-use super::wire::{ActionRequest, ActionResult, FilterSpec, GROUP, Letter, LetterList, LetterStats, VERSION};
+use super::wire::{
+    ActionRequest, ActionResult, FilterSpec, GROUP, Letter, LetterList, LetterStats, PendingList, PendingQuery, VERSION,
+};
 use crate::events::{EventPublisher, EventType};
 use axum::extract::{ConnectInfo, Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use kube::{Api, Client, Resource as _};
+use kube::{Api, Client, Resource as _, ResourceExt as _};
 use serde::Deserialize;
 use serde_json::json;
 use std::sync::Arc;
@@ -36,7 +38,9 @@ pub fn router(console: Arc<Console>) -> Router {
         .route(&base, get(resources))
         .route(&format!("{pipeline}/deadletters"), get(list_letters))
         .route(&format!("{pipeline}/deadletters/{{id}}"), get(show_letter))
+        .route(&format!("{pipeline}/payloads/{{id}}"), get(show_payload))
         .route(&format!("{pipeline}/deadletterstats"), get(letter_stats))
+        .route(&format!("{pipeline}/pending"), get(list_pending))
         .route(&format!("{pipeline}/replay"), post(replay))
         .route(&format!("{pipeline}/purge"), post(purge))
         .with_state(console)
@@ -96,6 +100,7 @@ const fn console_access(verb: &'static str, subresource: &'static str) -> Access
 struct Opened {
     caller: Caller,
     scg: StreamConsumerGroup,
+    target: super::pipeline::Target,
     letters: Letters,
 }
 
@@ -150,15 +155,16 @@ impl Console {
                     format!("streamconsumergroups.streamfleet.io {name:?} not found in {namespace:?}"),
                 )
             })?;
-        let (endpoint, streams) = super::pipeline::redis_of(&self.client, &scg).await.map_err(|e| {
+        let target = super::pipeline::redis_of(&self.client, &scg).await.map_err(|e| {
             ApiError::new(StatusCode::CONFLICT, "Conflict", format!("{namespace}/{name} cannot be read: {e}"))
         })?;
         let conn = self
             .connections
-            .get(&endpoint)
+            .get(&target.endpoint)
             .await
             .map_err(|e| internal("connecting to the pipeline's Redis", &e.into()))?;
-        Ok(Opened { caller, scg, letters: Letters { conn, streams } })
+        let letters = Letters { conn, streams: target.dead_letter_streams() };
+        Ok(Opened { caller, scg, target, letters })
     }
 }
 
@@ -184,7 +190,9 @@ async fn resources() -> Json<serde_json::Value> {
         "resources": [
             resource("pipelines", "Pipeline", &[]),
             resource("pipelines/deadletters", "DeadLetterList", &["get"]),
+            resource("pipelines/payloads", "DeadLetter", &["get"]),
             resource("pipelines/deadletterstats", "DeadLetterStats", &["get"]),
+            resource("pipelines/pending", "PendingList", &["get"]),
             resource("pipelines/replay", "DeadLetterAction", &["create"]),
             resource("pipelines/purge", "DeadLetterAction", &["create"]),
         ],
@@ -225,9 +233,33 @@ async fn show_letter(
     headers: HeaderMap,
     Path((namespace, name, id)): Path<(String, String, String)>,
 ) -> Result<Json<Letter>, ApiError> {
-    let access = console_access("get", "deadletters");
-    let mut opened = console.open(&peer, &headers, &namespace, &name, access).await?;
-    let letter = opened.letters.show(&id).await.map_err(refused)?;
+    one_letter(&console, &peer, &headers, &namespace, &name, &id, false).await
+}
+
+/// One letter with its payload: the original fields may carry personal
+/// data, so reading them is a right of its own (`pipelines/payloads`),
+/// which the ready-made `view` role does not have.
+async fn show_payload(
+    State(console): State<Arc<Console>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    headers: HeaderMap,
+    Path((namespace, name, id)): Path<(String, String, String)>,
+) -> Result<Json<Letter>, ApiError> {
+    one_letter(&console, &peer, &headers, &namespace, &name, &id, true).await
+}
+
+async fn one_letter(
+    console: &Console,
+    peer: &Peer,
+    headers: &HeaderMap,
+    namespace: &str,
+    name: &str,
+    id: &str,
+    with_payload: bool,
+) -> Result<Json<Letter>, ApiError> {
+    let access = console_access("get", if with_payload { "payloads" } else { "deadletters" });
+    let mut opened = console.open(peer, headers, namespace, name, access).await?;
+    let letter = opened.letters.show(id, with_payload).await.map_err(refused)?;
     letter.map(Json).ok_or_else(|| {
         ApiError::new(StatusCode::NOT_FOUND, "NotFound", format!("no dead letter {id:?} in {namespace}/{name}"))
     })
@@ -246,12 +278,25 @@ async fn letter_stats(
     opened.letters.stats(&filter, VIEW_SCAN_LIMIT).await.map(Json).map_err(refused)
 }
 
+async fn list_pending(
+    State(console): State<Arc<Console>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    headers: HeaderMap,
+    Path((namespace, name)): Path<(String, String)>,
+    Query(query): Query<PendingQuery>,
+) -> Result<Json<PendingList>, ApiError> {
+    let mut opened = console.open(&peer, &headers, &namespace, &name, console_access("get", "pending")).await?;
+    let spec = &opened.target.spec;
+    let page = super::in_flight::page(&mut opened.letters.conn, &spec.streams, &spec.group, &query).await;
+    page.map(Json).map_err(|e| internal("reading the pending entries", &e))
+}
+
 async fn replay(
     state: State<Arc<Console>>,
     peer: ConnectInfo<Peer>,
     headers: HeaderMap,
     path: Path<(String, String)>,
-    request: Json<ActionRequest>,
+    request: Json<serde_json::Value>,
 ) -> Result<Json<ActionResult>, ApiError> {
     act(state, peer, headers, path, request, Action::Replay).await
 }
@@ -261,41 +306,83 @@ async fn purge(
     peer: ConnectInfo<Peer>,
     headers: HeaderMap,
     path: Path<(String, String)>,
-    request: Json<ActionRequest>,
+    request: Json<serde_json::Value>,
 ) -> Result<Json<ActionResult>, ApiError> {
     act(state, peer, headers, path, request, Action::Purge).await
 }
 
 /// A replay or purge. The body must be JSON (a browser cannot send that
 /// cross-site without a CORS preflight, which nothing here answers: the
-/// CSRF guard); the action is recorded as an Event naming the user.
+/// CSRF guard). The action runs to its end even if the caller goes away,
+/// and is recorded as an Event naming the user, also when it fails part way.
 async fn act(
     State(console): State<Arc<Console>>,
     ConnectInfo(peer): ConnectInfo<Peer>,
     headers: HeaderMap,
     Path((namespace, name)): Path<(String, String)>,
-    Json(request): Json<ActionRequest>,
+    Json(body): Json<serde_json::Value>,
     action: Action,
 ) -> Result<Json<ActionResult>, ApiError> {
+    let request =
+        ActionRequest::from_json(body).map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "BadRequest", e))?;
+    let subresource = match action {
+        Action::Replay => "replay",
+        Action::Purge => "purge",
+    };
+    let opened = console.open(&peer, &headers, &namespace, &name, console_access("create", subresource)).await?;
+    let task = tokio::spawn(run_action(console.clone(), opened, action, request));
+    task.await.map_err(|e| internal("the action", &anyhow::anyhow!("{e}")))?.map(Json)
+}
+
+async fn run_action(
+    console: Arc<Console>,
+    mut opened: Opened,
+    action: Action,
+    request: ActionRequest,
+) -> Result<ActionResult, ApiError> {
     let (subresource, done_word, reason) = match action {
         Action::Replay => ("replay", "replayed", "DeadLettersReplayed"),
         Action::Purge => ("purge", "purged", "DeadLettersPurged"),
     };
-    let mut opened = console.open(&peer, &headers, &namespace, &name, console_access("create", subresource)).await?;
-    let result = opened.letters.act(action, &request).await.map_err(refused)?;
+    let user = opened.caller.user.clone();
+    let outcome = opened.letters.act(action, &request).await;
+    let (result, failure) = match outcome {
+        Ok(result) => (result, None),
+        // Refused before anything was done: the caller's to fix, no record.
+        Err(interrupted) if interrupted.error.downcast_ref::<Refusal>().is_some() => {
+            return Err(refused(interrupted.error));
+        }
+        Err(interrupted) => (interrupted.result, Some(interrupted.error)),
+    };
     tracing::info!(
-        user = %opened.caller.user, pipeline = %format!("{namespace}/{name}"), action = subresource,
-        dry_run = request.dry_run, matched = result.matched, done = result.done, "dead-letter action"
+        %user, pipeline = %format!("{}/{}", opened.scg.namespace().unwrap_or_default(), opened.scg.name_any()),
+        action = subresource, dry_run = request.dry_run, matched = result.matched, done = result.done,
+        failed = failure.is_some(), "dead-letter action"
     );
     if !request.dry_run {
-        let note = format!(
-            "{} {done_word} {} of {} dead letters chosen through the console",
-            opened.caller.user, result.done, result.matched
-        );
+        let (type_, note) = match &failure {
+            None => (
+                EventType::Normal,
+                format!(
+                    "{user} {done_word} {} of {} dead letters chosen through the console",
+                    result.done, result.matched
+                ),
+            ),
+            Some(_) => (
+                EventType::Warning,
+                format!(
+                    "{user}'s {subresource} through the console stopped on an error after {} of {} dead letters",
+                    result.done, result.matched
+                ),
+            ),
+        };
         let regarding = opened.scg.object_ref(&());
-        if let Err(e) = console.events.publish(&regarding, EventType::Normal, reason, subresource, &note).await {
+        if let Err(e) = console.events.publish(&regarding, type_, reason, subresource, &note).await {
             tracing::warn!(error = %e, "recording the action as an Event");
         }
     }
-    Ok(Json(result))
+    match failure {
+        None => Ok(result),
+        Some(e) => Err(internal(&format!("the {subresource} (after {} done)", result.done), &e)),
+    }
 }

@@ -30,6 +30,7 @@ pub struct FrontProxy {
     pub user_headers: Vec<String>,
     pub group_headers: Vec<String>,
     pub extra_prefixes: Vec<String>,
+    pub uid_headers: Vec<String>,
 }
 
 impl FrontProxy {
@@ -60,6 +61,7 @@ impl FrontProxy {
             user_headers: list("requestheader-username-headers")?,
             group_headers: list("requestheader-group-headers")?,
             extra_prefixes: list("requestheader-extra-headers-prefix")?,
+            uid_headers: list("requestheader-uid-headers")?,
         })
     }
 
@@ -76,6 +78,7 @@ impl FrontProxy {
         };
         let user = self.user_headers.iter().flat_map(|h| values(h)).find(|u| !u.is_empty())?;
         let groups = self.group_headers.iter().flat_map(|h| values(h)).collect();
+        let uid = self.uid_headers.iter().flat_map(|h| values(h)).find(|u| !u.is_empty());
         let mut extra: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for (name, value) in headers {
             let name = name.as_str();
@@ -85,39 +88,43 @@ impl FrontProxy {
                 continue;
             };
             if let Ok(value) = value.to_str() {
-                extra.entry(percent_decode(key).to_lowercase()).or_default().push(value.to_string());
+                // Header names arrive lower-cased; a malformed escape keeps
+                // the key as sent, as the API server's own reader does.
+                let key = percent_decode(key).unwrap_or_else(|| key.to_string());
+                extra.entry(key).or_default().push(value.to_string());
             }
         }
-        Some(Caller { user, groups, extra })
+        Some(Caller { user, uid, groups, extra })
     }
 }
 
 /// Header names cannot carry every character of an extra's key: the API
-/// server percent-encodes them.
-fn percent_decode(text: &str) -> String {
+/// server percent-encodes them. `None` for a malformed escape or bytes
+/// that are not UTF-8.
+fn percent_decode(text: &str) -> Option<String> {
     let bytes = text.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        let hex = |b: u8| (b as char).to_digit(16);
-        if bytes[i] == b'%'
-            && let (Some(h), Some(l)) =
-                (bytes.get(i + 1).copied().and_then(hex), bytes.get(i + 2).copied().and_then(hex))
-        {
-            out.push((h * 16 + l) as u8);
+        if bytes[i] == b'%' {
+            let hex = |b: u8| (b as char).to_digit(16);
+            let h = bytes.get(i + 1).copied().and_then(hex)?;
+            let l = bytes.get(i + 2).copied().and_then(hex)?;
+            out.push(u8::try_from(h * 16 + l).ok()?);
             i += 3;
-            continue;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
         }
-        out.push(bytes[i]);
-        i += 1;
     }
-    String::from_utf8_lossy(&out).into_owned()
+    String::from_utf8(out).ok()
 }
 
 /// A user as the API server authenticated them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Caller {
     pub user: String,
+    pub uid: Option<String>,
     pub groups: Vec<String>,
     pub extra: BTreeMap<String, Vec<String>>,
 }
@@ -143,6 +150,7 @@ pub async fn allowed(
     let review = SubjectAccessReview {
         spec: SubjectAccessReviewSpec {
             user: Some(caller.user.clone()),
+            uid: caller.uid.clone(),
             groups: Some(caller.groups.clone()),
             extra: Some(caller.extra.clone()),
             resource_attributes: Some(ResourceAttributes {
@@ -178,6 +186,7 @@ mod tests {
             ("requestheader-username-headers", r#"["X-Remote-User"]"#),
             ("requestheader-group-headers", r#"["X-Remote-Group"]"#),
             ("requestheader-extra-headers-prefix", r#"["X-Remote-Extra-"]"#),
+            ("requestheader-uid-headers", r#"["X-Remote-Uid"]"#),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -196,11 +205,15 @@ mod tests {
         headers.append("x-remote-group", HeaderValue::from_static("devs"));
         headers.append("x-remote-group", HeaderValue::from_static("system:authenticated"));
         headers.insert("x-remote-extra-authentication.kubernetes.io%2fcredential-id", HeaderValue::from_static("X1"));
+        headers.insert("x-remote-extra-bad%zzkey", HeaderValue::from_static("Y"));
+        headers.insert("x-remote-uid", HeaderValue::from_static("u-1"));
         let p = proxy();
         let caller = p.caller(&peer(Some("front-proxy-client")), &headers).unwrap_or_else(|| panic!("no caller"));
         assert_eq!(caller.user, "alice");
         assert_eq!(caller.groups, vec!["devs", "system:authenticated"]);
         assert_eq!(caller.extra.get("authentication.kubernetes.io/credential-id"), Some(&vec!["X1".to_string()]));
+        assert_eq!(caller.extra.get("bad%zzkey"), Some(&vec!["Y".to_string()]), "a malformed escape: the key as sent");
+        assert_eq!(caller.uid.as_deref(), Some("u-1"));
         assert_eq!(p.caller(&peer(None), &headers), None, "no client certificate: the headers are anyone's");
         assert_eq!(p.caller(&peer(Some("mallory")), &headers), None, "a CN not allowed");
         assert_eq!(p.caller(&peer(Some("front-proxy-client")), &HeaderMap::new()), None, "no user");

@@ -3,8 +3,7 @@
 //! and the CLI's break-glass mode both do them.
 
 use super::wire::{
-    ActionRequest, ActionResult, DEFAULT_ACTION_CAP, Letter, LetterList, LetterStats, Requeued, Selector, Skipped,
-    rfc3339,
+    ActionRequest, ActionResult, DEFAULT_ACTION_CAP, Letter, LetterList, LetterStats, Requeued, Skipped, rfc3339,
 };
 use anyhow::Result;
 use streamfleet_streams::StreamConnection;
@@ -20,8 +19,12 @@ pub const VIEW_SCAN_LIMIT: usize = 10_000;
 pub enum Refusal {
     #[error("say which letters: ids, a filter, or all")]
     NoSelection,
-    #[error("{matched} letters chosen, more than the cap of {max}: narrow the selection, or raise max to {matched}")]
-    OverCap { matched: u64, max: u64 },
+    #[error("say which letters one way: ids, a filter, or all, not two of them")]
+    TwoSelections,
+    #[error(
+        "more letters chosen than the cap of {max}: narrow the selection, or raise max (a dry run counts up to it)"
+    )]
+    OverCap { max: u64 },
     #[error("{0}")]
     BadFilter(String),
 }
@@ -76,11 +79,11 @@ impl Letters {
         Ok(list)
     }
 
-    /// One letter in full, payload included.
-    pub async fn show(&mut self, id: &str) -> Result<Option<Letter>> {
+    /// One letter, with its payload (the original fields) if asked.
+    pub async fn show(&mut self, id: &str, with_payload: bool) -> Result<Option<Letter>> {
         for stream in &self.streams {
             if let Some(letter) = dlq::show(&mut self.conn, stream, id).await? {
-                return Ok(Some(Letter::of(stream, &letter, true)));
+                return Ok(Some(Letter::of(stream, &letter, with_payload)));
             }
         }
         Ok(None)
@@ -107,89 +110,119 @@ impl Letters {
         })
     }
 
-    /// Replays or purges the chosen letters; a dry run counts them. Refused
-    /// without a selection, and when more are chosen than `max`.
-    pub async fn act(&mut self, action: Action, request: &ActionRequest) -> Result<ActionResult> {
-        let selection = selection(&request.selector)?;
-        let max = request.max.unwrap_or(DEFAULT_ACTION_CAP);
-        let mut result = ActionResult { dry_run: request.dry_run, ..ActionResult::default() };
-        match action {
-            Action::Replay => {
-                // Count first (a dry run reads, writes nothing): the cap
-                // holds before anything is requeued.
-                let mut counted = 0;
-                for stream in &self.streams {
-                    counted += replay(&mut self.conn, stream, &selection, true).await?.len() as u64;
-                }
-                if counted > max {
-                    return Err(Refusal::OverCap { matched: counted, max }.into());
-                }
-                for stream in &self.streams {
-                    for r in replay(&mut self.conn, stream, &selection, request.dry_run).await? {
-                        result.matched += 1;
-                        match r {
-                            Replayed::Requeued { dead_letter_id, source_stream, new_id, business_key } => {
-                                result.done += 1;
-                                result.requeued.push(Requeued { dead_letter_id, source_stream, new_id, business_key });
-                            }
-                            Replayed::Skipped { dead_letter_id, why } => {
-                                result.skipped.push(Skipped { dead_letter_id, why })
-                            }
+    /// The chosen letters, per stream: at most `max + 1` in all (one more
+    /// than the cap says "too many" without reading on), each one that is
+    /// there (an ID is looked for in every shard's stream).
+    async fn choose(&mut self, selection: &Selection, max: u64) -> Result<Vec<(String, Vec<String>)>> {
+        let mut chosen = Vec::new();
+        let mut total = 0u64;
+        for stream in &self.streams {
+            let want = usize::try_from((max + 1).saturating_sub(total)).unwrap_or(usize::MAX);
+            if want == 0 {
+                break;
+            }
+            let ids: Vec<String> = match selection {
+                Selection::Ids(ids) => {
+                    let mut there = Vec::new();
+                    for id in ids {
+                        if there.len() < want && dlq::show(&mut self.conn, stream, id).await?.is_some() {
+                            there.push(id.clone());
                         }
                     }
+                    there
                 }
+                Selection::Matching(filter) => dlq::page(&mut self.conn, stream, filter, None, want)
+                    .await?
+                    .letters
+                    .into_iter()
+                    .map(|l| l.id)
+                    .collect(),
+                _ => dlq::page(&mut self.conn, stream, &Filter::default(), None, want)
+                    .await?
+                    .letters
+                    .into_iter()
+                    .map(|l| l.id)
+                    .collect(),
+            };
+            total += ids.len() as u64;
+            chosen.push((stream.clone(), ids));
+        }
+        Ok(chosen)
+    }
+
+    /// Replays or purges the chosen letters; a dry run counts them. Refused
+    /// (nothing done) without one selection, and when more than `max` are
+    /// chosen. The letters counted are the ones acted on: letters added
+    /// meanwhile are not taken. On an error part way, what was done so far
+    /// comes back with it.
+    pub async fn act(&mut self, action: Action, request: &ActionRequest) -> Result<ActionResult, Interrupted> {
+        let mut result = ActionResult { dry_run: request.dry_run, ..ActionResult::default() };
+        let refused = |error: anyhow::Error| Interrupted { result: ActionResult::default(), error };
+        let selection = selection(request).map_err(refused)?;
+        let max = request.max.unwrap_or(DEFAULT_ACTION_CAP);
+        let chosen = self.choose(&selection, max).await.map_err(refused)?;
+        result.matched = chosen.iter().map(|(_, ids)| ids.len() as u64).sum();
+        if result.matched > max {
+            return Err(refused(Refusal::OverCap { max }.into()));
+        }
+        for (stream, ids) in chosen {
+            if ids.is_empty() {
+                continue;
             }
-            Action::Purge => {
-                let mut chosen = Vec::new();
-                for stream in &self.streams {
-                    let ids: Vec<String> = match &selection {
-                        Selection::Ids(ids) => {
-                            let mut there = Vec::new();
-                            for id in ids {
-                                if dlq::show(&mut self.conn, stream, id).await?.is_some() {
-                                    there.push(id.clone());
+            let step = match action {
+                Action::Replay => {
+                    replay(&mut self.conn, &stream, &Selection::Ids(ids), request.dry_run).await.map(|done| {
+                        for r in done {
+                            match r {
+                                Replayed::Requeued { dead_letter_id, source_stream, new_id, business_key } => {
+                                    result.done += 1;
+                                    result.requeued.push(Requeued {
+                                        dead_letter_id,
+                                        source_stream,
+                                        new_id,
+                                        business_key,
+                                    });
+                                }
+                                Replayed::Skipped { dead_letter_id, why } => {
+                                    result.skipped.push(Skipped { dead_letter_id, why })
                                 }
                             }
-                            there
                         }
-                        Selection::Matching(filter) => {
-                            dlq::all(&mut self.conn, stream, filter).await?.into_iter().map(|l| l.id).collect()
-                        }
-                        _ => dlq::all(&mut self.conn, stream, &Filter::default())
-                            .await?
-                            .into_iter()
-                            .map(|l| l.id)
-                            .collect(),
-                    };
-                    chosen.push((stream.clone(), ids));
+                    })
                 }
-                result.matched = chosen.iter().map(|(_, ids)| ids.len() as u64).sum();
-                if result.matched > max {
-                    return Err(Refusal::OverCap { matched: result.matched, max }.into());
+                Action::Purge if request.dry_run => {
+                    result.done += ids.len() as u64;
+                    Ok(())
                 }
-                for (stream, ids) in &chosen {
-                    result.done += if request.dry_run {
-                        ids.len() as u64
-                    } else {
-                        dlq::purge(&mut self.conn, stream, ids).await?
-                    };
-                }
+                Action::Purge => dlq::purge(&mut self.conn, &stream, &ids).await.map(|n| result.done += n),
+            };
+            if let Err(e) = step {
+                return Err(Interrupted { result, error: e.into() });
             }
         }
         Ok(result)
     }
 }
 
-/// Never everything by default: IDs, a filter, or `all` said outright.
-pub fn selection(selector: &Selector) -> Result<Selection> {
-    let filter = filter_of(&selector.filter)?;
-    Ok(if !selector.ids.is_empty() {
-        Selection::Ids(selector.ids.clone())
-    } else if filter != Filter::default() {
-        Selection::Matching(filter)
-    } else if selector.all {
-        Selection::All
-    } else {
-        return Err(Refusal::NoSelection.into());
-    })
+/// An action that stopped: refused before it began (nothing done), or
+/// failed part way (`result` says what was done).
+#[derive(Debug)]
+pub struct Interrupted {
+    pub result: ActionResult,
+    pub error: anyhow::Error,
+}
+
+/// Never everything by default: IDs, a filter, or `all` said outright,
+/// and only one of them (IDs with a filter would act on the IDs whatever
+/// the filter says).
+pub fn selection(request: &ActionRequest) -> Result<Selection> {
+    let filter = filter_of(&request.filter)?;
+    let filtered = filter != Filter::default();
+    match (!request.ids.is_empty(), filtered, request.all) {
+        (true, false, false) => Ok(Selection::Ids(request.ids.clone())),
+        (false, true, false) => Ok(Selection::Matching(filter)),
+        (false, false, true) => Ok(Selection::All),
+        (false, false, false) => Err(Refusal::NoSelection.into()),
+        _ => Err(Refusal::TwoSelections.into()),
+    }
 }

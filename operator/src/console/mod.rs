@@ -9,6 +9,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod in_flight;
 pub mod letters;
 pub mod pipeline;
 pub mod tls;

@@ -1,13 +1,28 @@
 //! A pipeline's Redis: the endpoint its spec and Secrets name, and its
-//! dead-letter streams (one per shard).
+//! validated spec (streams, group, dead-letter streams).
 
+use crate::controller::validate::{ValidSpec, validate};
 use anyhow::{Context as _, Result};
 use k8s_openapi::api::core::v1::Secret;
 use kube::{Api, Client, ResourceExt as _};
 use streamfleet_crd::{RedisMode, SecretKeyRef, StreamConsumerGroup};
 use streamfleet_streams::{Endpoint, Mode};
 
-pub async fn redis_of(client: &Client, scg: &StreamConsumerGroup) -> Result<(Endpoint, Vec<String>)> {
+pub struct Target {
+    pub endpoint: Endpoint,
+    pub spec: ValidSpec,
+}
+
+impl Target {
+    /// Every shard's dead-letter stream, shard 0 first.
+    pub fn dead_letter_streams(&self) -> Vec<String> {
+        self.spec.streams.iter().map(|s| self.spec.dead_letter_stream_of(s)).collect()
+    }
+}
+
+pub async fn redis_of(client: &Client, scg: &StreamConsumerGroup) -> Result<Target> {
+    // Validated first: a spec the operator refuses names no Secret to read.
+    let spec = validate(scg).map_err(|e| anyhow::anyhow!("{e}"))?;
     let namespace = scg.namespace().unwrap_or_default();
     let secrets = Api::<Secret>::namespaced(client.clone(), &namespace);
     let read = async |r: &SecretKeyRef| -> Result<Vec<u8>> {
@@ -24,7 +39,5 @@ pub async fn redis_of(client: &Client, scg: &StreamConsumerGroup) -> Result<(End
         RedisMode::Standalone => Mode::Standalone,
         RedisMode::Cluster => Mode::Cluster,
     };
-    let spec = crate::controller::validate::validate(scg).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let streams = spec.streams.iter().map(|s| spec.dead_letter_stream_of(s)).collect();
-    Ok((Endpoint { url: url.trim().to_string(), mode, ca_pem }, streams))
+    Ok(Target { endpoint: Endpoint { url: url.trim().to_string(), mode, ca_pem }, spec })
 }

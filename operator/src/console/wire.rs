@@ -78,18 +78,6 @@ pub struct LetterStats {
     pub complete: bool,
 }
 
-/// Which letters an action takes: IDs, a filter, or all of them.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Selector {
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub ids: Vec<String>,
-    #[serde(default)]
-    pub filter: FilterSpec,
-    #[serde(default)]
-    pub all: bool,
-}
-
 /// The filter as query parameters and JSON.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -133,12 +121,17 @@ impl FilterSpec {
     }
 }
 
-/// A replay or purge: what to take, whether to only count, and the cap.
+/// A replay or purge: which letters (IDs, a filter, or all: exactly one),
+/// whether to only count, and the cap.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ActionRequest {
-    #[serde(flatten)]
-    pub selector: Selector,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ids: Vec<String>,
+    #[serde(default)]
+    pub filter: FilterSpec,
+    #[serde(default)]
+    pub all: bool,
     /// Count what would be done; change nothing.
     #[serde(default)]
     pub dry_run: bool,
@@ -146,6 +139,33 @@ pub struct ActionRequest {
     /// [`DEFAULT_ACTION_CAP`]): a bulk action is never bigger than asked for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max: Option<u64>,
+}
+
+impl ActionRequest {
+    /// From a request body, refusing any field it does not know: a
+    /// misspelt `dryRun` or filter key must not turn a count into a real
+    /// action, nor widen a selection.
+    pub fn from_json(body: serde_json::Value) -> Result<Self, String> {
+        const TOP: [&str; 5] = ["ids", "filter", "all", "dryRun", "max"];
+        const FILTER: [&str; 7] = ["reason", "since", "until", "key", "error", "from", "to"];
+        let unknown = |object: Option<&serde_json::Map<String, serde_json::Value>>, known: &[&str], at: &str| {
+            object
+                .into_iter()
+                .flatten()
+                .map(|(k, _)| k)
+                .find(|k| !known.contains(&k.as_str()))
+                .map(|k| format!("{at}{k}"))
+        };
+        if !body.is_object() {
+            return Err("the body is a JSON object".into());
+        }
+        if let Some(field) = unknown(body.as_object(), &TOP, "")
+            .or_else(|| unknown(body.get("filter").and_then(|f| f.as_object()), &FILTER, "filter."))
+        {
+            return Err(format!("unknown field {field:?}"));
+        }
+        serde_json::from_value(body).map_err(|e| e.to_string())
+    }
 }
 
 /// Letters one action takes unless the request raises `max`.
@@ -184,6 +204,48 @@ pub struct Skipped {
     pub why: String,
 }
 
+/// One pending (in-flight) entry.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PendingEntry {
+    pub stream: String,
+    pub id: String,
+    /// The worker pod (consumer) holding it, or a parking consumer.
+    pub consumer: String,
+    pub idle_ms: u64,
+    pub deliveries: u64,
+    /// Waiting for its retry after failing at this delivery count.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_delivery: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+}
+
+/// A page of pending entries; `continue` reads the next one.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PendingList {
+    pub items: Vec<PendingEntry>,
+    #[serde(rename = "continue", default, skip_serializing_if = "Option::is_none")]
+    pub continue_: Option<String>,
+}
+
+/// Which pending entries.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PendingQuery {
+    /// Only this consumer's (a pod name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consumer: Option<String>,
+    /// Only entries idle at least this long (milliseconds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_idle_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<usize>,
+    #[serde(rename = "continue", default, skip_serializing_if = "Option::is_none")]
+    pub continue_: Option<String>,
+}
+
 /// RFC 3339 or Unix milliseconds.
 pub fn time_ms(what: &str, text: &str) -> anyhow::Result<u64> {
     use anyhow::Context as _;
@@ -213,6 +275,16 @@ mod tests {
         let refused = time_ms("since", "yesterday").err().map(|e| e.to_string()).unwrap_or_default();
         assert!(refused.contains("since") && refused.contains("RFC 3339"), "{refused}");
         assert_eq!(rfc3339(1_700_000_000_000), "2023-11-14T22:13:20Z");
+    }
+
+    #[test]
+    fn an_action_refuses_fields_it_does_not_know() {
+        let ok = ActionRequest::from_json(serde_json::json!({"all": true, "dryRun": true, "filter": {"reason": "x"}}));
+        assert!(ok.is_ok_and(|r| r.dry_run && r.all));
+        let typo = ActionRequest::from_json(serde_json::json!({"all": true, "dry_run": true}));
+        assert_eq!(typo.err().as_deref(), Some("unknown field \"dry_run\""));
+        let widened = ActionRequest::from_json(serde_json::json!({"filter": {"reasons": "permanent"}}));
+        assert_eq!(widened.err().as_deref(), Some("unknown field \"filter.reasons\""));
     }
 
     #[test]

@@ -4,8 +4,10 @@
 //! `kubectl streamfleet dlq` plugin and `kubectl get --raw`.
 
 use anyhow::Result;
-use kube::Api;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::ListParams;
 use kube::api::{Patch, PatchParams};
+use kube::{Api, ResourceExt as _};
 use redis::AsyncCommands as _;
 use std::path::Path;
 use std::time::Duration;
@@ -130,6 +132,35 @@ async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_ser
     let (ok, out, err) = kubectl_dlq(&bob, plugin.path(), &["--pipeline", &pipeline, "list"]).await?;
     assert!(!ok && err.contains("forbidden") && !out.contains("o-") && !err.contains("o-1"), "bob's CLI: {out} {err}");
 
+    // The console decides too, with the user's own RBAC: bob, allowed the
+    // console's paths by the API server but not to get the pipeline, is
+    // refused by the console itself (its SubjectAccessReview).
+    let console_only = serde_json::json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "console-paths-only"},
+        "rules": [{"apiGroups": ["console.streamfleet.io"], "resources": ["pipelines/deadletterstats"], "verbs": ["get"]}],
+    });
+    f.apply(&console_only.to_string()).await?;
+    run_ok(
+        bed,
+        "kubectl",
+        &["create", "rolebinding", "bob-console-paths", "-n", &ns, "--role", "console-paths-only", "--user", "bob"],
+        None,
+    )
+    .await?;
+    let refused = eventually("bob refused by the console, not the API server", T, || async {
+        let (ok, out, err) = as_person(&bob, &["get", "--raw", &stats_path]).await?;
+        assert!(!ok && out.is_empty(), "bob read the stats: {out}");
+        Ok(err.contains("streamconsumergroups").then_some(err))
+    })
+    .await?;
+    assert!(refused.contains("\"bob\"") && refused.contains("cannot get"), "{refused}");
+
+    // Identity headers on a connection that is not the API server's count
+    // for nothing: straight to the console's Service, claiming to be alice.
+    let answer = straight_to_console(&client, &ns, &f.release, &stats_path).await?;
+    assert!(answer.starts_with("HTTP/1.1 401"), "a caller without the front-proxy certificate: {answer}");
+    assert!(!answer.contains("total"), "{answer}");
+
     let dlq = async |args: &[&str]| {
         let mut all = vec!["--pipeline", pipeline.as_str(), "-o", "json"];
         all.extend_from_slice(args);
@@ -185,6 +216,43 @@ async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_ser
     let (_, out, _) = dlq(&["list", "--error", "DECLINED", "--reason", "max-deliveries"]).await?;
     assert_eq!(json_lines(&out).len(), 1, "{out}");
 
+    // In flight: an entry held by a consumer (named after a live pod, so no
+    // reaper takes it back), with its last error: who, how long, how often.
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns)
+        .list(&ListParams::default().labels("app.kubernetes.io/name=streamfleet-operator"))
+        .await?;
+    let holder = pods.items.first().map(|p| p.name_any()).unwrap_or_default();
+    let held: String = f.conn.xadd("orders", "*", &[("order_id", "in-flight")]).await?;
+    let opts_held = redis::streams::StreamReadOptions::default().group("billing", &holder).count(100);
+    let _: redis::streams::StreamReadReply = f.conn.xread_options(&["orders"], &[">"], &opts_held).await?;
+    let _: () =
+        f.conn.hset(streamfleet_streams::keys::last_error_key("orders", "billing"), &held, "ledger timeout").await?;
+    let pending = async |person: &Path, extra: &[&str]| {
+        let mut args = vec!["streamfleet", "pending", "--pipeline", pipeline.as_str(), "-o", "json"];
+        args.extend_from_slice(extra);
+        let out = tokio::process::Command::new(tools::tool("kubectl")?)
+            .args(&args)
+            .env("KUBECONFIG", person)
+            .env("PATH", format!("{}:{}", plugin.path().display(), std::env::var("PATH").unwrap_or_default()))
+            .output()
+            .await?;
+        anyhow::Ok((
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        ))
+    };
+    let (ok, out, err) = pending(&alice, &["--consumer", &holder]).await?;
+    assert!(ok, "{err}");
+    let entries = json_lines(&out);
+    let entry = entries.iter().find(|e| e["id"] == held.as_str()).unwrap_or_else(|| panic!("{held} not listed: {out}"));
+    assert_eq!((entry["consumer"].as_str(), entry["deliveries"].as_u64()), (Some(holder.as_str()), Some(1)), "{entry}");
+    assert_eq!(entry["lastError"], "ledger timeout");
+    let (_, out, _) = pending(&alice, &["--min-idle", "1h"]).await?;
+    assert!(json_lines(&out).is_empty(), "nothing idle an hour: {out}");
+    let (ok, _, err) = pending(&bob, &[]).await?;
+    assert!(!ok && err.contains("forbidden"), "bob may not see what is in flight: {err}");
+
     // Replay by filter: a dry run counts, changes nothing; a cap below the
     // count refuses; then the malformed ones go back to `orders` for `billing`.
     let length_before: usize = f.conn.xlen("orders").await?;
@@ -195,6 +263,8 @@ async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_ser
     assert_eq!(length, length_before, "a dry run requeues nothing");
     let (ok, _, err) = dlq(&["replay", "--reason", "malformed", "--max", "1"]).await?;
     assert!(!ok && err.contains("cap of 1"), "{err}");
+    let (ok, _, err) = dlq(&["replay", "--reason", "malformed", "--ids", "1-0"]).await?;
+    assert!(!ok && err.contains("one way"), "IDs and a filter together are refused: {err}");
     let (ok, _, err) = kubectl_dlq(&bob, plugin.path(), &["--pipeline", &pipeline, "replay", "--all"]).await?;
     assert!(!ok && err.contains("forbidden"), "bob cannot replay: {err}");
     let (ok, out, err) = dlq(&["replay", "--reason", "malformed"]).await?;
@@ -273,4 +343,37 @@ async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_ser
     let note = warning.note.unwrap_or_default();
     assert!(note.contains("holds 3") && note.contains("oldest 2"), "{note}");
     Ok(())
+}
+
+/// `GET path` sent straight to the console's Service (TLS verified with the
+/// chart's CA, no client certificate) with `X-Remote-User: alice` and
+/// `X-Remote-Group: system:masters`: the whole answer.
+async fn straight_to_console(client: &kube::Client, ns: &str, release: &str, path: &str) -> Result<String> {
+    use k8s_openapi::api::core::v1::{Secret, Service};
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let name = format!("{release}-streamfleet-console");
+    let svc = Api::<Service>::namespaced(client.clone(), ns).get(&name).await?;
+    let ip = svc.spec.and_then(|s| s.cluster_ip).unwrap_or_default();
+    let secret = Api::<Secret>::namespaced(client.clone(), ns).get(&format!("{name}-tls")).await?;
+    let ca = secret.data.and_then(|mut d| d.remove("ca.crt")).map(|b| b.0).unwrap_or_default();
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls::pki_types::pem::PemObject::pem_slice_iter(&ca) {
+        roots.add(cert?)?;
+    }
+    let config =
+        rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect((ip.as_str(), 443)).await?;
+    let server_name = rustls::pki_types::ServerName::try_from(format!("{name}.{ns}.svc"))?;
+    let mut tls = connector.connect(server_name, tcp).await?;
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nHost: {name}\r\nX-Remote-User: alice\r\nX-Remote-Group: system:masters\r\nConnection: close\r\n\r\n"
+    );
+    tls.write_all(request.as_bytes()).await?;
+    let mut answer = String::new();
+    tls.read_to_string(&mut answer).await?;
+    Ok(answer)
 }

@@ -179,7 +179,11 @@ impl Listener {
         let shared = Arc::new((rule.clone(), pods, AtomicUsize::new(0)));
         let task = tokio::spawn(async move {
             loop {
-                let Ok((inbound, _)) = listener.accept().await else { continue };
+                let Ok((inbound, _)) = listener.accept().await else {
+                    // Out of file descriptors and the like: do not spin.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                };
                 let shared = shared.clone();
                 tokio::spawn(async move {
                     let (rule, pods, next) = &*shared;

@@ -1,23 +1,24 @@
-//! `streamfleet dead-letters` (`kubectl streamfleet dlq` as a kubectl
-//! plugin): list, show, count, replay and purge a pipeline's dead letters.
+//! `streamfleet dead-letters` (`kubectl streamfleet dlq`): list, show,
+//! count, replay and purge a pipeline's dead letters.
 //!
 //! By default it goes through the Kubernetes API server to the console API
 //! with the caller's kubeconfig: it works wherever `kubectl` does, with no
 //! Redis URL or password on the laptop, and the caller's RBAC decides.
 //! `--redis-url` talks to Redis directly (break-glass: the console down).
 
+use super::{ConsoleClient, Output, print};
 use crate::console::letters::{Action, Letters};
-use crate::console::wire::{self, ActionRequest, ActionResult, FilterSpec, Letter, LetterList, LetterStats, Selector};
+use crate::console::wire::{ActionRequest, ActionResult, FilterSpec, Letter, LetterList, LetterStats};
 use anyhow::{Context as _, Result, bail};
-use serde::de::DeserializeOwned;
 use streamfleet_streams::{Endpoint, Mode, StreamConnection};
 
 #[derive(clap::Args)]
 pub struct DeadLetterArgs {
     /// The pipeline, `namespace/name`, reached through the Kubernetes API
     /// server with your kubeconfig (you need the console's `view` role in
-    /// that namespace; `edit` to replay or purge).
-    #[arg(long, global = true, conflicts_with_all = ["redis_url", "dead_letter_stream"])]
+    /// that namespace; `edit` to see payloads, replay or purge). Wins over
+    /// the break-glass flags and their environment variables.
+    #[arg(long, global = true)]
     pipeline: Option<String>,
     /// Break-glass: this Redis URL (credentials included) instead of the console.
     #[arg(long, global = true, env = "STREAMFLEET_REDIS_URL", hide_env_values = true)]
@@ -36,12 +37,6 @@ pub struct DeadLetterArgs {
     output: Output,
     #[command(subcommand)]
     command: DeadLetterCommand,
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum Output {
-    Text,
-    Json,
 }
 
 /// Which letters (every condition must hold).
@@ -108,14 +103,20 @@ struct ChosenArgs {
 
 impl ChosenArgs {
     fn request(&self) -> Result<ActionRequest> {
-        let selector = Selector { ids: self.ids.clone(), filter: self.filter.spec()?, all: self.all };
-        // Never everything by default: the user says which.
-        crate::console::letters::selection(&selector).map_err(|_| {
+        let request = ActionRequest {
+            ids: self.ids.clone(),
+            filter: self.filter.spec()?,
+            all: self.all,
+            dry_run: self.dry_run,
+            max: self.max,
+        };
+        // Never everything by default, and one way: the user says which.
+        crate::console::letters::selection(&request).map_err(|_| {
             anyhow::anyhow!(
-                "say which: --ids, a filter (--reason, --since, --until, --key, --error, --from, --to), or --all"
+                "say which, one way: --ids, a filter (--reason, --since, --until, --key, --error, --from, --to), or --all"
             )
         })?;
-        Ok(ActionRequest { selector, dry_run: self.dry_run, max: self.max })
+        Ok(request)
     }
 }
 
@@ -159,24 +160,10 @@ enum DeadLetterCommand {
     },
 }
 
-/// Run as the kubectl plugin (`kubectl-streamfleet`, found on the PATH):
-/// `kubectl streamfleet dlq …` is `streamfleet dead-letters …`.
-pub fn plugin_args(args: impl IntoIterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
-    let mut args: Vec<std::ffi::OsString> = args.into_iter().collect();
-    let plugin = args
-        .first()
-        .and_then(|program| std::path::Path::new(program).file_name())
-        .is_some_and(|name| name == "kubectl-streamfleet");
-    if plugin && args.get(1).is_some_and(|a| a == "dlq") {
-        args[1] = "dead-letters".into();
-    }
-    args
-}
-
 /// Where the letters are read and changed.
 enum Backend {
-    /// The console API, through the API server: `path` is the pipeline's.
-    Console { client: kube::Client, path: String },
+    /// The console API, through the API server.
+    Console(ConsoleClient),
     /// Redis itself (break-glass).
     Redis(Letters),
 }
@@ -184,9 +171,7 @@ enum Backend {
 impl Backend {
     async fn open(args: &DeadLetterArgs) -> Result<Self> {
         if let Some(pipeline) = &args.pipeline {
-            let (namespace, name) = pipeline.split_once('/').context("--pipeline: NAMESPACE/NAME")?;
-            let client = kube::Client::try_default().await.context("reading your kubeconfig")?;
-            return Ok(Self::Console { client, path: wire::pipeline_path(namespace, name) });
+            return Ok(Self::Console(ConsoleClient::open(pipeline).await?));
         }
         let url = args
             .redis_url
@@ -202,20 +187,15 @@ impl Backend {
         Ok(Self::Redis(Letters { conn, streams: vec![stream] }))
     }
 
-    async fn get<T: DeserializeOwned>(client: &kube::Client, uri: String) -> Result<T> {
-        let request = http::Request::get(&uri).body(Vec::new())?;
-        client.request(request).await.map_err(|e| console_error(e, &uri))
-    }
-
     async fn list(&mut self, filter: &FilterSpec, after: Option<&str>, limit: usize) -> Result<LetterList> {
         match self {
-            Self::Console { client, path } => {
+            Self::Console(console) => {
                 let mut query = serde_urlencoded::to_string(filter)?;
                 query.push_str(&format!("&limit={limit}"));
                 if let Some(after) = after {
                     query.push_str(&format!("&{}", serde_urlencoded::to_string([("continue", after)])?));
                 }
-                Self::get(client, format!("{path}/deadletters?{query}")).await
+                console.get(&format!("deadletters?{query}")).await
             }
             Self::Redis(letters) => letters.list(&filter.filter()?, after, limit, usize::MAX).await,
         }
@@ -223,23 +203,29 @@ impl Backend {
 
     async fn show(&mut self, id: &str) -> Result<Option<Letter>> {
         match self {
-            Self::Console { client, path } => {
-                let uri = format!("{path}/deadletters/{id}");
-                let request = http::Request::get(&uri).body(Vec::new())?;
-                match client.request::<Letter>(request).await {
-                    Ok(letter) => Ok(Some(letter)),
-                    Err(kube::Error::Api(e)) if e.code == 404 && e.message.contains("no dead letter") => Ok(None),
-                    Err(e) => Err(console_error(e, &uri)),
+            Self::Console(console) => {
+                let Some(letter) = console.get_opt::<Letter>(&format!("deadletters/{id}"), "no dead letter").await?
+                else {
+                    return Ok(None);
+                };
+                // The payload is a right of its own (the `edit` role's).
+                match console.get_opt::<Letter>(&format!("payloads/{id}"), "no dead letter").await {
+                    Ok(Some(full)) => Ok(Some(full)),
+                    Ok(None) => Ok(Some(letter)),
+                    Err(e) => {
+                        eprintln!("payload not shown: {e:#}");
+                        Ok(Some(letter))
+                    }
                 }
             }
-            Self::Redis(letters) => letters.show(id).await,
+            Self::Redis(letters) => letters.show(id, true).await,
         }
     }
 
     async fn stats(&mut self, filter: &FilterSpec) -> Result<LetterStats> {
         match self {
-            Self::Console { client, path } => {
-                Self::get(client, format!("{path}/deadletterstats?{}", serde_urlencoded::to_string(filter)?)).await
+            Self::Console(console) => {
+                console.get(&format!("deadletterstats?{}", serde_urlencoded::to_string(filter)?)).await
             }
             Self::Redis(letters) => letters.stats(&filter.filter()?, usize::MAX).await,
         }
@@ -247,34 +233,18 @@ impl Backend {
 
     async fn act(&mut self, action: Action, request: &ActionRequest) -> Result<ActionResult> {
         match self {
-            Self::Console { client, path } => {
+            Self::Console(console) => {
                 let verb = match action {
                     Action::Replay => "replay",
                     Action::Purge => "purge",
                 };
-                let uri = format!("{path}/{verb}");
-                let request = http::Request::post(&uri)
-                    .header(http::header::CONTENT_TYPE, "application/json")
-                    .body(serde_json::to_vec(request)?)?;
-                client.request(request).await.map_err(|e| console_error(e, &uri))
+                console.post(verb, request).await
             }
-            Self::Redis(letters) => letters.act(action, request).await,
+            Self::Redis(letters) => letters.act(action, request).await.map_err(|stopped| {
+                let done = stopped.result.done;
+                stopped.error.context(format!("stopped after {done} done"))
+            }),
         }
-    }
-}
-
-/// The API server's or the console's refusal, said plainly; a console
-/// that is not installed is named as such.
-fn console_error(e: kube::Error, uri: &str) -> anyhow::Error {
-    match e {
-        kube::Error::Api(status) if status.code == 404 && status.message.contains("the server could not find") => {
-            anyhow::anyhow!(
-                "{uri}: the API server does not serve the streamfleet console (is the chart's console enabled?). \
-                 Break-glass: --redis-url"
-            )
-        }
-        kube::Error::Api(status) => anyhow::anyhow!("{} ({})", status.message, status.reason),
-        other => anyhow::Error::new(other).context(format!("GET/POST {uri}")),
     }
 }
 
@@ -294,10 +264,7 @@ fn letter_line(l: &Letter) -> String {
 
 pub async fn run(args: DeadLetterArgs) -> Result<()> {
     let mut backend = Backend::open(&args).await?;
-    let json = matches!(args.output, Output::Json);
-    let print = |value: &dyn erased::Json, text: String| {
-        println!("{}", if json { value.to_json() } else { text });
-    };
+    let print = |value: &dyn super::ToJson, text: String| print(args.output, value, text);
     match &args.command {
         DeadLetterCommand::List { filter, limit, after } => {
             let list = backend.list(&filter.spec()?, after.as_deref(), *limit).await?;
@@ -372,32 +339,10 @@ pub async fn run(args: DeadLetterArgs) -> Result<()> {
     Ok(())
 }
 
-/// Printing any of the wire types as one JSON line.
-mod erased {
-    pub trait Json {
-        fn to_json(&self) -> String;
-    }
-    impl<T: serde::Serialize> Json for T {
-        fn to_json(&self) -> String {
-            serde_json::to_string(self).unwrap_or_default()
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::Parser as _;
-
-    fn os(args: &[&str]) -> Vec<std::ffi::OsString> {
-        args.iter().map(Into::into).collect()
-    }
-
-    #[test]
-    fn as_a_kubectl_plugin_dlq_means_dead_letters() {
-        assert_eq!(plugin_args(os(&["/usr/local/bin/kubectl-streamfleet", "dlq", "list"]))[1], "dead-letters");
-        assert_eq!(plugin_args(os(&["streamfleet", "dlq"]))[1], "dlq", "only under the plugin's name");
-    }
 
     #[derive(clap::Parser)]
     struct Cli {
@@ -415,7 +360,6 @@ mod tests {
             let cli = Cli::try_parse_from(line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
             assert_eq!(cli.args.pipeline.as_deref(), Some("shop/orders"), "{line:?}");
         }
-        assert!(Cli::try_parse_from(["dlq", "stats", "--pipeline", "a/b", "--redis-url", "redis://x"]).is_err());
     }
 
     #[test]
@@ -430,6 +374,12 @@ mod tests {
         let chosen = ChosenArgs { ids: vec![], filter: FilterArgs::default(), all: false, dry_run: false, max: None };
         assert!(chosen.request().is_err());
         let all = ChosenArgs { all: true, ..chosen.clone() };
-        assert!(all.request().is_ok_and(|r| r.selector.all));
+        assert!(all.request().is_ok_and(|r| r.all));
+        let two = ChosenArgs {
+            ids: vec!["1-0".into()],
+            filter: FilterArgs { reason: Some("malformed".into()), ..FilterArgs::default() },
+            ..chosen
+        };
+        assert!(two.request().is_err(), "IDs and a filter: which one?");
     }
 }
