@@ -333,7 +333,7 @@ async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_ser
     assert_eq!(condition.reason, "AtCap");
     let kept: redis::streams::StreamRangeReply = f.conn.xrange_all("{orders}:dead").await?;
     let kept: Vec<String> = kept.ids.into_iter().map(|e| e.id).collect();
-    assert_eq!(kept, vec![newest], "the newest letter stays");
+    assert_eq!(kept, vec![newest.clone()], "the newest letter stays");
     let warning = eventually("a DeadLetterCapReached Warning", T, || async {
         let events = events_about(&client, &ns, "p").await?;
         Ok(events.into_iter().find(|e| e.reason.as_deref() == Some("DeadLetterCapReached")))
@@ -342,7 +342,52 @@ async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_ser
     assert_eq!(warning.type_.as_deref(), Some("Warning"));
     let note = warning.note.unwrap_or_default();
     assert!(note.contains("holds 3") && note.contains("oldest 2"), "{note}");
+
+    // The documents' examples, as written, with this pipeline and a real
+    // letter ID in place of theirs, in order, as alice.
+    let commands = doc_commands(&["docs/dead-letters.md", "docs/quick-start.md", "docs/console.md"]);
+    assert!(commands.len() >= 15, "the documents' kubectl examples: {commands:?}");
+    for command in &commands {
+        let line = command
+            .replace("shop/orders", &pipeline)
+            .replace("namespaces/shop/pipelines/orders", &format!("namespaces/{ns}/pipelines/p"))
+            .replace("1700000000000-0", &newest);
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let out = tokio::process::Command::new(tools::tool("kubectl")?)
+            .args(&words[1..])
+            .env("KUBECONFIG", &alice)
+            .env("PATH", format!("{}:{}", plugin.path().display(), std::env::var("PATH").unwrap_or_default()))
+            .env_remove("STREAMFLEET_REDIS_URL")
+            .output()
+            .await?;
+        let said = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        assert!(out.status.success(), "{command}\n(run as: {line})\n{}{}", said(&out.stdout), said(&out.stderr));
+    }
     Ok(())
+}
+
+/// The `kubectl streamfleet …` and `kubectl get --raw /apis/console…`
+/// lines of the documents' `sh` blocks, without their comments.
+fn doc_commands(docs: &[&str]) -> Vec<String> {
+    let mut commands = Vec::new();
+    for doc in docs {
+        let text = std::fs::read_to_string(repo_path(doc)).unwrap_or_else(|e| panic!("{doc}: {e}"));
+        let mut in_sh = false;
+        for line in text.lines() {
+            if line.starts_with("```") {
+                in_sh = line == "```sh";
+                continue;
+            }
+            let command = line.split(" #").next().unwrap_or_default().trim();
+            if in_sh
+                && (command.starts_with("kubectl streamfleet ")
+                    || command.starts_with("kubectl get --raw /apis/console"))
+            {
+                commands.push(command.to_string());
+            }
+        }
+    }
+    commands
 }
 
 /// `GET path` sent straight to the console's Service (TLS verified with the
