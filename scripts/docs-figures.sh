@@ -3,7 +3,7 @@
 # `<!-- figure:NAME -->` and `<!-- /figure:NAME -->`) from docs/figures/NAME.json.
 # Figures are never typed: benchmark programs write docs/figures/*.json
 # themselves; figures the test command measures land in target/figures/ and
-# are copied over first.
+# are copied over first (with the web console's screenshots).
 #
 #   bash scripts/docs-figures.sh          copy target/figures/, regenerate
 #   bash scripts/docs-figures.sh --check  fail if docs/benchmarks.md differs
@@ -18,6 +18,10 @@ if [ "$mode" != "--check" ]; then
   shopt -s nullglob
   for json in target/figures/*.json; do
     cp "$json" docs/figures/
+  done
+  # The web console's screenshots (tests/e2e/tests/console.rs), shown in docs/console.md.
+  for png in target/figures/console-*.png; do
+    cp "$png" docs/figures/
   done
 fi
 python3 - "$mode" <<'PY'

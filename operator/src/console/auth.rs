@@ -138,14 +138,15 @@ pub struct Access {
     pub subresource: Option<&'static str>,
 }
 
-/// Whether `caller` may do `access` on the object `namespace/name`; with
+/// Whether `caller` may do `access` on the object `namespace/name` (on
+/// every one, without a name); with
 /// the reason the authorizer gave when not.
 pub async fn allowed(
     client: &Client,
     caller: &Caller,
     access: &Access,
     namespace: &str,
-    name: &str,
+    name: Option<&str>,
 ) -> Result<(bool, String)> {
     let review = SubjectAccessReview {
         spec: SubjectAccessReviewSpec {
@@ -159,7 +160,7 @@ pub async fn allowed(
                 group: Some(access.group.to_string()),
                 resource: Some(access.resource.to_string()),
                 subresource: access.subresource.map(String::from),
-                name: Some(name.to_string()),
+                name: name.map(String::from),
                 ..ResourceAttributes::default()
             }),
             ..SubjectAccessReviewSpec::default()

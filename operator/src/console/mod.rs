@@ -11,8 +11,10 @@ pub mod api;
 pub mod auth;
 pub mod in_flight;
 pub mod letters;
+pub mod overview;
 pub mod pipeline;
 pub mod tls;
+pub mod ui;
 pub mod wire;
 
 use crate::events::EventPublisher;
@@ -39,6 +41,10 @@ pub struct ConsoleArgs {
     /// The console's own namespace.
     #[arg(long, env = "STREAMFLEET_POD_NAMESPACE", default_value = "default")]
     namespace: String,
+    /// Show only this namespace's pipelines (the release's watchNamespace);
+    /// default: every namespace.
+    #[arg(long, env = "STREAMFLEET_WATCH_NAMESPACE")]
+    watch_namespace: Option<String>,
     /// This replica's name (Events say which replica recorded them).
     #[arg(long, env = "STREAMFLEET_POD_NAME")]
     identity: Option<String>,
@@ -72,6 +78,7 @@ pub async fn run(args: ConsoleArgs) -> Result<()> {
     let config = tls::server_config(&cert, &key, &front_proxy.client_ca_pem)?;
     let listener = tls::TlsListener::bind(&args.addr, config).await?;
     let console = Arc::new(api::Console {
+        overview: overview::Overview::start(client.clone(), args.watch_namespace.as_deref()),
         events: EventPublisher::new(client.clone(), "streamfleet-console", args.identity.clone()),
         client,
         front_proxy,

@@ -253,6 +253,26 @@ async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_ser
     let (ok, _, err) = pending(&bob, &[]).await?;
     assert!(!ok && err.contains("forbidden"), "bob may not see what is in flight: {err}");
 
+    // The web console, opened in headless Chromium through `kubectl proxy`
+    // as each person: alice sees the pipeline, its letters grouped by error
+    // and what is in flight; bob sees a refusal and none of it.
+    let overview = format!("/apis/console.streamfleet.io/v1alpha1/namespaces/{ns}/pipelines");
+    let figures = tools::workspace_root().join("target/figures");
+    std::fs::create_dir_all(&figures)?;
+    let as_alice = Browser::through_proxy(&alice).await?;
+    let page = eventually("the web console showing the pipeline", T, || async {
+        let dom = as_alice.dom(&format!("{overview}?pipeline=p")).await?;
+        Ok((dom.contains("card declined") && dom.contains(&held) && dom.contains("6 dead letters match"))
+            .then_some(dom))
+    })
+    .await?;
+    assert!(page.contains("namespace ") && page.contains(&ns), "{page}");
+    as_alice.screenshot(&format!("{overview}?pipeline=p"), (1280, 800), &figures.join("console-pipeline.png")).await?;
+    as_alice.screenshot(&format!("{overview}?pipeline=p"), (390, 844), &figures.join("console-phone.png")).await?;
+    let as_bob = Browser::through_proxy(&bob).await?;
+    let refused = as_bob.dom(&overview).await?;
+    assert!(refused.contains("forbidden") && !refused.contains("card declined"), "bob's browser: {refused}");
+
     // Replay by filter: a dry run counts, changes nothing; a cap below the
     // count refuses; then the malformed ones go back to `orders` for `billing`.
     let length_before: usize = f.conn.xlen("orders").await?;
@@ -421,4 +441,61 @@ async fn straight_to_console(client: &kube::Client, ns: &str, release: &str, pat
     let mut answer = String::new();
     tls.read_to_string(&mut answer).await?;
     Ok(answer)
+}
+
+/// Headless Chromium (Debian's `chromium`) reaching the API server through
+/// `kubectl proxy` run with one person's kubeconfig: what that person's
+/// browser would show.
+struct Browser {
+    proxy: tokio::process::Child,
+    port: u16,
+    profile: tempfile::TempDir,
+}
+
+impl Browser {
+    async fn through_proxy(kubeconfig: &Path) -> Result<Self> {
+        let port = streamfleet_testbed::process::free_port()?;
+        let proxy = tokio::process::Command::new(tools::tool("kubectl")?)
+            .args(["proxy", &format!("--port={port}"), "--address=127.0.0.1"])
+            .env("KUBECONFIG", kubeconfig)
+            .kill_on_drop(true)
+            .stdout(std::process::Stdio::null())
+            .spawn()?;
+        streamfleet_testbed::process::wait_for_port(port, Duration::from_secs(20)).await?;
+        Ok(Self { proxy, port, profile: tempfile::tempdir()? })
+    }
+
+    async fn chromium(&self, path: &str, size: (u32, u32), output: &[&str]) -> Result<std::process::Output> {
+        let url = format!("http://127.0.0.1:{}{path}", self.port);
+        let out = tokio::process::Command::new("chromium")
+            .args(["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars"])
+            .arg(format!("--user-data-dir={}", self.profile.path().display()))
+            .arg(format!("--window-size={},{}", size.0, size.1))
+            .arg("--virtual-time-budget=10000")
+            .args(output)
+            .arg(url)
+            .kill_on_drop(true)
+            .output()
+            .await?;
+        anyhow::ensure!(out.status.success(), "chromium: {}", String::from_utf8_lossy(&out.stderr));
+        Ok(out)
+    }
+
+    /// The page's DOM once its scripts have run.
+    async fn dom(&self, path: &str) -> Result<String> {
+        let out = self.chromium(path, (1280, 800), &["--dump-dom"]).await?;
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    async fn screenshot(&self, path: &str, size: (u32, u32), file: &Path) -> Result<()> {
+        self.chromium(path, size, &[&format!("--screenshot={}", file.display())]).await?;
+        anyhow::ensure!(std::fs::metadata(file)?.len() > 10_000, "{} is nearly empty", file.display());
+        Ok(())
+    }
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        let _ = self.proxy.start_kill();
+    }
 }
