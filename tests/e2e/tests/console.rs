@@ -3,7 +3,7 @@
 //! stand-in's service proxy), used by people with their own identity: the
 //! `kubectl streamfleet dlq` plugin and `kubectl get --raw`.
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::ListParams;
 use kube::api::{Patch, PatchParams};
@@ -317,6 +317,40 @@ async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_ser
     let left: Vec<String> = json_lines(&out).iter().map(|l| l["reason"].as_str().unwrap().to_string()).collect();
     assert_eq!(left, vec!["max-deliveries"]);
 
+    // In the web console, as alice with the keyboard's focus: filter, ask to
+    // replay, read the dry-run count in the confirmation, confirm; the letter
+    // goes back to its stream, and the Event names her.
+    let mut page = as_alice.open(&format!("{overview}?pipeline=p")).await?;
+    page.wait_until("the letters table", "document.querySelectorAll('#letters tbody tr').length === 1").await?;
+    page.eval("document.querySelector('#filter [name=reason]').value = 'max-deliveries'; document.getElementById('replay').click(); true").await?;
+    let asked = page
+        .wait_until(
+            "the dry-run count in the confirmation",
+            "(() => { const c = document.getElementById('confirm'); return !c.hidden && c.textContent.includes('1 dead letters would be replayed') ? c.textContent : false })()",
+        )
+        .await?;
+    assert!(asked.as_str().is_some_and(|t| t.contains("max-deliveries")), "the confirmation names the filter: {asked}");
+    let focused = page.eval("document.activeElement.id").await?;
+    assert_eq!(focused, "confirm-yes", "the confirmation takes the keyboard focus");
+    let length_before: usize = f.conn.xlen("orders").await?;
+    page.eval("document.getElementById('confirm-yes').click(); true").await?;
+    page.wait_until(
+        "the replay's result",
+        "document.getElementById('message').textContent.includes('1 of 1 replayed')",
+    )
+    .await?;
+    let length_after: usize = f.conn.xlen("orders").await?;
+    assert_eq!(length_after, length_before + 1, "the letter is back in its stream");
+    let back: redis::streams::StreamRangeReply = f.conn.xrevrange_count("orders", "+", "-", 1).await?;
+    let fields = streamfleet_streams::entry::fields_from_map(back.ids[0].map.clone());
+    assert!(fields.contains(&("order_id".to_string(), b"o-5".to_vec())), "{fields:?}");
+    eventually("the web console's replay recorded as an Event", T, || async {
+        let events = events_about(&client, &ns, "p").await?;
+        Ok(events.into_iter().find(|e| e.note.as_deref().is_some_and(|n| n.contains("alice replayed 1 of 1"))))
+    })
+    .await?;
+    drop(page);
+
     // A pipeline that does not exist is a clear error.
     let (ok, _, err) = kubectl_dlq(&alice, plugin.path(), &["--pipeline", &format!("{ns}/nope"), "list"]).await?;
     assert!(!ok && err.contains("nope"), "{err}");
@@ -361,7 +395,7 @@ async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_ser
     .await?;
     assert_eq!(warning.type_.as_deref(), Some("Warning"));
     let note = warning.note.unwrap_or_default();
-    assert!(note.contains("holds 3") && note.contains("oldest 2"), "{note}");
+    assert!(note.contains("holds 2") && note.contains("oldest 1"), "{note}");
 
     // The documents' examples, as written, with this pipeline and a real
     // letter ID in place of theirs, in order, as alice.
@@ -491,6 +525,109 @@ impl Browser {
         self.chromium(path, size, &[&format!("--screenshot={}", file.display())]).await?;
         anyhow::ensure!(std::fs::metadata(file)?.len() > 10_000, "{} is nearly empty", file.display());
         Ok(())
+    }
+}
+
+/// A page open in headless Chromium, driven over the DevTools protocol.
+struct Page {
+    socket: tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>,
+    next_id: u64,
+    _chromium: tokio::process::Child,
+}
+
+impl Page {
+    /// The value of a JavaScript expression (awaited if a promise).
+    async fn eval(&mut self, expression: &str) -> Result<serde_json::Value> {
+        use futures::{SinkExt as _, StreamExt as _};
+        self.next_id += 1;
+        let id = self.next_id;
+        let call = serde_json::json!({"id": id, "method": "Runtime.evaluate",
+            "params": {"expression": expression, "returnByValue": true, "awaitPromise": true}});
+        self.socket.send(tokio_tungstenite::tungstenite::Message::text(call.to_string())).await?;
+        while let Some(message) = self.socket.next().await {
+            let text = message?.into_text()?;
+            let reply: serde_json::Value = serde_json::from_str(&text)?;
+            if reply["id"] == id {
+                anyhow::ensure!(reply["result"]["exceptionDetails"].is_null(), "{expression}: {reply}");
+                return Ok(reply["result"]["result"]["value"].clone());
+            }
+        }
+        anyhow::bail!("the browser went away")
+    }
+
+    /// Polls `expression` until it is truthy; returns its value.
+    async fn wait_until(&mut self, what: &str, expression: &str) -> Result<serde_json::Value> {
+        let deadline = tokio::time::Instant::now() + T;
+        loop {
+            let value = self.eval(expression).await?;
+            if !matches!(value, serde_json::Value::Null | serde_json::Value::Bool(false)) {
+                return Ok(value);
+            }
+            if tokio::time::Instant::now() > deadline {
+                let said = self.eval("document.getElementById('message').textContent").await?;
+                anyhow::bail!("timed out waiting for {what} (the page says {said})");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+impl Browser {
+    /// Opens `path` in a Chromium of its own, to be driven.
+    async fn open(&self, path: &str) -> Result<Page> {
+        let port = streamfleet_testbed::process::free_port()?;
+        let profile = self.profile.path().join(format!("driven-{port}"));
+        let chromium = tokio::process::Command::new("chromium")
+            .args(["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1280,800"])
+            .arg(format!("--remote-debugging-port={port}"))
+            .arg(format!("--user-data-dir={}", profile.display()))
+            .arg(format!("http://127.0.0.1:{}{path}", self.port))
+            .kill_on_drop(true)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()?;
+        streamfleet_testbed::process::wait_for_port(port, Duration::from_secs(30))
+            .await
+            .context("Chromium's DevTools port")?;
+        let targets = eventually("the page's DevTools target", T, || async {
+            let text = http_get(port, "/json/list").await.context("GET /json/list")?;
+            let targets: serde_json::Value = serde_json::from_str(&text)?;
+            let page = targets.as_array().into_iter().flatten().find(|t| t["type"] == "page").cloned();
+            Ok(page.and_then(|t| t["webSocketDebuggerUrl"].as_str().map(String::from)))
+        })
+        .await?;
+        let (socket, _) = tokio_tungstenite::connect_async(targets.as_str())
+            .await
+            .with_context(|| format!("connecting to {targets}"))?;
+        Ok(Page { socket, next_id: 0, _chromium: chromium })
+    }
+}
+
+/// The body of `GET path` on 127.0.0.1:port (read to its Content-Length:
+/// the DevTools server keeps the connection open).
+async fn http_get(port: u16, path: &str) -> Result<String> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n").as_bytes())
+        .await?;
+    let mut answer = Vec::new();
+    let mut chunk = [0u8; 8192];
+    loop {
+        let n = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut chunk)).await??;
+        answer.extend_from_slice(&chunk[..n]);
+        let text = String::from_utf8_lossy(&answer).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let length = head
+                .lines()
+                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().to_string()))
+                .and_then(|v| v.parse::<usize>().ok());
+            if n == 0 || length.is_some_and(|len| body.len() >= len) {
+                return Ok(body.to_string());
+            }
+        } else if n == 0 {
+            anyhow::bail!("no answer from {path}");
+        }
     }
 }
 
