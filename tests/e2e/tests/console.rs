@@ -18,14 +18,13 @@ use streamfleet_testbed::{eventually, tools};
 
 const T: Duration = Duration::from_secs(90);
 
-/// `kubectl streamfleet dlq ARGS` with the plugin on the PATH, as the user
-/// of `kubeconfig`. The process gets no Redis URL: what it learns of the
-/// pipeline it learns through the API server.
-async fn kubectl_dlq(kubeconfig: &Path, plugin_dir: &Path, args: &[&str]) -> Result<(bool, String, String)> {
+/// `kubectl ARGS` as the user of `kubeconfig`, with the `streamfleet`
+/// plugin in `plugin_dir` on the PATH: (succeeded, stdout, stderr). The
+/// process gets no Redis URL: what it learns of a pipeline it learns
+/// through the API server.
+async fn kubectl_as(kubeconfig: &Path, plugin_dir: &Path, args: &[&str]) -> Result<(bool, String, String)> {
     let path = format!("{}:{}", plugin_dir.display(), std::env::var("PATH").unwrap_or_default());
-    let out = tokio::process::Command::new(streamfleet_testbed::tools::tool("kubectl")?)
-        .arg("streamfleet")
-        .arg("dlq")
+    let out = tokio::process::Command::new(tools::tool("kubectl")?)
         .args(args)
         .env("KUBECONFIG", kubeconfig)
         .env("PATH", path)
@@ -34,6 +33,13 @@ async fn kubectl_dlq(kubeconfig: &Path, plugin_dir: &Path, args: &[&str]) -> Res
         .await?;
     let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
     Ok((out.status.success(), text(&out.stdout), text(&out.stderr)))
+}
+
+/// `kubectl streamfleet dlq ARGS` as the user of `kubeconfig`.
+async fn kubectl_dlq(kubeconfig: &Path, plugin_dir: &Path, args: &[&str]) -> Result<(bool, String, String)> {
+    let mut all = vec!["streamfleet", "dlq"];
+    all.extend_from_slice(args);
+    kubectl_as(kubeconfig, plugin_dir, &all).await
 }
 
 fn json_lines(text: &str) -> Vec<serde_json::Value> {
@@ -101,18 +107,7 @@ async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_ser
         None,
     )
     .await?;
-    let as_person = async |kubeconfig: &Path, args: &[&str]| {
-        let out = tokio::process::Command::new(tools::tool("kubectl")?)
-            .args(args)
-            .env("KUBECONFIG", kubeconfig)
-            .output()
-            .await?;
-        anyhow::Ok((
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        ))
-    };
+    let as_person = async |kubeconfig: &Path, args: &[&str]| kubectl_as(kubeconfig, plugin.path(), args).await;
     let (can_read_secret, _, err) = as_person(&alice, &["get", "secret", "redis", "-n", &ns]).await?;
     assert!(!can_read_secret && err.contains("forbidden"), "alice cannot read the Redis URL: {err}");
 
@@ -230,17 +225,7 @@ async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_ser
     let pending = async |person: &Path, extra: &[&str]| {
         let mut args = vec!["streamfleet", "pending", "--pipeline", pipeline.as_str(), "-o", "json"];
         args.extend_from_slice(extra);
-        let out = tokio::process::Command::new(tools::tool("kubectl")?)
-            .args(&args)
-            .env("KUBECONFIG", person)
-            .env("PATH", format!("{}:{}", plugin.path().display(), std::env::var("PATH").unwrap_or_default()))
-            .output()
-            .await?;
-        anyhow::Ok((
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        ))
+        kubectl_as(person, plugin.path(), &args).await
     };
     let (ok, out, err) = pending(&alice, &["--consumer", &holder]).await?;
     assert!(ok, "{err}");
@@ -407,15 +392,8 @@ async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_ser
             .replace("namespaces/shop/pipelines/orders", &format!("namespaces/{ns}/pipelines/p"))
             .replace("1700000000000-0", &newest);
         let words: Vec<&str> = line.split_whitespace().collect();
-        let out = tokio::process::Command::new(tools::tool("kubectl")?)
-            .args(&words[1..])
-            .env("KUBECONFIG", &alice)
-            .env("PATH", format!("{}:{}", plugin.path().display(), std::env::var("PATH").unwrap_or_default()))
-            .env_remove("STREAMFLEET_REDIS_URL")
-            .output()
-            .await?;
-        let said = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-        assert!(out.status.success(), "{command}\n(run as: {line})\n{}{}", said(&out.stdout), said(&out.stderr));
+        let (ok, out, err) = kubectl_as(&alice, plugin.path(), &words[1..]).await?;
+        assert!(ok, "{command}\n(run as: {line})\n{out}{err}");
     }
     Ok(())
 }
