@@ -231,15 +231,24 @@ async fn pipelines(
     Path(namespace): Path<String>,
 ) -> Result<Response, ApiError> {
     let caller = console.authenticate(&peer, &headers)?;
-    let wants_html = headers
-        .get(axum::http::header::ACCEPT)
-        .and_then(|a| a.to_str().ok())
-        .is_some_and(|a| a.split(',').next().is_some_and(|first| first.trim().starts_with("text/html")));
+    let wants_html = headers.get(axum::http::header::ACCEPT).and_then(|a| a.to_str().ok()).is_some_and(|a| {
+        a.split(',').next().is_some_and(|first| first.trim().to_ascii_lowercase().starts_with("text/html"))
+    });
     if wants_html {
         return Ok(super::ui::page());
     }
     console.authorize(&caller, &namespace, None, &[&LIST_SCG, &LIST_PIPELINES]).await?;
-    Ok(Json(console.overview.list(&namespace)).into_response())
+    if !console.overview.synced().await {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailable",
+            "the console has not listed the pipelines yet (starting, or it may not list StreamConsumerGroups: see its log)",
+        ));
+    }
+    let list = console.overview.list(&namespace, k8s_openapi::jiff::Timestamp::now());
+    // One URL, two representations: caches must tell them apart.
+    let headers = [(axum::http::header::VARY, "Accept"), (axum::http::header::CACHE_CONTROL, "no-store")];
+    Ok((headers, Json(list)).into_response())
 }
 
 #[derive(Deserialize)]
