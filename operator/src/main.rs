@@ -6,6 +6,7 @@
 //! * `streamfleet dead-letters list|show|stats|replay|purge`: dead-letter
 //!   tools (`kubectl streamfleet dlq …` as a kubectl plugin).
 //! * `streamfleet pending`: a pipeline's in-flight entries.
+//! * `streamfleet pause|resume`: a pipeline's workers off and on again.
 //! * `streamfleet console`: the console API (see `console`).
 
 use anyhow::{Context as _, Result};
@@ -51,6 +52,10 @@ enum Command {
     DeadLetters(streamfleet_operator::cli::dead_letters::DeadLetterArgs),
     /// A pipeline's pending (in-flight) entries: holder, idle time, deliveries, last error.
     Pending(streamfleet_operator::cli::pending::PendingArgs),
+    /// Pause a pipeline: no workers, no recovery runs (spec.suspend), through the console.
+    Pause(streamfleet_operator::cli::suspend::SuspendArgs),
+    /// Resume a paused pipeline.
+    Resume(streamfleet_operator::cli::suspend::SuspendArgs),
     /// Serve the console API (an aggregated API of the Kubernetes API server).
     Console(streamfleet_operator::console::ConsoleArgs),
 }
@@ -106,6 +111,8 @@ async fn main() -> Result<()> {
         Command::Sweep => streamfleet_operator::sweep_command::run_sweep().await,
         Command::DeadLetters(args) => streamfleet_operator::cli::dead_letters::run(args).await,
         Command::Pending(args) => streamfleet_operator::cli::pending::run(args).await,
+        Command::Pause(args) => streamfleet_operator::cli::suspend::run(args, true).await,
+        Command::Resume(args) => streamfleet_operator::cli::suspend::run(args, false).await,
         Command::Console(args) => streamfleet_operator::console::run(args).await,
     }
 }

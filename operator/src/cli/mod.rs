@@ -4,6 +4,7 @@
 
 pub mod dead_letters;
 pub mod pending;
+pub mod suspend;
 
 use crate::console::wire;
 use anyhow::{Context as _, Result};

@@ -7,7 +7,8 @@ use super::auth::{Access, Caller, FrontProxy, allowed};
 use super::letters::{Action, Letters, Refusal, VIEW_SCAN_LIMIT};
 use super::tls::Peer;
 use super::wire::{
-    ActionRequest, ActionResult, FilterSpec, GROUP, Letter, LetterList, LetterStats, PendingList, PendingQuery, VERSION,
+    ActionRequest, ActionResult, FilterSpec, GROUP, Letter, LetterList, LetterStats, PendingList, PendingQuery,
+    Suspension, VERSION,
 };
 use crate::events::{EventPublisher, EventType};
 use axum::extract::{ConnectInfo, Path, Query, State};
@@ -45,6 +46,8 @@ pub fn router(console: Arc<Console>) -> Router {
         .route(&format!("{pipeline}/pending"), get(list_pending))
         .route(&format!("{pipeline}/replay"), post(replay))
         .route(&format!("{pipeline}/purge"), post(purge))
+        .route(&format!("{pipeline}/pause"), post(pause))
+        .route(&format!("{pipeline}/resume"), post(resume))
         .with_state(console)
 }
 
@@ -97,6 +100,9 @@ const SCG: Access =
 const LIST_SCG: Access =
     Access { verb: "list", group: "streamfleet.io", resource: "streamconsumergroups", subresource: None };
 const LIST_PIPELINES: Access = Access { verb: "list", group: GROUP, resource: "pipelines", subresource: None };
+/// Pausing changes the resource's spec: the user must be allowed to.
+const PATCH_SCG: Access =
+    Access { verb: "patch", group: "streamfleet.io", resource: "streamconsumergroups", subresource: None };
 
 const fn console_access(verb: &'static str, subresource: &'static str) -> Access {
     Access { verb, group: GROUP, resource: "pipelines", subresource: Some(subresource) }
@@ -217,6 +223,8 @@ async fn resources() -> Json<serde_json::Value> {
             resource("pipelines/pending", "PendingList", &["get"]),
             resource("pipelines/replay", "DeadLetterAction", &["create"]),
             resource("pipelines/purge", "DeadLetterAction", &["create"]),
+            resource("pipelines/pause", "PipelineAction", &["create"]),
+            resource("pipelines/resume", "PipelineAction", &["create"]),
         ],
     }))
 }
@@ -341,6 +349,73 @@ async fn list_pending(
     let spec = &opened.target.spec;
     let page = super::in_flight::page(&mut opened.letters.conn, &spec.streams, &spec.group, &query).await;
     page.map(Json).map_err(|e| internal("reading the pending entries", &e))
+}
+
+async fn pause(
+    state: State<Arc<Console>>,
+    peer: ConnectInfo<Peer>,
+    headers: HeaderMap,
+    path: Path<(String, String)>,
+    body: Json<serde_json::Value>,
+) -> Result<Json<Suspension>, ApiError> {
+    suspend(state, peer, headers, path, body, true).await
+}
+
+async fn resume(
+    state: State<Arc<Console>>,
+    peer: ConnectInfo<Peer>,
+    headers: HeaderMap,
+    path: Path<(String, String)>,
+    body: Json<serde_json::Value>,
+) -> Result<Json<Suspension>, ApiError> {
+    suspend(state, peer, headers, path, body, false).await
+}
+
+/// Sets `spec.suspend` (no workers, no recovery runs; the group and its
+/// entries stay). The user needs the console verb and `patch` on the
+/// resource; the console writes the field under its own field manager and
+/// records an Event naming the user. A JSON body (`{}`) is required, as for
+/// every action (CSRF).
+async fn suspend(
+    State(console): State<Arc<Console>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    headers: HeaderMap,
+    Path((namespace, name)): Path<(String, String)>,
+    Json(body): Json<serde_json::Value>,
+    to: bool,
+) -> Result<Json<Suspension>, ApiError> {
+    if body.as_object().is_none_or(|o| !o.is_empty()) {
+        return Err(ApiError::new(StatusCode::BAD_REQUEST, "BadRequest", "the body is an empty JSON object: {}"));
+    }
+    let (verb, word, reason) =
+        if to { ("pause", "paused", "PipelinePaused") } else { ("resume", "resumed", "PipelineResumed") };
+    let caller = console.authenticate(&peer, &headers)?;
+    console.authorize(&caller, &namespace, Some(&name), &[&SCG, &PATCH_SCG, &console_access("create", verb)]).await?;
+    let api = Api::<StreamConsumerGroup>::namespaced(console.client.clone(), &namespace);
+    let scg =
+        api.get_opt(&name).await.map_err(|e| internal("reading the StreamConsumerGroup", &e.into()))?.ok_or_else(
+            || {
+                ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "NotFound",
+                    format!("streamconsumergroups.streamfleet.io {name:?} not found in {namespace:?}"),
+                )
+            },
+        )?;
+    if scg.spec.suspend == to {
+        return Ok(Json(Suspension { suspended: to, changed: false }));
+    }
+    let patch = serde_json::json!({"spec": {"suspend": to}});
+    let params = kube::api::PatchParams { field_manager: Some("streamfleet-console".into()), ..Default::default() };
+    api.patch(&name, &params, &kube::api::Patch::Merge(&patch))
+        .await
+        .map_err(|e| internal(&format!("setting spec.suspend to {to}"), &e.into()))?;
+    let note = format!("{} {word} the pipeline through the console", caller.user);
+    if let Err(e) = console.events.publish(&scg.object_ref(&()), EventType::Normal, reason, verb, &note).await {
+        tracing::warn!(error = %e, "recording the action as an Event");
+    }
+    tracing::info!(user = %caller.user, pipeline = %format!("{namespace}/{name}"), action = verb, "pipeline action");
+    Ok(Json(Suspension { suspended: to, changed: true }))
 }
 
 async fn replay(

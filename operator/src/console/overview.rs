@@ -49,6 +49,8 @@ pub struct PipelineSummary {
     pub replicas_current: Option<i32>,
     pub dead_letters: Option<i64>,
     pub retrying: Option<i64>,
+    /// `spec.suspend`: paused, no workers.
+    pub suspended: bool,
     /// Oldest first, every [`SAMPLE_EVERY`].
     pub history: Vec<Point>,
 }
@@ -117,6 +119,7 @@ pub fn summary(scg: &StreamConsumerGroup, history: Vec<Point>, now: Timestamp) -
         replicas_current: status.and_then(|s| s.replicas.as_ref()).map(|r| r.current),
         dead_letters: status.and_then(|s| s.dead_letter_length),
         retrying: status.and_then(|s| s.retrying.as_ref()).map(|r| r.entries),
+        suspended: scg.spec.suspend,
         history,
     }
 }

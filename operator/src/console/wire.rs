@@ -246,6 +246,16 @@ pub struct PendingQuery {
     pub continue_: Option<String>,
 }
 
+/// What a pause or resume did.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Suspension {
+    /// `spec.suspend` now.
+    pub suspended: bool,
+    /// Whether this request changed it.
+    pub changed: bool,
+}
+
 /// RFC 3339 or Unix milliseconds.
 pub fn time_ms(what: &str, text: &str) -> anyhow::Result<u64> {
     use anyhow::Context as _;
