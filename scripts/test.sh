@@ -15,6 +15,9 @@ esac
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 start=$(date +%s)
+# Incremental caches only help an edit-compile loop; in a test run they
+# doubled target/ (export CARGO_INCREMENTAL=1 to keep them).
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 # What was there before this run: a fresh clone has no target/, and the
 # Go-built tools come from ~/.cache/streamfleet once built.
 if [ -d target/debug ]; then target_state=kept; else target_state=fresh; fi
@@ -38,6 +41,8 @@ name, what, target, tools = sys.argv[1:5]
 marks = [line.split("\t", 1) for line in os.environ["STEPS"].splitlines() if line]
 rows = [[label, int(marks[i + 1][0]) - int(at)] for i, (at, label) in enumerate(marks[:-1])]
 total = int(marks[-1][0])
+disk = out("du", "-s", "--block-size=1M", "target").split("\t")[0]
+disk = f"{int(disk) / 1024:.1f} GiB" if disk else "unknown"
 def out(*cmd):
     r = subprocess.run(cmd, capture_output=True, text=True)
     return r.stdout.strip() if r.returncode == 0 else ""
@@ -46,7 +51,7 @@ cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.start
 mem = next(int(l.split()[1]) for l in open("/proc/meminfo") if l.startswith("MemTotal:")) // 1024 // 1024
 figure = {
     "what": what,
-    "settings": {"target/ before the run": target, "Go-built tools": tools, "RUST_TEST_THREADS": os.environ.get("RUST_TEST_THREADS", "4")},
+    "settings": {"target/ before the run": target, "Go-built tools": tools, "RUST_TEST_THREADS": os.environ.get("RUST_TEST_THREADS", "4"), "target/ after the run": disk},
     "columns": ["step", "seconds"],
     "rows": rows,
     "summary": f"{total // 60} min {total % 60} s in all (target/ {target}, tools {tools})",
