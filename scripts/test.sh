@@ -41,11 +41,11 @@ name, what, target, tools = sys.argv[1:5]
 marks = [line.split("\t", 1) for line in os.environ["STEPS"].splitlines() if line]
 rows = [[label, int(marks[i + 1][0]) - int(at)] for i, (at, label) in enumerate(marks[:-1])]
 total = int(marks[-1][0])
-disk = out("du", "-s", "--block-size=1M", "target").split("\t")[0]
-disk = f"{int(disk) / 1024:.1f} GiB" if disk else "unknown"
 def out(*cmd):
     r = subprocess.run(cmd, capture_output=True, text=True)
     return r.stdout.strip() if r.returncode == 0 else ""
+disk = out("du", "-s", "--block-size=1M", "target").split("\t")[0]
+disk = f"{int(disk) / 1024:.1f} GiB" if disk else "unknown"
 dirty = out("git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/figures") != ""
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "unknown CPU")
 mem = next(int(l.split()[1]) for l in open("/proc/meminfo") if l.startswith("MemTotal:")) // 1024 // 1024
