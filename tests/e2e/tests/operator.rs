@@ -525,6 +525,11 @@ async fn the_chart_renders_what_a_production_install_sets() -> Result<()> {
             "prometheusRule.enabled=true",
             "prometheusRule.runbookUrl=https://runbooks.example/streamfleet",
             "prometheusRule.delayObjectiveFor=2m",
+            "prometheusRule.alerts.StreamfleetLagUnknown.enabled=false",
+            "prometheusRule.alerts.StreamfleetPendingRising.for=30m",
+            "prometheusRule.alerts.StreamfleetPendingRising.labels.team=payments",
+            "prometheusRule.alerts.StreamfleetPendingRising.severity=page",
+            "prometheusRule.alerts.StreamfleetDeadLettersGrowing.expr=streamfleet_dead_letter_length > 10",
             "dashboard.enabled=true",
         ],
     )
@@ -548,6 +553,20 @@ async fn the_chart_renders_what_a_production_install_sets() -> Result<()> {
     }
     let objective = alerts.iter().find(|a| a["alert"] == "StreamfleetDelayObjectiveBreached").unwrap();
     assert_eq!(objective["for"], "2m", "prometheusRule.delayObjectiveFor");
+    // Tuned per alert: one left out, one delayed and re-labelled, one with
+    // its own threshold; the others as shipped.
+    let named = |name: &str| alerts.iter().find(|a| a["alert"] == name);
+    assert!(named("StreamfleetLagUnknown").is_none(), "enabled=false leaves the alert out");
+    let rising = named("StreamfleetPendingRising").unwrap();
+    assert_eq!((rising["for"].as_str(), rising["labels"]["team"].as_str()), (Some("30m"), Some("payments")));
+    assert_eq!(rising["labels"]["severity"], "page");
+    assert_eq!(named("StreamfleetDeadLettersGrowing").unwrap()["expr"], "streamfleet_dead_letter_length > 10");
+    assert_eq!(named("StreamfleetPayloadLost").unwrap()["labels"]["severity"], "critical", "untouched");
+    assert_eq!(alerts.len(), shipped_alerts() - 1);
+    // What Prometheus would load: the tuned rules pass promtool's check.
+    let tuned = tempfile::NamedTempFile::new()?;
+    std::fs::write(tuned.path(), serde_json::json!({"groups": rules["spec"]["groups"]}).to_string())?;
+    run_ok(bed, "promtool", &["check", "rules", &tuned.path().display().to_string()], None).await?;
     let dashboard = operator_object(&docs, "ConfigMap");
     assert_eq!(dashboard["metadata"]["labels"]["grafana_dashboard"], "1");
     let json: serde_json::Value =
@@ -610,7 +629,30 @@ async fn the_chart_renders_what_a_production_install_sets() -> Result<()> {
     .await?;
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("needs metrics.service.enabled"));
+
+    // A misspelt alert name is refused, named, instead of tuning nothing.
+    let chart = repo_path("charts/streamfleet").display().to_string();
+    let args = ["template", "t", &chart, "--kube-version", "1.35.0", "--set"];
+    let refused = run_tool(
+        bed,
+        "helm",
+        &[&args[..], &["prometheusRule.alerts.StreamfleetLagUnknwn.enabled=false"]].concat(),
+        None,
+    )
+    .await?;
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && said.contains("StreamfleetLagUnknwn"), "{said}");
     Ok(())
+}
+
+/// How many alerts `files/alerts.yaml` ships.
+fn shipped_alerts() -> usize {
+    yaml_docs("charts/streamfleet/files/alerts.yaml")[0]["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g["rules"].as_array().unwrap().len())
+        .sum()
 }
 
 /// The documents of a YAML file of the repository.
