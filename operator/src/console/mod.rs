@@ -13,6 +13,7 @@ pub mod in_flight;
 pub mod letters;
 pub mod overview;
 pub mod pipeline;
+pub mod shards;
 pub mod tls;
 pub mod ui;
 pub mod wire;

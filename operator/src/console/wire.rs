@@ -246,6 +246,74 @@ pub struct PendingQuery {
     pub continue_: Option<String>,
 }
 
+/// A pipeline's shards, live from Redis.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ShardList {
+    /// Shard 0 first.
+    pub items: Vec<Shard>,
+}
+
+/// One shard's stream and group, as read at one instant.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Shard {
+    pub stream: String,
+    /// False while the stream or its group does not exist: no figure below
+    /// is then known.
+    pub group_exists: bool,
+    /// Entries not yet delivered; absent when unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lag: Option<u64>,
+    /// The lag is a floor (more entries after the group's position than
+    /// counted).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub lag_at_least: bool,
+    /// Delivered, not yet acknowledged (those waiting for a retry too).
+    pub pending: u64,
+    /// Waiting for a retry on the schedule.
+    pub retrying: u64,
+    /// Age of the oldest unfinished entry; absent when IDs are not times.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delay_seconds: Option<u64>,
+    /// Idle time of the oldest pending entry (not waiting for a retry).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_pending_idle_ms: Option<u64>,
+    /// The highest delivery count among the oldest pending entries.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub most_deliveries: Option<u64>,
+    pub stream_length: u64,
+    pub dead_letters: u64,
+    /// The consumers reading it (worker pods, a recovery run).
+    pub consumers: Vec<ShardConsumer>,
+    /// The entries waiting for a retry, per delivery count they failed at.
+    pub retries: Vec<ShardRetry>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ShardConsumer {
+    /// The consumer: `<pod name>.<pod UID>` for a worker pod.
+    pub name: String,
+    /// Entries it holds.
+    pub pending: u64,
+    /// Since it last read or claimed.
+    pub idle_ms: u64,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ShardRetry {
+    /// The delivery count they failed at: the next attempt is the one after.
+    pub after_delivery: u64,
+    pub entries: u64,
+    /// The longest any of them has waited so far.
+    pub longest_wait_ms: u64,
+    /// That entry's last handler error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+}
+
 /// What a pause or resume did.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]

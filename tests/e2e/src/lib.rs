@@ -1,6 +1,8 @@
 //! Helpers for end-to-end suites: kubectl and helm against the shared test
 //! bed, operator installation from the chart, and waiting on resources.
 
+pub mod console;
+
 use anyhow::{Context as _, Result, bail};
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Patch, PatchParams};

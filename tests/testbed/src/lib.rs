@@ -11,6 +11,7 @@
 pub mod audit;
 pub mod certs;
 pub mod control_plane;
+pub mod isolated;
 pub mod kubelet;
 pub mod process;
 pub mod redis_server;
@@ -126,6 +127,12 @@ impl TestBed {
     pub fn person_kubeconfig(&self, person: &str) -> Result<PathBuf> {
         anyhow::ensure!(control_plane::PEOPLE.contains(&person), "the test bed knows no {person:?}");
         Ok(control_plane::person_kubeconfig(&self.dir, person))
+    }
+
+    /// A host of its own that reaches this bed's API server and nothing
+    /// else ([`isolated::IsolatedHost`]): where a person's laptop stands.
+    pub async fn isolated_host(&self) -> Result<isolated::IsolatedHost> {
+        isolated::IsolatedHost::start(&self.dir, self.server.trim_start_matches("https://")).await
     }
 
     /// Creates a namespace named `prefix-<random>`; it is deleted when the
