@@ -102,7 +102,11 @@ async fn main() -> Result<()> {
     let filter = tracing_subscriber::EnvFilter::try_new(&cli.log).context("--log")?;
     match cli.log_format {
         LogFormat::Json => tracing_subscriber::fmt().json().with_env_filter(filter).init(),
-        LogFormat::Text => tracing_subscriber::fmt().with_env_filter(filter).init(),
+        // Colours only for a person at a terminal, never in a pod's log.
+        LogFormat::Text => tracing_subscriber::fmt()
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
+            .with_env_filter(filter)
+            .init(),
     }
     match cli.command {
         Command::Crd => {

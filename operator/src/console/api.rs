@@ -49,7 +49,42 @@ pub fn router(console: Arc<Console>) -> Router {
         .route(&format!("{pipeline}/purge"), post(purge))
         .route(&format!("{pipeline}/pause"), post(pause))
         .route(&format!("{pipeline}/resume"), post(resume))
+        .layer(axum::middleware::from_fn_with_state(console.clone(), request_log))
         .with_state(console)
+}
+
+/// One log line per request: who (when the API server vouched for them),
+/// what, the answer and how long it took. Never a body, and of the query
+/// only its parameter names: a filter's values (a business key, an error
+/// text) and a letter's payload can be personal data.
+async fn request_log(
+    State(console): State<Arc<Console>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let started = std::time::Instant::now();
+    let user = console.front_proxy.caller(&peer, request.headers()).map(|c| c.user);
+    let method = request.method().clone();
+    let path = request.uri().path().to_string();
+    let query: Vec<String> = request
+        .uri()
+        .query()
+        .into_iter()
+        .flat_map(|q| q.split('&'))
+        .filter_map(|pair| pair.split('=').next().filter(|k| !k.is_empty()).map(String::from))
+        .collect();
+    let response = next.run(request).await;
+    tracing::info!(
+        user = user.as_deref().unwrap_or("-"),
+        %method,
+        path,
+        query = query.join(","),
+        status = response.status().as_u16(),
+        ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+        "request"
+    );
+    response
 }
 
 /// An error as the API server reports one (a `Status`), so `kubectl get

@@ -214,6 +214,23 @@ async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_ser
     let (_, out, _) = dlq(&["list", "--error", "DECLINED", "--reason", "max-deliveries"]).await?;
     assert_eq!(json_lines(&out).len(), 1, "{out}");
 
+    // The console's request log: a line per request naming the user, never
+    // a body nor a filter's values (the payload read above, the error text
+    // just asked for).
+    let consoles = Api::<Pod>::namespaced(client.clone(), &ns)
+        .list(&ListParams::default().labels("app.kubernetes.io/name=streamfleet-console"))
+        .await?;
+    let log = consoles
+        .items
+        .iter()
+        .map(|p| std::fs::read_to_string(bed.pod_dir(&ns, &p.name_any()).join("console.log")).unwrap_or_default())
+        .collect::<String>();
+    let shown = log.lines().find(|l| l.contains("request") && l.contains("/payloads/") && l.contains("alice"));
+    assert!(shown.is_some_and(|l| l.contains("status=200")), "the payload read, logged: {log}");
+    let filtered = log.lines().find(|l| l.contains("request") && l.contains("/deadletters") && l.contains("error"));
+    assert!(filtered.is_some_and(|l| l.contains("reason")), "a filter's parameter names: {log}");
+    assert!(!log.contains("DECLINED") && !log.contains("card declined") && !log.contains("order_id"), "{log}");
+
     // In flight: an entry held by a consumer (named after a live pod, so no
     // reaper takes it back), with its last error: who, how long, how often.
     let pods = Api::<Pod>::namespaced(client.clone(), &ns)
