@@ -53,6 +53,37 @@ pub fn router(console: Arc<Console>) -> Router {
         .with_state(console)
 }
 
+/// The parameters the console takes, which alone are logged by name.
+const QUERY_NAMES: [&str; 12] = [
+    "reason",
+    "since",
+    "until",
+    "key",
+    "error",
+    "from",
+    "to",
+    "limit",
+    "continue",
+    "consumer",
+    "minIdleMs",
+    "pipeline",
+];
+
+/// A query's known parameter names, and how many parts it has besides
+/// (never their text: a malformed or unknown part can be a value).
+fn query_names(query: &str) -> String {
+    let parts: Vec<&str> = query.split('&').filter(|p| !p.is_empty()).collect();
+    let known: Vec<&str> = parts
+        .iter()
+        .filter_map(|p| p.split_once('=').map(|(name, _)| name))
+        .filter(|name| QUERY_NAMES.contains(name))
+        .collect();
+    match parts.len() - known.len() {
+        0 => known.join(","),
+        other => format!("{} (+{other} other)", known.join(",")),
+    }
+}
+
 /// One log line per request: who (when the API server vouched for them),
 /// what, the answer and how long it took. Never a body, and of the query
 /// only its parameter names: a filter's values (a business key, an error
@@ -67,19 +98,13 @@ async fn request_log(
     let user = console.front_proxy.caller(&peer, request.headers()).map(|c| c.user);
     let method = request.method().clone();
     let path = request.uri().path().to_string();
-    let query: Vec<String> = request
-        .uri()
-        .query()
-        .into_iter()
-        .flat_map(|q| q.split('&'))
-        .filter_map(|pair| pair.split('=').next().filter(|k| !k.is_empty()).map(String::from))
-        .collect();
+    let query = query_names(request.uri().query().unwrap_or_default());
     let response = next.run(request).await;
     tracing::info!(
         user = user.as_deref().unwrap_or("-"),
         %method,
         path,
-        query = query.join(","),
+        query,
         status = response.status().as_u16(),
         ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
         "request"
@@ -560,5 +585,18 @@ async fn run_action(
     match failure {
         None => Ok(result),
         Some(e) => Err(internal(&format!("the {subresource} (after {} done)", result.done), &e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::query_names;
+
+    #[test]
+    fn the_request_log_names_known_parameters_and_never_a_value() {
+        assert_eq!(query_names("reason=permanent&error=card%20declined&limit=50"), "reason,error,limit");
+        assert_eq!(query_names(""), "");
+        // A bare word, an encoded '=', an unknown name: counted, not shown.
+        assert_eq!(query_names("o-42&error%3Dcard=x&reason=a&secret=1"), "reason (+3 other)");
     }
 }

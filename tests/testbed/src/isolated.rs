@@ -33,11 +33,11 @@ impl IsolatedHost {
     /// Makes the namespace and its link, and forwards the link's address on
     /// this side to `api_server` (`host:port`) from a task of the caller's runtime.
     pub(crate) async fn start(bed_dir: &Path, api_server: &str) -> Result<Self> {
-        let dir = tempfile::tempdir()?;
         // A random /30 of 10.210.0.0/16; a name taken by another run is
         // never touched: another number is tried.
         let mut last = None;
         for _ in 0..8 {
+            let dir = tempfile::tempdir()?;
             let n: u32 = rand::random_range(0..16_384);
             let netns = format!("sf-host-{n}");
             if let Err(e) = ip(&["netns", "add", &netns]) {
@@ -54,8 +54,12 @@ impl IsolatedHost {
                 bed_dir: bed_dir.to_path_buf(),
                 forwarder: None,
             };
-            // From here on, dropping `host` removes what was made.
-            host.wire(&format!("sfi{n}"), Ipv4Addr::new(10, 210, a, b + 2))?;
+            // From here on, dropping `host` removes what was made; a link
+            // name still taken (a run killed half way) means another number.
+            if let Err(e) = host.wire(&format!("sfi{n}"), Ipv4Addr::new(10, 210, a, b + 2)) {
+                last = Some(e);
+                continue;
+            }
             let listener = tokio::net::TcpListener::bind((host.gateway, 0)).await?;
             host.api_port = listener.local_addr()?.port();
             host.forwarder = Some(tokio::spawn(forward(listener, api_server.to_string())));
@@ -132,9 +136,9 @@ impl Drop for IsolatedHost {
         if let Some(forwarder) = &self.forwarder {
             forwarder.abort();
         }
-        // Its end of the link goes with it; this side's too, unless the
-        // link was made only half way.
-        let _ = ip(&["netns", "del", &self.netns]);
+        // The link first (both its ends go), while the name is still ours;
+        // then the namespace.
         let _ = ip(&["link", "del", &self.outer]);
+        let _ = ip(&["netns", "del", &self.netns]);
     }
 }
