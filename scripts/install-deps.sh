@@ -7,13 +7,19 @@
 #   chromium: the web console's end-to-end test opens it headless
 #   iproute2: that test runs the CLI on a host of its own (a network
 #   namespace) that reaches only the API server
+#   ShellCheck (package shellcheck): the test command checks the scripts
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v redis-cli >/dev/null || need+=(redis-tools)
 command -v chromium >/dev/null || need+=(chromium)
 command -v ip >/dev/null || need+=(iproute2)
+command -v shellcheck >/dev/null || need+=(shellcheck)
 if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "[install-deps] missing Debian packages: ${need[*]}. Install them (as root: apt-get install --no-install-recommends ${need[*]}) and run again." >&2
+    exit 1
+  fi
   echo "[install-deps] apt-get install ${need[*]}" >&2
   export DEBIAN_FRONTEND=noninteractive
   # No service start: the test bed runs its own servers on random loopback ports.

@@ -71,6 +71,9 @@ PY
 step "install Debian packages"
 bash scripts/install-deps.sh
 
+step "shellcheck (the project's scripts)"
+shellcheck -S style scripts/*.sh .ci/run
+
 if [[ "${1:-}" == "--quick" ]]; then
   step "cargo fmt --check"
   cargo fmt --all -- --check
