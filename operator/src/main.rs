@@ -91,6 +91,10 @@ struct RunArgs {
     /// A recovery Job (sweep or `Worker` mode) still running after this many seconds is stopped.
     #[arg(long, env = "STREAMFLEET_SWEEP_DEADLINE_SECONDS")]
     sweep_deadline_seconds: Option<i64>,
+    /// The sweep pods' annotations, node selector and tolerations, as JSON
+    /// (`{"annotations": {}, "nodeSelector": {}, "tolerations": []}`).
+    #[arg(long, env = "STREAMFLEET_SWEEP_POD")]
+    sweep_pod: Option<String>,
     /// This replica's identity (the pod name).
     #[arg(long, env = "STREAMFLEET_POD_NAME")]
     identity: Option<String>,
@@ -178,6 +182,11 @@ async fn run(args: RunArgs) -> Result<()> {
         image_pull_secrets: args.image_pull_secrets.iter().filter(|n| !n.is_empty()).cloned().collect(),
         sweep_resources,
         sweep_deadline_seconds: args.sweep_deadline_seconds,
+        sweep_pod: match &args.sweep_pod {
+            Some(json) => serde_json::from_str(json)
+                .context("STREAMFLEET_SWEEP_POD: not {annotations, nodeSelector, tolerations}")?,
+            None => Default::default(),
+        },
     };
     let controller = controller::run(
         client,

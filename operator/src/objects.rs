@@ -6,7 +6,7 @@ use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::batch::v1::{CronJob, CronJobSpec, JobSpec, JobTemplateSpec};
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, EnvVar, EnvVarSource, LocalObjectReference, ObjectFieldSelector, PodSpec, PodTemplateSpec,
-    ResourceRequirements, SeccompProfile, SecretKeySelector, SecurityContext,
+    ResourceRequirements, SeccompProfile, SecretKeySelector, SecurityContext, Toleration,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use kube::{Resource as _, ResourceExt as _};
@@ -31,6 +31,20 @@ pub struct ObjectSettings {
     /// A recovery Job (sweep or `Worker` mode) still running after this many
     /// seconds is stopped; the next run resumes.
     pub sweep_deadline_seconds: Option<i64>,
+    /// Where the sweep pods run and what they are annotated with.
+    pub sweep_pod: SweepPod,
+}
+
+/// The chart's `sweep.podAnnotations`, `nodeSelector` and `tolerations`.
+#[derive(Clone, Debug, Default, PartialEq, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SweepPod {
+    #[serde(default)]
+    pub annotations: BTreeMap<String, String>,
+    #[serde(default)]
+    pub node_selector: BTreeMap<String, String>,
+    #[serde(default)]
+    pub tolerations: Vec<Toleration>,
 }
 
 /// Name prefixes of the pods this resource's workloads run (workers and
@@ -47,9 +61,12 @@ pub fn recovery_cronjob_name(scg: &StreamConsumerGroup) -> String {
     format!("{}-recovery", scg.name_any())
 }
 
+/// Informational only: a worker pod keeps its template's own.
+const NAME_LABEL: &str = "app.kubernetes.io/name";
+
 fn labels(scg: &StreamConsumerGroup, component: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
-        ("app.kubernetes.io/name".to_string(), "streamfleet".to_string()),
+        (NAME_LABEL.to_string(), "streamfleet".to_string()),
         ("app.kubernetes.io/managed-by".to_string(), "streamfleet".to_string()),
         (COMPONENT_LABEL.to_string(), component.to_string()),
         (GROUP_LABEL.to_string(), scg.name_any()),
@@ -169,7 +186,16 @@ const DRAIN_MARGIN_MS: i64 = 3_000;
 fn worker_pod_template(scg: &StreamConsumerGroup, component: &str, mode: &str) -> Result<PodTemplateSpec, Error> {
     let mut template = scg.spec.worker.template.clone();
     let meta = template.metadata.get_or_insert_with(ObjectMeta::default);
-    meta.labels.get_or_insert_with(BTreeMap::new).extend(labels(scg, component));
+    let pod_labels = meta.labels.get_or_insert_with(BTreeMap::new);
+    // The user's own `app.kubernetes.io/name` stays (nothing selects by it);
+    // the Deployment's selector and the operator's pod watch need the rest.
+    for (key, value) in labels(scg, component) {
+        if key == NAME_LABEL {
+            pod_labels.entry(key).or_insert(value);
+        } else {
+            pod_labels.insert(key, value);
+        }
+    }
     let pod =
         template.spec.as_mut().ok_or_else(|| Error::InvalidSpec("spec.worker.template.spec is required".into()))?;
     let container = match scg.spec.worker.container_name.as_deref() {
@@ -252,8 +278,15 @@ pub fn recovery_cronjob(scg: &StreamConsumerGroup, settings: &ObjectSettings) ->
 
 fn sweep_pod_template(scg: &StreamConsumerGroup, settings: &ObjectSettings) -> PodTemplateSpec {
     PodTemplateSpec {
-        metadata: Some(ObjectMeta { labels: Some(labels(scg, "recovery")), ..ObjectMeta::default() }),
+        metadata: Some(ObjectMeta {
+            labels: Some(labels(scg, "recovery")),
+            annotations: (!settings.sweep_pod.annotations.is_empty()).then(|| settings.sweep_pod.annotations.clone()),
+            ..ObjectMeta::default()
+        }),
         spec: Some(PodSpec {
+            node_selector: (!settings.sweep_pod.node_selector.is_empty())
+                .then(|| settings.sweep_pod.node_selector.clone()),
+            tolerations: (!settings.sweep_pod.tolerations.is_empty()).then(|| settings.sweep_pod.tolerations.clone()),
             // The sweep talks only to Redis: no API credentials.
             automount_service_account_token: Some(false),
             image_pull_secrets: (!settings.image_pull_secrets.is_empty()).then(|| {
@@ -289,6 +322,7 @@ pub fn restricted_security_context() -> SecurityContext {
 mod tests {
     use super::*;
     use serde_json::json;
+    use streamfleet_streams::{RunMode, WorkerConfig};
 
     fn scg(extra: serde_json::Value) -> StreamConsumerGroup {
         let mut v = json!({
@@ -315,6 +349,100 @@ mod tests {
         c.env.iter().flatten().map(|e| (e.name.clone(), e.clone())).collect()
     }
 
+    /// A container's environment as its process sees it: values with
+    /// `$(NAME)` expanded from the entries before them, Secret keys and the
+    /// pod's name and UID filled in, as a kubelet does.
+    fn resolved_env(c: &Container) -> BTreeMap<String, String> {
+        let mut out = BTreeMap::new();
+        for e in c.env.iter().flatten() {
+            let from = e.value_from.as_ref();
+            let value =
+                match (&e.value, from.and_then(|f| f.secret_key_ref.as_ref()), from.and_then(|f| f.field_ref.as_ref()))
+                {
+                    (Some(v), _, _) => out
+                        .iter()
+                        .fold(v.clone(), |v, (k, known): (&String, &String)| v.replace(&format!("$({k})"), known)),
+                    (None, Some(secret), _) => format!("redis://{}-{}.example:6379", secret.name, secret.key),
+                    (None, None, Some(field)) if field.field_path == "metadata.name" => {
+                        "orders-worker-7f9-abcde".into()
+                    }
+                    (None, None, Some(field)) if field.field_path == "metadata.uid" => "0b1c-uid".into(),
+                    _ => continue,
+                };
+            out.insert(e.name.clone(), value);
+        }
+        out
+    }
+
+    /// The contract's round trip: what the operator renders for a worker,
+    /// a Worker-mode recovery run and a sweep is what the worker library
+    /// parses, field by field, against the validated spec (sharded or not,
+    /// every retry setting, TLS, concurrency).
+    #[test]
+    fn what_the_operator_renders_is_what_a_worker_parses() {
+        let recovery = |mode: &str| {
+            json!({"mode": mode, "minIdleTimeMs": 1500, "maxDeliveries": 7, "batchSize": 33,
+                   "retry": {"backoff": "Fixed", "initialDelayMs": 2000, "maxDelayMs": 9000, "jitterPercent": 5, "retryForSeconds": 120}})
+        };
+        let cases = [
+            json!({"shards": 3, "recovery": recovery("Worker")}),
+            json!({"recovery": recovery("Sweep"), "redis": {"urlSecretRef": {"name": "redis", "key": "url"}, "mode": "Cluster",
+                   "tls": {"caSecretRef": {"name": "redis-ca", "key": "ca.crt"}}}}),
+            json!({"worker": {"concurrency": 4, "template": scg(json!({})).spec.worker.template, "containerName": "app"}}),
+        ];
+        let settings =
+            ObjectSettings { operator_image: "streamfleet/streamfleet:1".into(), ..ObjectSettings::default() };
+        let mut rendered = std::collections::BTreeSet::new();
+        for case in cases {
+            let s = scg(case.clone());
+            let valid = crate::controller::validate::validate(&s).unwrap();
+            let deployment = worker_deployment(&s, 1).unwrap();
+            let pod = deployment.spec.unwrap().template.spec.unwrap();
+            let cronjob = recovery_cronjob(&s, &settings).unwrap();
+            let run = cronjob.spec.unwrap().job_template.spec.unwrap().template.spec.unwrap();
+            let worker = pod.containers.iter().find(|c| c.env.iter().flatten().any(|e| e.name == env::GROUP)).unwrap();
+            let recovering =
+                run.containers.iter().find(|c| c.env.iter().flatten().any(|e| e.name == env::GROUP)).unwrap();
+            for (container, mode) in [(worker, RunMode::Consume), (recovering, RunMode::Recovery)] {
+                let seen = resolved_env(container);
+                rendered.extend(seen.keys().filter(|k| k.starts_with("STREAMFLEET_")).cloned());
+                let config = WorkerConfig::from_lookup(|k| seen.get(k).cloned()).unwrap();
+                let what = format!("{case} ({mode:?})");
+                assert_eq!(config.mode, mode, "{what}");
+                assert_eq!((&config.streams, &config.group), (&valid.streams, &valid.group), "{what}");
+                assert_eq!(config.consumer, "orders-worker-7f9-abcde.0b1c-uid", "{what}");
+                assert_eq!((config.min_idle, config.max_deliveries), (valid.min_idle, valid.max_deliveries), "{what}");
+                assert_eq!(config.retry, valid.retry, "{what}");
+                assert_eq!(config.batch_size, valid.batch, "{what}");
+                for stream in &valid.streams {
+                    assert_eq!(
+                        config.dead_letter_stream_of(stream),
+                        valid.dead_letter_stream_of(stream),
+                        "{what}: {stream}"
+                    );
+                }
+                let cluster = matches!(s.spec.redis.mode, RedisMode::Cluster);
+                assert_eq!(config.endpoint.mode == streamfleet_streams::Mode::Cluster, cluster, "{what}");
+                assert_eq!(config.endpoint.ca_pem.is_some(), s.spec.redis.tls.is_some(), "{what}");
+                let concurrency = s
+                    .spec
+                    .worker
+                    .concurrency
+                    .map_or(usize::from(env::DEFAULT_CONCURRENCY), |n| usize::try_from(n).unwrap());
+                assert_eq!(config.concurrency, concurrency, "{what}");
+            }
+        }
+        // docs/env-contract.md's table names exactly what is rendered.
+        let table: std::collections::BTreeSet<String> = include_str!("../../docs/env-contract.md")
+            .lines()
+            .filter_map(|l| l.strip_prefix("| `"))
+            .filter_map(|l| l.split(" |").next())
+            .flat_map(|names| names.split(", ").map(|n| n.trim_matches('`').to_string()).collect::<Vec<_>>())
+            .filter(|n| n.starts_with("STREAMFLEET_"))
+            .collect();
+        assert_eq!(table, rendered, "docs/env-contract.md's table against what the operator renders");
+    }
+
     #[test]
     fn deployment_injects_contract_into_the_named_container_and_keeps_user_fields() {
         let s = scg(json!({"worker": {"containerName": "app", "template": scg(json!({})).spec.worker.template}}));
@@ -330,9 +458,22 @@ mod tests {
         let tmpl = spec.template;
         let labels = tmpl.metadata.unwrap().labels.unwrap();
         assert_eq!(labels["team"], "pay");
+        assert_eq!(labels["app.kubernetes.io/name"], "streamfleet", "filled in when the template has none");
         for (k, v) in spec.selector.match_labels.unwrap() {
             assert_eq!(labels[&k], v, "selector label {k} must be on the pods");
         }
+        assert_eq!(labels["app.kubernetes.io/managed-by"], "streamfleet", "the operator's pod watch selects by it");
+        // The template's own name label stays: nothing selects by it.
+        let mut named = scg(json!({})).spec.worker.template;
+        named
+            .metadata
+            .get_or_insert_default()
+            .labels
+            .get_or_insert_default()
+            .insert("app.kubernetes.io/name".into(), "payments".into());
+        let s = scg(json!({"worker": {"template": named}}));
+        let labels = worker_deployment(&s, 1).unwrap().spec.unwrap().template.metadata.unwrap().labels.unwrap();
+        assert_eq!(labels["app.kubernetes.io/name"], "payments");
         let pod = tmpl.spec.unwrap();
         assert!(pod.containers[0].env.is_none(), "the sidecar is untouched");
         let env = env_of(&pod.containers[1]);
@@ -417,17 +558,28 @@ mod tests {
             image_pull_secrets: vec!["regcred".into()],
             sweep_resources: Some(resources.clone()),
             sweep_deadline_seconds: Some(900),
+            sweep_pod: serde_json::from_value(json!({
+                "annotations": {"sidecar.istio.io/inject": "false"},
+                "nodeSelector": {"pool": "ops"},
+                "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+            }))
+            .unwrap(),
         };
         let job = recovery_cronjob(&scg(json!({})), &settings).unwrap().spec.unwrap().job_template.spec.unwrap();
         assert_eq!(job.active_deadline_seconds, Some(900));
+        let annotations = job.template.metadata.as_ref().and_then(|m| m.annotations.clone()).unwrap_or_default();
+        assert_eq!(annotations.get("sidecar.istio.io/inject").map(String::as_str), Some("false"));
         let pod = job.template.spec.unwrap();
         assert_eq!(pod.image_pull_secrets, Some(vec![LocalObjectReference { name: "regcred".into() }]));
         assert_eq!(pod.containers[0].resources, Some(resources));
+        assert_eq!(pod.node_selector.unwrap_or_default().get("pool").map(String::as_str), Some("ops"));
+        assert_eq!(pod.tolerations.unwrap_or_default()[0].key.as_deref(), Some("dedicated"));
         // Worker mode runs the user's template (its own pull secrets), under
         // the same deadline: a hung run must not block every later one.
         let worker = recovery_cronjob(&scg(json!({"recovery": {"mode": "Worker"}})), &settings).unwrap();
         let job = worker.spec.unwrap().job_template.spec.unwrap();
-        assert_eq!((job.active_deadline_seconds, job.template.spec.unwrap().image_pull_secrets), (Some(900), None));
+        let pod = job.template.spec.unwrap();
+        assert_eq!((job.active_deadline_seconds, pod.image_pull_secrets, pod.tolerations), (Some(900), None, None));
     }
 
     #[test]

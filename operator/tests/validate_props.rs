@@ -109,6 +109,7 @@ fn no_decodable_resource_makes_validation_or_the_builders_panic() {
             image_pull_secrets: vec!["pull".into()],
             sweep_resources: None,
             sweep_deadline_seconds: Some(600),
+            sweep_pod: Default::default(),
         };
         let _ = objects::recovery_cronjob(&scg, &settings);
         let _ = objects::pod_name_prefixes(&scg);

@@ -29,7 +29,13 @@ async fn group_info(server: &RedisServer, stream: &str) -> Result<Vec<(String, S
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn helm_installed_operator_creates_group_workers_and_recovery() -> Result<()> {
-    let f = Fixture::start("e2e-apply", &[]).await?;
+    let sweep_pod = [
+        "--set-string",
+        r"sweep.podAnnotations.sidecar\.istio\.io/inject=false",
+        "--set",
+        "sweep.tolerations[0].key=dedicated,sweep.tolerations[0].operator=Exists",
+    ];
+    let f = Fixture::start("e2e-apply", &sweep_pod).await?;
     let (client, ns, redis, mut conn) = (f.client.clone(), &f.ns, &f.redis, f.conn.clone());
     // An entry that predates the group: startId 0 must deliver it.
     let first: String = conn.xadd("orders", "*", &[("order", "1")]).await?;
@@ -89,9 +95,13 @@ async fn helm_installed_operator_creates_group_workers_and_recovery() -> Result<
     // The chart's sweep settings reach the Jobs the operator creates.
     let job = cj.spec.clone().unwrap().job_template.spec.unwrap();
     assert_eq!(job.active_deadline_seconds, Some(900), "sweep.activeDeadlineSeconds");
-    let sweep = &job.template.spec.unwrap().containers[0];
+    let sweep = &job.template.spec.clone().unwrap().containers[0];
     let limits = sweep.resources.clone().and_then(|r| r.limits).unwrap_or_default();
     assert_eq!(limits.get("memory").map(|q| q.0.as_str()), Some("256Mi"), "sweep.resources");
+    let annotations = job.template.metadata.clone().and_then(|m| m.annotations).unwrap_or_default();
+    assert_eq!(annotations.get("sidecar.istio.io/inject").map(String::as_str), Some("false"), "sweep.podAnnotations");
+    let tolerations = job.template.spec.clone().and_then(|s| s.tolerations).unwrap_or_default();
+    assert_eq!(tolerations[0].key.as_deref(), Some("dedicated"), "sweep.tolerations");
 
     let reasons = event_reasons(&client, &ns.name, "orders").await?;
     assert!(reasons.iter().any(|r| r == "GroupCreated"), "{reasons:?}");
