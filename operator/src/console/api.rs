@@ -45,10 +45,10 @@ pub fn router(console: Arc<Console>) -> Router {
         .route(&format!("{pipeline}/deadletterstats"), get(letter_stats))
         .route(&format!("{pipeline}/pending"), get(list_pending))
         .route(&format!("{pipeline}/shards"), get(list_shards))
-        .route(&format!("{pipeline}/replay"), post(replay))
-        .route(&format!("{pipeline}/purge"), post(purge))
-        .route(&format!("{pipeline}/pause"), post(pause))
-        .route(&format!("{pipeline}/resume"), post(resume))
+        .route(&format!("{pipeline}/replay"), post(|s, p, h, path, body| act(s, p, h, path, body, Action::Replay)))
+        .route(&format!("{pipeline}/purge"), post(|s, p, h, path, body| act(s, p, h, path, body, Action::Purge)))
+        .route(&format!("{pipeline}/pause"), post(|s, p, h, path, body| suspend(s, p, h, path, body, true)))
+        .route(&format!("{pipeline}/resume"), post(|s, p, h, path, body| suspend(s, p, h, path, body, false)))
         .layer(axum::middleware::from_fn_with_state(console.clone(), request_log))
         .with_state(console)
 }
@@ -425,26 +425,6 @@ async fn list_shards(
     shards.map(Json).map_err(|e| internal("reading the shards", &e))
 }
 
-async fn pause(
-    state: State<Arc<Console>>,
-    peer: ConnectInfo<Peer>,
-    headers: HeaderMap,
-    path: Path<(String, String)>,
-    body: Json<serde_json::Value>,
-) -> Result<Json<Suspension>, ApiError> {
-    suspend(state, peer, headers, path, body, true).await
-}
-
-async fn resume(
-    state: State<Arc<Console>>,
-    peer: ConnectInfo<Peer>,
-    headers: HeaderMap,
-    path: Path<(String, String)>,
-    body: Json<serde_json::Value>,
-) -> Result<Json<Suspension>, ApiError> {
-    suspend(state, peer, headers, path, body, false).await
-}
-
 /// Sets `spec.suspend` (no workers, no recovery runs; the group and its
 /// entries stay). The user needs the console verb and `patch` on the
 /// resource; the console writes the field under its own field manager and
@@ -490,26 +470,6 @@ async fn suspend(
     }
     tracing::info!(user = %caller.user, pipeline = %format!("{namespace}/{name}"), action = verb, "pipeline action");
     Ok(Json(Suspension { suspended: to, changed: true }))
-}
-
-async fn replay(
-    state: State<Arc<Console>>,
-    peer: ConnectInfo<Peer>,
-    headers: HeaderMap,
-    path: Path<(String, String)>,
-    request: Json<serde_json::Value>,
-) -> Result<Json<ActionResult>, ApiError> {
-    act(state, peer, headers, path, request, Action::Replay).await
-}
-
-async fn purge(
-    state: State<Arc<Console>>,
-    peer: ConnectInfo<Peer>,
-    headers: HeaderMap,
-    path: Path<(String, String)>,
-    request: Json<serde_json::Value>,
-) -> Result<Json<ActionResult>, ApiError> {
-    act(state, peer, headers, path, request, Action::Purge).await
 }
 
 /// A replay or purge. The body must be JSON (a browser cannot send that
