@@ -53,41 +53,67 @@ pub fn handed_back(deliveries: u64) -> String {
 
 /// Records that `entry`'s current delivery ends without its handler having
 /// started (its business key busy elsewhere): its next claim does not count
-/// it.
+/// it. Written only while `consumer` holds the entry.
 pub async fn record_not_started<C: ConnectionLike + Send>(
     conn: &mut C,
     entry: &Entry,
     group: &str,
-) -> Result<(), StreamError> {
-    record_run(conn, entry, group, handed_back(entry.deliveries), "recording an entry left unstarted").await
+    consumer: &str,
+) -> Result<bool, StreamError> {
+    record_run(conn, entry, group, consumer, handed_back(entry.deliveries), "recording an entry left unstarted").await
 }
 
 /// Records that the handler of `entry`'s current delivery starts now.
 /// Written (and waited for) before the handler runs: a process that dies
-/// in it leaves the record behind for the next claim to read.
+/// in it leaves the record behind for the next claim to read. False, and
+/// nothing written, when `consumer` no longer holds the entry (its hold
+/// lapsed and another claimed, acked or dead-lettered it): its handler must
+/// not start.
 pub async fn record_start<C: ConnectionLike + Send>(
     conn: &mut C,
     entry: &Entry,
     group: &str,
-) -> Result<(), StreamError> {
-    record_run(conn, entry, group, entry.deliveries.to_string(), "recording a handler's start").await
+    consumer: &str,
+) -> Result<bool, StreamError> {
+    record_run(conn, entry, group, consumer, entry.deliveries.to_string(), "recording a handler's start").await
 }
+
+/// Sets the entry's run record while `ARGV[2]` holds it in the PEL, in one
+/// script: a holder whose hold lapsed never leaves a record for an entry
+/// that has left the PEL (where nothing would ever delete it) or that
+/// another consumer now runs. KEYS: the stream, the entry-record hash.
+/// ARGV: group, consumer, ID, value. Returns 1 written, 0 not held.
+static RECORD_RUN: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(
+        r"
+        local held = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2])
+        if #held == 0 then
+            return 0
+        end
+        redis.call('HSET', KEYS[2], ARGV[3] .. ':run', ARGV[4])
+        return 1",
+    )
+});
 
 async fn record_run<C: ConnectionLike + Send>(
     conn: &mut C,
     entry: &Entry,
     group: &str,
+    consumer: &str,
     value: String,
     action: &'static str,
-) -> Result<(), StreamError> {
-    let () = redis::cmd("HSET")
-        .arg(keys::last_error_key(&entry.stream, group))
-        .arg(run_field(&entry.id))
+) -> Result<bool, StreamError> {
+    let written: i64 = RECORD_RUN
+        .key(&entry.stream)
+        .key(keys::last_error_key(&entry.stream, group))
+        .arg(group)
+        .arg(consumer)
+        .arg(&entry.id)
         .arg(value)
-        .query_async(conn)
+        .invoke_async(conn)
         .await
         .map_err(|e| StreamError::new(action, e))?;
-    Ok(())
+    Ok(written == 1)
 }
 
 /// Lua shared by the claim scripts: `redelivery(record_key, id, count)`

@@ -127,6 +127,48 @@ async fn an_entry_claimed_away_before_its_commit_is_not_acked_by_the_old_holder(
     Ok(())
 }
 
+/// Failpoint: `worker::before-start` (a callback claims the entry for
+/// another consumer, as a claim after a lapsed hold would). The old holder
+/// neither runs its handler nor leaves a started record behind (an orphan
+/// nothing would ever delete): the new holder runs it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_claimed_away_before_its_start_is_not_run_by_the_old_holder() -> Result<()> {
+    let scenario = fail::FailScenario::setup();
+    let (server, mut conn) = setup().await?;
+    let id = add(&mut conn, &[("kind", "ok"), ("key", "k1")]).await?;
+    let url = server.url();
+    let (claim_id, claimed) = (id.clone(), Arc::new(AtomicBool::new(false)));
+    let fired = claimed.clone();
+    fail::cfg_callback("worker::before-start", move || {
+        if claimed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let mut sync = redis::Client::open(url.as_str()).unwrap().get_connection().unwrap();
+        let _: redis::Value =
+            redis::cmd("XCLAIM").arg("orders").arg("g").arg("thief").arg(0).arg(&claim_id).query(&mut sync).unwrap();
+    })
+    .unwrap();
+    let handler = Scripted::default();
+    let (stop, run) = spawn(Worker::new(config(&server, "c1", 10_000, 5), handler.clone()));
+    eventually("claimed away before the start", T, || async { Ok(fired.load(Ordering::SeqCst).then_some(())) }).await?;
+    // A drain settles what the worker holds: its decision on the entry is made.
+    let _ = stop.send(());
+    run.await??;
+    fail::remove("worker::before-start");
+    assert_eq!(handler.calls(&id), 0, "the old holder ran a handler on an entry it no longer held");
+    let rows = pending_rows(&mut conn).await?;
+    assert_eq!(rows.len(), 1, "still pending for its new owner");
+    assert_eq!((rows[0].0.as_str(), rows[0].1.as_str()), (id.as_str(), "thief"));
+    let record: bool = redis::cmd("HEXISTS")
+        .arg(streamfleet_streams::keys::last_error_key("orders", "g"))
+        .arg(streamfleet_streams::started::run_field(&id))
+        .query_async(&mut conn)
+        .await?;
+    assert!(!record, "a started record left by a consumer that did not hold the entry");
+    scenario.teardown();
+    Ok(())
+}
+
 /// A handler still running at the drain deadline is abandoned: the worker
 /// stops within the deadline and hands the entry back (claimable at once, its
 /// mark released), so the next holder need not wait out min-idle-time.

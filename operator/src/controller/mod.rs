@@ -10,6 +10,8 @@
 //! [`finalizer`] handles deletion. This file wires the steps and the watches.
 
 pub mod act;
+#[cfg(test)]
+mod api_tests;
 pub mod decide;
 pub mod finalizer;
 #[cfg(test)]
@@ -120,6 +122,20 @@ impl Context {
             memory: Mutex::new(HashMap::new()),
             clock: Instant::now(),
         }
+    }
+
+    /// A context whose caches are empty and stay so, over `client`: for
+    /// tests of the steps' API requests against a mocked API server.
+    #[cfg(test)]
+    fn for_tests(client: Client) -> Self {
+        let stores = Stores {
+            deployments: reflector::store().0,
+            cronjobs: reflector::store().0,
+            pods: reflector::store().0,
+            resources: reflector::store().0,
+            secrets: reflector::store().0,
+        };
+        Self::new(client, ObjectSettings::default(), Arc::new(Metrics::default()), None, stores)
     }
 
     /// Backoff for the next retry of `key`: 2s, 4s, ... capped at a minute,

@@ -63,7 +63,8 @@ impl<H: Handler> Worker<H> {
             (GuardState::Busy, _) => {
                 // Not run: its next claim does not count this delivery.
                 if !self.at_most_once {
-                    streamfleet_streams::started::record_not_started(conn, entry, &self.config.group).await?;
+                    let (group, consumer) = (&self.config.group, &self.config.consumer);
+                    streamfleet_streams::started::record_not_started(conn, entry, group, consumer).await?;
                 }
                 return Ok(Settled::Leave);
             }
@@ -86,8 +87,13 @@ impl<H: Handler> Worker<H> {
                 return Ok(Settled::Leave);
             }
         };
-        if !self.at_most_once {
-            self.record_start(conn, entry).await?;
+        fail::fail_point!("worker::before-start");
+        if !self.at_most_once && !self.record_start(conn, entry).await? {
+            // Claimed away since it was read (this consumer's hold lapsed):
+            // its new holder runs it, not this one.
+            tracing::info!(stream = %entry.stream, id = %entry.id, "not started: another consumer holds the entry now");
+            self.release(conn, batch, i).await?;
+            return Ok(Settled::Leave);
         }
         let started = Instant::now();
         self.stats.delivered(entry.deliveries);
@@ -216,12 +222,15 @@ impl<H: Handler> Worker<H> {
     /// it takes the process down, the next claim knows it was running. While
     /// Redis is unreachable (a restart, a failover) it retries with backoff
     /// (the batch stays held meanwhile) rather than fail the batch, whose
-    /// entries would then sit unheld; it gives up only on shutdown.
-    pub(super) async fn record_start(&self, conn: &mut StreamConnection, entry: &Entry) -> Result<(), WorkerError> {
+    /// entries would then sit unheld; it gives up only on shutdown. False
+    /// when this consumer no longer holds the entry: its handler must not start.
+    pub(super) async fn record_start(&self, conn: &mut StreamConnection, entry: &Entry) -> Result<bool, WorkerError> {
         let mut delay = RETRY_FIRST;
         loop {
-            match streamfleet_streams::started::record_start(conn, entry, &self.config.group).await {
-                Ok(()) => return Ok(()),
+            match streamfleet_streams::started::record_start(conn, entry, &self.config.group, &self.config.consumer)
+                .await
+            {
+                Ok(held) => return Ok(held),
                 Err(e) if stopping(&self.stop) => return Err(e.into()),
                 Err(e) => {
                     tracing::warn!(stream = %entry.stream, id = %entry.id, error = %e, retry_in = ?delay, "recording a handler's start failed; retrying");

@@ -1,0 +1,194 @@
+//! The reconciler's API steps against a mocked API server (tower-test, as
+//! kube-rs's controller-rs tests its reconciler): which requests a step
+//! sends, to where, with what body, and which it does not send at all — in
+//! milliseconds, with no control plane. The same behaviour against a real
+//! kube-apiserver is in `tests/e2e`; these pin the requests themselves.
+
+use super::act::publish;
+use super::decide::PlannedEvent;
+use super::fixtures::scg;
+use super::{Context, finalizer, status};
+use crate::events::EventType;
+use http::{Method, Request, Response};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::Client;
+use kube::client::Body;
+use serde_json::{Value, json};
+use std::time::Duration;
+use streamfleet_crd::{DeletionPolicy, StreamConsumerGroup, StreamConsumerGroupStatus};
+use tower_test::mock::{Handle, pair};
+
+type ApiServer = Handle<Request<Body>, Response<Body>>;
+
+fn mocked() -> (Context, ApiServer) {
+    let (service, server) = pair::<Request<Body>, Response<Body>>();
+    (Context::for_tests(Client::new(service, "default")), server)
+}
+
+/// One request as the API server saw it.
+#[derive(Debug)]
+struct Seen {
+    method: Method,
+    path: String,
+    query: String,
+    content_type: String,
+    body: Value,
+}
+
+/// Serves the next request, answering `reply` (200).
+async fn serve(server: &mut ApiServer, reply: &Value) -> Seen {
+    let (request, respond) = server.next_request().await.expect("a request");
+    let content_type =
+        request.headers().get(http::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+    let (method, uri) = (request.method().clone(), request.uri().clone());
+    let bytes = request.into_body().collect_bytes().await.expect("the request's body");
+    let body = if bytes.is_empty() { Value::Null } else { serde_json::from_slice(&bytes).expect("a JSON body") };
+    let reply = serde_json::to_vec(reply).expect("a JSON reply");
+    respond.send_response(Response::builder().body(Body::from(reply)).expect("a response"));
+    Seen {
+        method,
+        path: uri.path().to_string(),
+        query: uri.query().unwrap_or_default().to_string(),
+        content_type,
+        body,
+    }
+}
+
+/// Nothing (more) reaches the API server for a while: run beside the steps
+/// that must send nothing, so a request fails the test rather than hang it.
+async fn no_request(server: &mut ApiServer) {
+    let next = tokio::time::timeout(Duration::from_millis(200), server.next_request()).await;
+    assert!(!matches!(next, Ok(Some(_))), "an API request where none was due");
+}
+
+const RESOURCE: &str = "/apis/streamfleet.io/v1alpha1/namespaces/shop/streamconsumergroups/orders";
+
+fn resource(policy: DeletionPolicy, finalizers: &[&str]) -> StreamConsumerGroup {
+    let mut r = scg();
+    r.spec.deletion_policy = policy;
+    r.metadata.resource_version = Some("7".into());
+    r.metadata.finalizers = Some(finalizers.iter().map(|f| f.to_string()).collect());
+    r
+}
+
+fn writes(ctx: &Context, manager: &str) -> usize {
+    let wanted = format!("streamfleet_api_writes_total{{manager=\"{manager}\"}} ");
+    ctx.metrics.render().lines().find_map(|l| l.strip_prefix(&wanted)?.parse().ok()).unwrap_or(0)
+}
+
+#[tokio::test]
+async fn the_finalizer_is_added_by_a_compare_and_swap_when_the_policy_is_delete() {
+    let (ctx, mut server) = mocked();
+    let r = resource(DeletionPolicy::Delete, &["other.io/keep"]);
+    let reply = serde_json::to_value(&r).unwrap();
+    let (synced, seen) = tokio::join!(finalizer::sync(&r, &ctx), serve(&mut server, &reply));
+    synced.unwrap();
+    assert_eq!((&seen.method, seen.path.as_str()), (&Method::PATCH, RESOURCE));
+    assert_eq!(seen.content_type, "application/merge-patch+json");
+    // Another controller's finalizer is kept; the resourceVersion makes a
+    // concurrent edit a conflict rather than a lost update.
+    assert_eq!(
+        seen.body,
+        json!({"metadata": {"finalizers": ["other.io/keep", finalizer::FINALIZER], "resourceVersion": "7"}})
+    );
+    assert_eq!(writes(&ctx, "finalizer"), 1);
+    no_request(&mut server).await;
+}
+
+#[tokio::test]
+async fn the_finalizer_is_removed_alone_when_the_policy_is_retain() {
+    let (ctx, mut server) = mocked();
+    let r = resource(DeletionPolicy::Retain, &[finalizer::FINALIZER, "other.io/keep"]);
+    let reply = serde_json::to_value(&r).unwrap();
+    let (synced, seen) = tokio::join!(finalizer::sync(&r, &ctx), serve(&mut server, &reply));
+    synced.unwrap();
+    assert_eq!((&seen.method, seen.path.as_str()), (&Method::PATCH, RESOURCE));
+    assert_eq!(seen.body, json!({"metadata": {"finalizers": ["other.io/keep"], "resourceVersion": "7"}}));
+}
+
+#[tokio::test]
+async fn a_finalizer_already_as_the_policy_wants_costs_no_request() {
+    let (ctx, mut server) = mocked();
+    let (has, hasnt) =
+        (resource(DeletionPolicy::Delete, &[finalizer::FINALIZER]), resource(DeletionPolicy::Retain, &[]));
+    let (synced, ()) = tokio::join!(
+        async { (finalizer::sync(&has, &ctx).await, finalizer::sync(&hasnt, &ctx).await) },
+        no_request(&mut server)
+    );
+    (synced.0.unwrap(), synced.1.unwrap());
+    assert_eq!(writes(&ctx, "finalizer"), 0);
+}
+
+fn status_with_lag(lag: i64) -> StreamConsumerGroupStatus {
+    serde_json::from_value(json!({"lag": lag, "pending": 2})).unwrap()
+}
+
+#[tokio::test]
+async fn a_changed_status_is_applied_once_by_its_own_field_manager() {
+    let (ctx, mut server) = mocked();
+    let r = resource(DeletionPolicy::Retain, &[]);
+    let new = status_with_lag(5);
+    let mut reply = r.clone();
+    reply.status = Some(new.clone());
+    let reply = serde_json::to_value(&reply).unwrap();
+    let (written, seen) = tokio::join!(status::write(&ctx, &r, new.clone()), serve(&mut server, &reply));
+    written.unwrap();
+    assert_eq!((&seen.method, seen.path.as_str()), (&Method::PATCH, format!("{RESOURCE}/status").as_str()));
+    assert_eq!(seen.content_type, "application/apply-patch+yaml");
+    assert!(seen.query.contains("fieldManager=streamfleet-status") && seen.query.contains("force=true"), "{seen:?}");
+    assert_eq!(
+        seen.body,
+        json!({"apiVersion": "streamfleet.io/v1alpha1", "kind": "StreamConsumerGroup", "status": {"lag": 5, "pending": 2}})
+    );
+    assert_eq!(writes(&ctx, "streamfleet-status"), 1);
+    // The next pass comes before the watch shows the write (same cached
+    // resourceVersion): nothing is written again.
+    // Once the cache shows it, an unchanged status is not written either.
+    let mut seen_by_cache = r.clone();
+    seen_by_cache.metadata.resource_version = Some("8".into());
+    seen_by_cache.status = Some(new.clone());
+    let (written, ()) = tokio::join!(
+        async { (status::write(&ctx, &r, new.clone()).await, status::write(&ctx, &seen_by_cache, new).await) },
+        no_request(&mut server)
+    );
+    (written.0.unwrap(), written.1.unwrap());
+    assert_eq!(writes(&ctx, "streamfleet-status"), 1);
+}
+
+#[tokio::test]
+async fn a_repeated_event_is_one_event_with_a_series_and_a_new_note_a_new_event() {
+    let (ctx, mut server) = mocked();
+    let r = resource(DeletionPolicy::Retain, &[]);
+    let event = |note: &str| PlannedEvent {
+        type_: EventType::Warning,
+        reason: "PayloadLost",
+        action: "Reconcile",
+        note: note.to_string(),
+    };
+    let created = serde_json::to_value(Event {
+        metadata: ObjectMeta { name: Some("orders.1".into()), namespace: Some("shop".into()), ..ObjectMeta::default() },
+        ..Event::default()
+    })
+    .unwrap();
+    let planned = event("2 payloads lost");
+    let (_, first) = tokio::join!(publish(&ctx, &r, &planned), serve(&mut server, &created));
+    assert_eq!((first.method, first.path.as_str()), (Method::POST, "/apis/events.k8s.io/v1/namespaces/shop/events"));
+    assert_eq!(
+        (&first.body["type"], &first.body["reason"], &first.body["note"], &first.body["regarding"]["name"]),
+        (&json!("Warning"), &json!("PayloadLost"), &json!("2 payloads lost"), &json!("orders"))
+    );
+    // The same reason and note again: the series of the Event just made.
+    let planned = event("2 payloads lost");
+    let (_, again) = tokio::join!(publish(&ctx, &r, &planned), serve(&mut server, &created));
+    assert_eq!(
+        (again.method, again.path.as_str()),
+        (Method::PATCH, "/apis/events.k8s.io/v1/namespaces/shop/events/orders.1")
+    );
+    assert_eq!(again.body["series"]["count"], json!(2));
+    // A new note is news: a new Event, not a count on the old one.
+    let planned = event("3 payloads lost");
+    let (_, news) = tokio::join!(publish(&ctx, &r, &planned), serve(&mut server, &created));
+    assert_eq!((news.method, news.body["note"].clone()), (Method::POST, json!("3 payloads lost")));
+    no_request(&mut server).await;
+}
