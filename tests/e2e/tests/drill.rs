@@ -6,11 +6,17 @@
 //! shares the group, Redis crashes and restarts from its AOF (`appendfsync
 //! always`), the kube-apiserver restarts, the leading operator is SIGKILLed,
 //! and an outside `XTRIM` deletes the payloads of entries pending in a
-//! vanished consumer's hands. At the end the set of charged orders is the
-//! set produced minus the poison minus exactly the orders reported
-//! payload-lost; no order is charged twice and no repeat got past a live
-//! first charger; every entry is acked or dead-lettered; and every injected
-//! fault is shown to have happened.
+//! vanished consumer's hands. Handlers stall up to 0.8 × min-idle-time, so
+//! the hold is what keeps a second holder off. One order kills whichever
+//! worker runs it, every time (a crash-looping deploy). At the end the set
+//! of charged orders is the set produced minus the poison, minus exactly the
+//! orders reported payload-lost, minus the killer, which is a
+//! `crashed-worker` dead letter after exactly the crash limit's deaths; no
+//! order is charged twice and no repeat got past a live first charger (a
+//! repeat is excused only by a death of the first charger, timed between
+//! its charge and the repeat); every entry is acked or dead-lettered; and
+//! every injected fault is shown to have happened. The figures go to
+//! `target/figures/drill*.json` (`docs/benchmarks.md#the-fault-drill`).
 //!
 //! By hand (the full-size drill):
 //! `DRILL_ORDERS=100000 DRILL_SECONDS=300 cargo test -p streamfleet-e2e --test drill -- --nocapture crash_drill_every`
@@ -33,8 +39,22 @@ use streamfleet_streams::deadletter as dl;
 use streamfleet_testbed::eventually;
 
 const MIN_IDLE_MS: u64 = 3000;
+const MAX_DELIVERIES: u32 = 4;
+const BATCH_SIZE: u32 = 50;
+/// Chance of a simulated gateway timeout per charge.
+const TRANSIENT_PERCENT: u32 = 3;
+/// Chance of a stall per charge.
+const STALL_PERCENT: f64 = 0.3;
 /// Pending entries whose payloads the outside trim deletes.
 const TRIMMED: usize = 25;
+/// A stall after the charge, before the ack: 0.8 × min-idle-time, so an
+/// entry read with its batch and stalled late in it is idle past
+/// min-idle-time unless its holder renews it.
+const STALL_MS: u64 = MIN_IDLE_MS * 4 / 5;
+/// The deaths after which an entry that kills its worker is dead-lettered
+/// `crashed-worker`: the worker's crash limit, 3, or maxDeliveries if lower
+/// (`docs/delivery-guarantees.md`).
+const CRASH_LIMIT: usize = if MAX_DELIVERIES < 3 { MAX_DELIVERIES as usize } else { 3 };
 
 /// What a drill injects.
 struct Plan {
@@ -54,7 +74,7 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 
 fn pipeline(plan: &Plan) -> String {
     let spec = format!(
-        "  startId: \"0\"\n  scaling: {{minReplicas: {n}, maxReplicas: {n}, pollIntervalSeconds: 2}}\n  recovery: {{minIdleTimeMs: {MIN_IDLE_MS}, maxDeliveries: 4, batchSize: 50}}",
+        "  startId: \"0\"\n  scaling: {{minReplicas: {n}, maxReplicas: {n}, pollIntervalSeconds: 2}}\n  recovery: {{minIdleTimeMs: {MIN_IDLE_MS}, maxDeliveries: {MAX_DELIVERIES}, batchSize: {BATCH_SIZE}}}",
         n = plan.workers
     );
     manifest(
@@ -63,10 +83,10 @@ fn pipeline(plan: &Plan) -> String {
         "billing",
         "streamfleet/example-worker",
         &[
-            ("EXAMPLE_TRANSIENT_PERCENT", "3"),
-            // Stalls of 2 s after the charge, before the ack: the aimed kills' targets.
-            ("EXAMPLE_STALL_PERCENT", "0.3"),
-            ("EXAMPLE_STALL_MS", "2000"),
+            ("EXAMPLE_TRANSIENT_PERCENT", &TRANSIENT_PERCENT.to_string()),
+            // Stalls after the charge, before the ack: the aimed kills' targets.
+            ("EXAMPLE_STALL_PERCENT", &STALL_PERCENT.to_string()),
+            ("EXAMPLE_STALL_MS", &STALL_MS.to_string()),
             ("EXAMPLE_GUARD", if plan.guard { "on" } else { "off" }),
         ],
         &spec,
@@ -81,7 +101,7 @@ fn slow_worker(redis_url: &str, guard: bool) -> Result<Deployment> {
         ("STREAMFLEET_STREAMS", "orders".into()),
         ("STREAMFLEET_GROUP", "billing".into()),
         ("STREAMFLEET_MIN_IDLE_MS", MIN_IDLE_MS.to_string()),
-        ("STREAMFLEET_MAX_DELIVERIES", "4".into()),
+        ("STREAMFLEET_MAX_DELIVERIES", MAX_DELIVERIES.to_string()),
         ("STREAMFLEET_DEAD_LETTER_STREAM", "{orders}:dead".into()),
         ("STREAMFLEET_BATCH_SIZE", "2".into()),
         ("EXAMPLE_HANDLER_MS", "400".into()),
@@ -120,16 +140,21 @@ async fn crash_drill_without_the_guard_the_handlers_idempotency_holds_alone() ->
     drill("e2e-drill-noguard", plan).await
 }
 
-/// Produces orders `range` (1% poison) in batches; returns (entry ID, order) per order.
+/// Produces orders `range` (1% poison; `killer`, if in range, kills each
+/// worker that runs it) in batches; returns (entry ID, order) per order.
 async fn produce(
     conn: &mut redis::aio::MultiplexedConnection,
     range: std::ops::Range<usize>,
+    killer: usize,
 ) -> Result<Vec<(String, usize)>> {
     let mut pipe = redis::pipe();
     for i in range.clone() {
         pipe.cmd("XADD").arg("orders").arg("*").arg("order_id").arg(i).arg("amount_cents").arg(100 + i);
         if i % 100 == 42 {
             pipe.arg("poison").arg("1");
+        }
+        if i == killer {
+            pipe.arg("crash").arg("1");
         }
     }
     let ids: Vec<String> = pipe.query_async(conn).await?;
@@ -252,6 +277,7 @@ async fn run_id(conn: &mut redis::aio::MultiplexedConnection) -> Result<String> 
 async fn drill(namespace: &str, plan: Plan) -> Result<()> {
     let _one = ONE_AT_A_TIME.lock().await;
     let orders: usize = std::env::var("DRILL_ORDERS").ok().and_then(|v| v.parse().ok()).unwrap_or(10_000);
+    let orders_asked = orders;
     let seconds: u64 = std::env::var("DRILL_SECONDS").ok().and_then(|v| v.parse().ok()).unwrap_or(60);
     let helm: &[&str] = if plan.infrastructure { &["--set", "replicaCount=2"] } else { &[] };
     let mut f = Fixture::start_with_redis(namespace, helm, &["--appendonly", "yes", "--appendfsync", "always"]).await?;
@@ -263,7 +289,10 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
     // then an outside trim deletes exactly those pending entries' payloads.
     let started = Instant::now();
     let first = orders.min(1000);
-    let mut produced = produce(&mut conn, 0..first).await?;
+    // Mid-run, while the faults land: the order that kills its worker.
+    let killer = (orders / 2 / 100 * 100 + 17).max(first + 17);
+    anyhow::ensure!(killer < orders, "DRILL_ORDERS {orders}: too few for the killer order");
+    let mut produced = produce(&mut conn, 0..first, usize::MAX).await?;
     let opts = redis::streams::StreamReadOptions::default().group("billing", "vanished").count(TRIMMED);
     let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
     let trimmed: u64 =
@@ -292,7 +321,7 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
                 let end = (next + 100).min(orders);
                 let _producing = producing.lock().await;
                 let mut c = redis::Client::open(url.as_str())?.get_multiplexed_async_connection().await?;
-                out.extend(produce(&mut c, next..end).await?);
+                out.extend(produce(&mut c, next..end, killer).await?);
                 drop(_producing);
                 next = end;
                 tokio::time::sleep(pause).await;
@@ -325,7 +354,8 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
             // over and the backlog drained, more orders make more targets.
             if step >= schedule.len() && producer.is_finished() {
                 let _producing = producing.lock().await;
-                top_ups.extend(produce(&mut conn, orders + top_ups.len()..orders + top_ups.len() + 500).await?);
+                let more = orders + top_ups.len()..orders + top_ups.len() + 500;
+                top_ups.extend(produce(&mut conn, more, usize::MAX).await?);
             }
             if let Some((consumer, order, landed)) = aimed_kill(&client, &ns, &mut conn, &mut stalls_seen).await? {
                 observed.killed_consumers.push((consumer.clone(), unix_ms()));
@@ -414,16 +444,17 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
     let orders = produced.len();
     let poison: Vec<String> = produced.iter().filter(|(_, i)| i % 100 == 42).map(|(_, i)| i.to_string()).collect();
 
-    let expected = orders - poison.len() - TRIMMED;
+    let expected = orders - poison.len() - TRIMMED - 1;
     let settled = eventually("every order settled", Duration::from_secs(900), || async {
         let mut c = f.redis.connection().await?;
         let charged: usize = c.hlen("{ledger}:charges").await?;
         let dead: usize = c.xlen("{orders}:dead").await?;
         let dead = dead.saturating_sub(TRIMMED);
         let pending: redis::streams::StreamPendingReply = c.xpending("orders", "billing").await?;
-        Ok((charged == expected && dead == poison.len() && pending.count() == 0).then_some(()))
+        Ok((charged == expected && dead == poison.len() + 1 && pending.count() == 0).then_some(()))
     })
     .await;
+    let settled_in = started.elapsed();
     let mut conn = f.redis.connection().await?;
     // Whole ledgers of 100,000 orders come back in one reply.
     conn.set_response_timeout(Duration::from_secs(120));
@@ -440,6 +471,7 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
     let letters: redis::streams::StreamRangeReply = conn.xrange_all("{orders}:dead").await?;
     let mut dead_keys = Vec::new();
     let mut lost_keys = Vec::new();
+    let mut crashed_keys = Vec::new();
     for e in letters.ids {
         let f: HashMap<String, String> = streamfleet_streams::entry::fields_from_map(e.map)
             .into_iter()
@@ -451,6 +483,11 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
         if f[dl::F_REASON] == "payload-missing" {
             let order = lost.get(&f[dl::F_SOURCE_ID]).unwrap_or_else(|| panic!("{f:?} reported lost, never trimmed"));
             lost_keys.push(order.to_string());
+            continue;
+        }
+        if f[dl::F_REASON] == "crashed-worker" {
+            assert_eq!((f["crash"].as_str(), &f[dl::F_BUSINESS_KEY]), ("1", &f["order_id"]), "{f:?}");
+            crashed_keys.push(f["order_id"].clone());
             continue;
         }
         assert_eq!(f[dl::F_REASON], "permanent", "{f:?}");
@@ -467,8 +504,19 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
     poison_sorted.sort();
     dead_keys.sort();
     assert_eq!(dead_keys, poison_sorted, "each poison order is a dead letter, once");
-    let expected_set: std::collections::BTreeSet<String> =
-        produced.iter().map(|(_, i)| i.to_string()).filter(|o| !poison.contains(o) && !lost_keys.contains(o)).collect();
+    // The killer alone is quarantined, after exactly the crash limit's deaths.
+    assert_eq!(crashed_keys, [killer.to_string()], "the order that kills its worker is a crashed-worker letter, alone");
+    let aborts: Vec<String> = conn.lrange("{ledger}:aborts", 0, -1).await?;
+    assert_eq!(aborts.len(), CRASH_LIMIT, "deaths caused by the killer order: {aborts:?}");
+    for death in &aborts {
+        let (consumer, at) = death.split_once(' ').expect("<consumer> <ms>");
+        observed.killed_consumers.push((consumer.to_string(), at.parse()?));
+    }
+    let expected_set: std::collections::BTreeSet<String> = produced
+        .iter()
+        .map(|(_, i)| i.to_string())
+        .filter(|o| !poison.contains(o) && !lost_keys.contains(o) && *o != killer.to_string())
+        .collect();
     let charged_set: std::collections::BTreeSet<String> = ledger.keys().cloned().collect();
     assert_eq!(charged_set, expected_set, "charged = produced - poison - payload-lost");
     for (_, i) in produced.iter().filter(|(_, i)| expected_set.contains(&i.to_string())) {
@@ -534,12 +582,12 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
          leading operator SIGKILLed: {}; transient failures: {}; charged by the slow worker: {slow_charges}; duplicate \
          deliveries absorbed: {absorbed} (guard suppressed {}, ledger refused {}, of which by the first charger's own consumer \
          name, a retry after a lost reply or its restarted process: {}; of charges in flight at the Redis crash: {crash_repeats}); \
-         duplicate effects: {}",
+         deaths caused by the killer order before its crashed-worker letter: {}; duplicate effects: {}",
         if plan.guard { "on" } else { "off" },
         poison.len(),
         lost_keys.len(),
         lost_keys.join(","),
-        started.elapsed(),
+        settled_in,
         observed.random_kills,
         observed.aimed_landed.len(),
         observed.aimed_missed,
@@ -550,6 +598,7 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
         suppressed.unwrap_or(0),
         refused.values().sum::<u64>(),
         own_retries.values().sum::<u64>(),
+        aborts.len(),
         duplicate_effects.len()
     );
     // Every fault happened.
@@ -566,5 +615,57 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
     assert!(transient * 100 >= expected as u64, "transient failures {transient} for {expected} charges: under 1%");
     assert!(slow_charges > 0, "the slow worker took no part");
     assert!(absorbed > 0, "the drill caused no redelivery at all");
+
+    // The figures of a drill that passed.
+    let name = match (orders_asked, plan.guard) {
+        (10_000, true) => "drill".to_string(),
+        (10_000, false) => "drill-noguard".to_string(),
+        (n, guard) => format!("drill-{n}{}", if guard { "" } else { "-noguard" }),
+    };
+    let row = |what: &str, n: String| serde_json::json!([what, n]);
+    let rows = vec![
+        row("orders produced (1% poison)", orders.to_string()),
+        row("worker SIGKILLs, random", observed.random_kills.to_string()),
+        row(
+            "worker SIGKILLs aimed between a charge and its ack, shown to land there",
+            observed.aimed_landed.len().to_string(),
+        ),
+        row(
+            "deaths caused by the order that kills its worker (then a crashed-worker letter, alone)",
+            aborts.len().to_string(),
+        ),
+        row("Redis crash-restarts from its AOF", usize::from(observed.redis_restart.is_some()).to_string()),
+        row("kube-apiserver restarts", usize::from(observed.apiserver_restart.is_some()).to_string()),
+        row("leading operator SIGKILLed", usize::from(observed.leader_killed.is_some()).to_string()),
+        row("transient gateway failures", transient.to_string()),
+        row("payloads trimmed under a vanished consumer, reported payload-missing", lost_keys.len().to_string()),
+        row("charged by the slow but live worker", slow_charges.to_string()),
+        row("duplicate deliveries absorbed (guard or ledger)", absorbed.to_string()),
+        row("repeats of charges in flight at the Redis crash", crash_repeats.to_string()),
+        row("duplicate effects", duplicate_effects.len().to_string()),
+        row("seconds from the first order to every order settled", format!("{:.1}", settled_in.as_secs_f64())),
+    ];
+    streamfleet_testbed::write_figure(
+        &name,
+        &serde_json::json!({
+            "what": format!(
+                "The fault drill (guard {}): orders through the example pipeline while the faults below are injected, each shown to have happened",
+                if plan.guard { "on" } else { "off" }
+            ),
+            "settings": {
+                "orders": orders_asked, "productionSeconds": seconds, "workers": plan.workers,
+                "guard": plan.guard, "minIdleTimeMs": MIN_IDLE_MS, "maxDeliveries": MAX_DELIVERIES,
+                "batchSize": BATCH_SIZE, "stallMs": STALL_MS, "stallPercent": STALL_PERCENT,
+                "transientPercent": TRANSIENT_PERCENT,
+            },
+            "columns": ["injected or observed", "count"],
+            "rows": rows,
+            "summary": format!(
+                "{orders} orders settled in {:.0} s: every order charged once or dead-lettered, duplicate effects {}.",
+                settled_in.as_secs_f64(),
+                duplicate_effects.len()
+            ),
+        }),
+    )?;
     Ok(())
 }

@@ -33,7 +33,13 @@
 //!   and off), counting each attempt.
 //!
 //! Entries with `poison=1` are refused (permanent failure → dead letter);
-//! entries without a numeric `amount_cents` are malformed.
+//! entries without a numeric `amount_cents` are malformed. An entry with
+//! `crash=1` kills the process whenever its handler starts, before any
+//! charge (a payload that runs the worker out of memory, say): each death
+//! is timed first in the list `{ledger}:aborts` as `<consumer> <Unix ms>`,
+//! so a drill can show that the entry ends a `crashed-worker` dead letter
+//! alone after the crash limit, and excuse its batch-mates' repeats only
+//! after a death it can time.
 
 use rand::Rng as _;
 use std::time::Duration;
@@ -98,6 +104,11 @@ struct Orders {
     handler_time: Duration,
 }
 
+/// Now, in Unix milliseconds.
+fn unix_ms() -> u128 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis())
+}
+
 fn percent(name: &str) -> f64 {
     std::env::var(name).ok().and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0).clamp(0.0, 100.0)
 }
@@ -130,6 +141,13 @@ impl Handler for Orders {
         };
         if entry.field_str("poison") == Some("1") {
             return Outcome::Permanent(format!("order {order}: card declined"));
+        }
+        if entry.field_str("crash") == Some("1") {
+            tracing::error!(order, "an order that kills the worker: aborting");
+            let death = format!("{} {}", self.consumer, unix_ms());
+            let _: redis::RedisResult<i64> =
+                redis::cmd("RPUSH").arg("{ledger}:aborts").arg(death).query_async(&mut self.ledger.clone()).await;
+            std::process::abort();
         }
         if !self.handler_time.is_zero() {
             tokio::time::sleep(self.handler_time).await;
