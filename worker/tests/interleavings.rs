@@ -88,6 +88,25 @@ async fn entries_queued_behind_slow_handlers_are_held_not_claimed() -> Result<()
     Ok(())
 }
 
+/// At failpoint `point`, once: entry `id` is claimed for consumer "thief",
+/// as a claim after a long pause would. Returns whether it has happened.
+fn claim_away_at(point: &str, server: &streamfleet_testbed::RedisServer, id: &str) -> Arc<AtomicBool> {
+    let (url, id) = (server.url(), id.to_string());
+    let (claimed, fired) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+    let seen = fired.clone();
+    fail::cfg_callback(point, move || {
+        if claimed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let mut sync = redis::Client::open(url.as_str()).unwrap().get_connection().unwrap();
+        let _: redis::Value =
+            redis::cmd("XCLAIM").arg("orders").arg("g").arg("thief").arg(0).arg(&id).query(&mut sync).unwrap();
+        seen.store(true, Ordering::SeqCst);
+    })
+    .unwrap();
+    fired
+}
+
 /// Failpoint: `worker::before-commit` (a callback claims the entry for
 /// another consumer, as a claim after a long pause would). The first
 /// consumer's commit writes the completion (its effect happened) but does
@@ -97,17 +116,7 @@ async fn an_entry_claimed_away_before_its_commit_is_not_acked_by_the_old_holder(
     let scenario = fail::FailScenario::setup();
     let (server, mut conn) = setup().await?;
     let id = add(&mut conn, &[("kind", "ok"), ("key", "k1")]).await?;
-    let url = server.url();
-    let (claim_id, once) = (id.clone(), Arc::new(AtomicBool::new(false)));
-    fail::cfg_callback("worker::before-commit", move || {
-        if once.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        let mut sync = redis::Client::open(url.as_str()).unwrap().get_connection().unwrap();
-        let _: redis::Value =
-            redis::cmd("XCLAIM").arg("orders").arg("g").arg("thief").arg(0).arg(&claim_id).query(&mut sync).unwrap();
-    })
-    .unwrap();
+    claim_away_at("worker::before-commit", &server, &id);
     let handler = Scripted::default();
     let worker =
         Worker::new(config(&server, "c1", 10_000, 5), handler.clone()).with_idempotency_guard(Duration::from_secs(600));
@@ -136,18 +145,7 @@ async fn an_entry_claimed_away_before_its_start_is_not_run_by_the_old_holder() -
     let scenario = fail::FailScenario::setup();
     let (server, mut conn) = setup().await?;
     let id = add(&mut conn, &[("kind", "ok"), ("key", "k1")]).await?;
-    let url = server.url();
-    let (claim_id, claimed) = (id.clone(), Arc::new(AtomicBool::new(false)));
-    let fired = claimed.clone();
-    fail::cfg_callback("worker::before-start", move || {
-        if claimed.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        let mut sync = redis::Client::open(url.as_str()).unwrap().get_connection().unwrap();
-        let _: redis::Value =
-            redis::cmd("XCLAIM").arg("orders").arg("g").arg("thief").arg(0).arg(&claim_id).query(&mut sync).unwrap();
-    })
-    .unwrap();
+    let fired = claim_away_at("worker::before-start", &server, &id);
     let handler = Scripted::default();
     let (stop, run) = spawn(Worker::new(config(&server, "c1", 10_000, 5), handler.clone()));
     eventually("claimed away before the start", T, || async { Ok(fired.load(Ordering::SeqCst).then_some(())) }).await?;

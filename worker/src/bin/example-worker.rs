@@ -36,7 +36,8 @@
 //! entries without a numeric `amount_cents` are malformed. An entry with
 //! `crash=1` kills the process whenever its handler starts, before any
 //! charge (a payload that runs the worker out of memory, say): each death
-//! is timed first in the list `{ledger}:aborts` as `<consumer> <Unix ms>`,
+//! is timed first in the list `{ledger}:aborts` as `<consumer> <Unix ms>`
+//! (after the process's charges in flight, on Redis's clock),
 //! so a drill can show that the entry ends a `crashed-worker` dead letter
 //! alone after the crash limit, and excuse its batch-mates' repeats only
 //! after a death it can time.
@@ -104,10 +105,19 @@ struct Orders {
     handler_time: Duration,
 }
 
-/// Now, in Unix milliseconds.
-fn unix_ms() -> u128 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis())
-}
+/// Charges in flight (read) against a death (write): a process that kills
+/// itself waits for its charges in flight, and starts no new one.
+static CHARGING: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
+/// A death, timed by Redis's clock as the charges are: KEYS: the deaths
+/// list; ARGV: the consumer.
+static DEATH: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(
+        r"
+        local now = redis.call('TIME')
+        return redis.call('RPUSH', KEYS[1], ARGV[1] .. ' ' .. (now[1] * 1000 + math.floor(now[2] / 1000)))",
+    )
+});
 
 fn percent(name: &str) -> f64 {
     std::env::var(name).ok().and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0).clamp(0.0, 100.0)
@@ -144,9 +154,11 @@ impl Handler for Orders {
         }
         if entry.field_str("crash") == Some("1") {
             tracing::error!(order, "an order that kills the worker: aborting");
-            let death = format!("{} {}", self.consumer, unix_ms());
+            // No charge of this process is in flight from here on, so every
+            // charge it made is timed (by the same Redis clock) before its death.
+            let _dying = CHARGING.write().await;
             let _: redis::RedisResult<i64> =
-                redis::cmd("RPUSH").arg("{ledger}:aborts").arg(death).query_async(&mut self.ledger.clone()).await;
+                DEATH.key("{ledger}:aborts").arg(&self.consumer).invoke_async(&mut self.ledger.clone()).await;
             std::process::abort();
         }
         if !self.handler_time.is_zero() {
@@ -159,6 +171,7 @@ impl Handler for Orders {
         }
         // The guard's fencing token goes downstream with the charge.
         let fence = streamfleet_worker::current_delivery().and_then(|d| d.fence).unwrap_or(0);
+        let charging = CHARGING.read().await;
         let charged: redis::RedisResult<i64> = CHARGE
             .key("{ledger}:charges")
             .key("{ledger}:charged-by")
@@ -176,6 +189,7 @@ impl Handler for Orders {
             .arg(fence)
             .invoke_async(&mut ledger)
             .await;
+        drop(charging);
         match charged {
             // Charged now, or refused as a second charge (the effect already
             // happened, so this delivery is done too).
