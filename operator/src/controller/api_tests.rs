@@ -116,7 +116,8 @@ async fn a_finalizer_already_as_the_policy_wants_costs_no_request() {
         async { (finalizer::sync(&has, &ctx).await, finalizer::sync(&hasnt, &ctx).await) },
         no_request(&mut server)
     );
-    (synced.0.unwrap(), synced.1.unwrap());
+    synced.0.unwrap();
+    synced.1.unwrap();
     assert_eq!(writes(&ctx, "finalizer"), 0);
 }
 
@@ -152,7 +153,8 @@ async fn a_changed_status_is_applied_once_by_its_own_field_manager() {
         async { (status::write(&ctx, &r, new.clone()).await, status::write(&ctx, &seen_by_cache, new).await) },
         no_request(&mut server)
     );
-    (written.0.unwrap(), written.1.unwrap());
+    written.0.unwrap();
+    written.1.unwrap();
     assert_eq!(writes(&ctx, "streamfleet-status"), 1);
 }
 
