@@ -82,7 +82,8 @@ pub async fn record_start<C: ConnectionLike + Send>(
 /// script: a holder whose hold lapsed never leaves a record for an entry
 /// that has left the PEL (where nothing would ever delete it) or that
 /// another consumer now runs. KEYS: the stream, the entry-record hash.
-/// ARGV: group, consumer, ID, value. Returns 1 written, 0 not held.
+/// ARGV: group, consumer, ID, its [`run_field`], value. Returns 1 written,
+/// 0 not held.
 static RECORD_RUN: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         r"
@@ -90,7 +91,7 @@ static RECORD_RUN: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new
         if #held == 0 then
             return 0
         end
-        redis.call('HSET', KEYS[2], ARGV[3] .. ':run', ARGV[4])
+        redis.call('HSET', KEYS[2], ARGV[4], ARGV[5])
         return 1",
     )
 });
@@ -109,6 +110,7 @@ async fn record_run<C: ConnectionLike + Send>(
         .arg(group)
         .arg(consumer)
         .arg(&entry.id)
+        .arg(run_field(&entry.id))
         .arg(value)
         .invoke_async(conn)
         .await
