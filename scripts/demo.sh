@@ -68,7 +68,7 @@ kubectl -n shop get pods -l app.kubernetes.io/component=worker -o name | head -1
   | xargs -r kubectl -n shop delete --grace-period=0 --force > /dev/null 2>&1 || true
 for _ in $(seq 1 120); do
   charged=$(rcli HLEN '{ledger}:charges')
-  dead=$(rcli XLEN '{orders}:dead')
+  dead=$(rcli XLEN '{orders}:dead:billing')
   pending=$(rcli XPENDING orders billing | head -1)
   [ "$charged" = "$orders" ] && [ "$dead" = "4" ] && [ "$pending" = "0" ] && break
   sleep 1
@@ -82,7 +82,7 @@ say "kubectl get scg -n shop"
 kubectl -n shop get scg
 kubectl -n shop get deploy,cronjob,pods
 say "Dead letters (reason and error of each)"
-rcli --no-raw XRANGE '{orders}:dead' - + | grep -A1 -E '"streamfleet\.(reason|error|business-key)"' | grep -v -- '--' | paste - - | head -12
+rcli --no-raw XRANGE '{orders}:dead:billing' - + | grep -A1 -E '"streamfleet\.(reason|error|business-key)"' | grep -v -- '--' | paste - - | head -12
 say "Ledger: every order charged exactly once?"
 echo "orders charged: $(rcli HLEN '{ledger}:charges') of $total; duplicate charges refused by the ledger: $(rcli HLEN '{ledger}:duplicates')"
 say "Events"

@@ -61,7 +61,7 @@ pub struct StreamConsumerGroupSpec {
     /// Cluster the shards land in different slots; a producer sends each
     /// entry to its business key's shard (`docs/sharding.md`). May grow,
     /// never shrink. With more than one shard the stream name carries no hash
-    /// tag and each shard dead-letters into its own `{<shard>}:dead`.
+    /// tag and each shard dead-letters into its own `{<shard>}:dead:<group>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 64))]
     pub shards: Option<i32>,
@@ -325,10 +325,12 @@ pub struct RecoverySpec {
     #[schemars(range(min = 1, max = 10000))]
     pub batch_size: i32,
 
-    /// The dead-letter stream. Defaults to `{<stream>}:dead` (or `<stream>:dead`
-    /// when the stream key has a hash tag), which shares the stream's Redis
-    /// Cluster slot so an entry is dead-lettered atomically with its ack. An
-    /// explicit name on a cluster must carry the stream's hash tag.
+    /// The dead-letter stream. Defaults to the group's own
+    /// `{<stream>}:dead:<group>` (or `<stream>:dead:<group>` when the stream
+    /// key has a hash tag), so two groups on one stream keep their letters,
+    /// caps and counts apart; it shares the stream's Redis Cluster slot so an
+    /// entry is dead-lettered atomically with its ack. An explicit name on a
+    /// cluster must carry the stream's hash tag.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 256))]
     pub dead_letter_stream: Option<String>,

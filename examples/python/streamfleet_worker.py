@@ -277,7 +277,7 @@ class Worker:
         dead = env.get("STREAMFLEET_DEAD_LETTER_STREAM")
         if dead in self.streams:
             sys.exit(f"STREAMFLEET_DEAD_LETTER_STREAM {dead!r} is one of STREAMFLEET_STREAMS: refusing to start")
-        self.dead_letter_stream = {s: (dead if (dead and s == self.streams[0]) else companion(s, "dead"))
+        self.dead_letter_stream = {s: (dead if (dead and s == self.streams[0]) else companion(s, f"dead:{self.group}"))
                                    for s in self.streams}
         self.ledger = env.get("EXAMPLE_LEDGER", "ledger")
         self.handler_s = int(env.get("EXAMPLE_HANDLER_MS", "0")) / 1000

@@ -88,13 +88,13 @@ fn owned_meta(scg: &StreamConsumerGroup, name: String, component: &str) -> Resul
     })
 }
 
-/// The dead-letter stream: explicit, or the stream's slot-sharing default.
+/// The dead-letter stream: explicit, or the group's slot-sharing default.
 pub fn dead_letter_stream(scg: &StreamConsumerGroup) -> String {
     scg.spec
         .recovery
         .dead_letter_stream
         .clone()
-        .unwrap_or_else(|| streamfleet_streams::keys::dead_letter_stream(&scg.spec.stream))
+        .unwrap_or_else(|| streamfleet_streams::keys::dead_letter_stream(&scg.spec.stream, &scg.spec.group))
 }
 
 /// Every shard's stream key (`spec.shards`, default 1: the stream itself).
@@ -480,7 +480,7 @@ mod tests {
         assert_eq!(env["OWN"].value.as_deref(), Some("1"));
         assert_eq!(env[env::GROUP].value.as_deref(), Some("billing"), "the contract wins over the user's value");
         assert_eq!(env[env::STREAMS].value.as_deref(), Some("orders"));
-        assert_eq!(env[env::DEAD_LETTER_STREAM].value.as_deref(), Some("{orders}:dead"));
+        assert_eq!(env[env::DEAD_LETTER_STREAM].value.as_deref(), Some("{orders}:dead:billing"));
         assert_eq!(env[env::MODE].value.as_deref(), Some("consume"));
         let url = env[env::REDIS_URL].value_from.as_ref().unwrap().secret_key_ref.as_ref().unwrap();
         assert_eq!((url.name.as_str(), url.key.as_str()), ("redis", "url"));

@@ -57,13 +57,13 @@ pub enum ConfigError {
 
 impl WorkerConfig {
     /// Where `stream`'s dead letters go: the configured dead-letter stream,
-    /// or, when none is set, the stream's own `{<stream>}:dead`, which shares
-    /// its Redis Cluster slot (so every shard dead-letters atomically).
+    /// or, when none is set, the group's own `{<stream>}:dead:<group>`, which
+    /// shares the stream's Redis Cluster slot (so every shard dead-letters atomically).
     pub fn dead_letter_stream_of(&self, stream: &str) -> String {
         if self.dead_letter_stream_set {
             self.dead_letter_stream.clone()
         } else {
-            crate::keys::dead_letter_stream(stream)
+            crate::keys::dead_letter_stream(stream, &self.group)
         }
     }
 
@@ -112,9 +112,10 @@ impl WorkerConfig {
                 });
             }
         };
+        let group = required(env::GROUP)?;
         let dead_letter_stream_set = get(env::DEAD_LETTER_STREAM).is_some();
         let dead_letter_stream =
-            get(env::DEAD_LETTER_STREAM).unwrap_or_else(|| crate::keys::dead_letter_stream(&first));
+            get(env::DEAD_LETTER_STREAM).unwrap_or_else(|| crate::keys::dead_letter_stream(&first, &group));
         if streams.contains(&dead_letter_stream) {
             // Dead letters would be read again, failed again and re-added: a loop.
             return Err(ConfigError::Invalid {
@@ -129,7 +130,7 @@ impl WorkerConfig {
                 mode,
                 ca_pem: get(env::REDIS_CA_PEM).map(String::into_bytes),
             },
-            group: required(env::GROUP)?,
+            group,
             consumer: required(env::CONSUMER)?,
             min_idle,
             max_deliveries,
@@ -224,7 +225,9 @@ mod tests {
         // The defaults ride out an hour's outage.
         assert!(retry.horizon(c.max_deliveries) >= Duration::from_secs(3600), "{:?}", retry.horizon(c.max_deliveries));
         assert_eq!(c.min_idle, Duration::from_secs(60));
-        assert_eq!(c.dead_letter_stream, "{orders}:dead");
+        // The group's own, beside its stream: another group on `orders` has another.
+        assert_eq!(c.dead_letter_stream, "{orders}:dead:billing");
+        assert_eq!(c.dead_letter_stream_of("refunds"), "{refunds}:dead:billing");
         assert_eq!(c.mode, RunMode::Consume);
         assert_eq!(c.endpoint.mode, Mode::Standalone);
     }

@@ -5,7 +5,8 @@
 use crate::error::StreamError;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, Pipeline, RedisFuture, Value};
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+use redis::{Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, ServerErrorKind, Value};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,6 +14,12 @@ use tokio::sync::Mutex;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often a cluster command the server refused unrun is sent again, and
+/// the pause before the first resend after a refusal without a redirect
+/// (doubling): long enough for a failover to finish or the client to
+/// rebuild its slot map.
+const CLUSTER_RESENDS: u32 = 4;
+const CLUSTER_RESEND_PAUSE: Duration = Duration::from_millis(100);
 
 /// Standalone server or Redis Cluster.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -83,10 +90,15 @@ impl StreamConnection {
                 Ok(Self::Standalone(manager))
             }
             Mode::Cluster => {
+                // No retries by the client: it re-sends after a dropped
+                // connection or a timeout too, when the command may have
+                // run, and a read, a claim or a fence counter run twice is
+                // not the same as once. [`refused_unrun`] says what is
+                // sent again, and how (`cluster_command`).
                 let mut builder = redis::cluster::ClusterClientBuilder::new(vec![endpoint.url.as_str()])
                     .connection_timeout(CONNECT_TIMEOUT)
                     .response_timeout(response_timeout)
-                    .retries(2);
+                    .retries(0);
                 if endpoint.ca_pem.is_some() {
                     builder = builder.certs(certs());
                 }
@@ -105,11 +117,122 @@ fn timeout_error() -> redis::RedisError {
     redis::RedisError::from(std::io::Error::new(std::io::ErrorKind::TimedOut, "connection timed out"))
 }
 
+/// What to do with a cluster command the server (or the cluster client,
+/// before sending) refused without running it.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Refused {
+    /// `MOVED`: send it to the slot's master the server named.
+    MovedTo { host: String, port: u16 },
+    /// `ASK`: the slot is migrating and the key is not here: send it to
+    /// the node named, preceded by `ASKING`.
+    AskAt { host: String, port: u16 },
+    /// `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `LOADING`, `READONLY` (a
+    /// demoted master), or no connection to the slot's node: send it again
+    /// after a pause, by the slot map the client rebuilds meanwhile.
+    Again,
+}
+
+/// Whether and how `e`'s command is sent again: only when the cluster
+/// refused it unrun. A dropped connection or a timeout is never re-sent: the
+/// command may have run, and a read, a claim or a counter run twice is not
+/// the same as once.
+pub fn refused_unrun(e: &RedisError) -> Option<Refused> {
+    let redirect = || {
+        let (addr, _slot) = e.redirect_node()?;
+        let (host, port) = addr.rsplit_once(':')?;
+        Some((host.trim_matches(['[', ']']).to_string(), port.parse().ok()?))
+    };
+    match e.kind() {
+        ErrorKind::Server(ServerErrorKind::Moved) => redirect().map(|(host, port)| Refused::MovedTo { host, port }),
+        ErrorKind::Server(ServerErrorKind::Ask) => redirect().map(|(host, port)| Refused::AskAt { host, port }),
+        ErrorKind::Server(
+            ServerErrorKind::TryAgain
+            | ServerErrorKind::ClusterDown
+            | ServerErrorKind::MasterDown
+            | ServerErrorKind::BusyLoading
+            | ServerErrorKind::ReadOnly,
+        )
+        | ErrorKind::ClusterConnectionNotFound => Some(Refused::Again),
+        _ => None,
+    }
+}
+
+fn to_node(host: String, port: u16) -> SingleNodeRoutingInfo {
+    SingleNodeRoutingInfo::ByAddress { host, port }
+}
+
+/// `ASKING` on the connection to the node an `ASK` named, as the cluster
+/// client does it: the next command there (ours, or `MULTI` and the
+/// transaction it opens) may then use the importing slot. Its own refusal
+/// (an ACL without `+asking`) is the caller's error.
+async fn asking(c: &mut ClusterConnection, host: &str, port: u16) -> redis::RedisResult<()> {
+    let node = RoutingInfo::SingleNode(to_node(host.to_string(), port));
+    c.route_command(redis::cmd("ASKING"), node).await?.extract_error().map(drop)
+}
+
+/// One command on the cluster, sent again while the cluster refuses it
+/// unrun ([`refused_unrun`]), at most [`CLUSTER_RESENDS`] times.
+async fn cluster_command(c: &mut ClusterConnection, cmd: &Cmd) -> redis::RedisResult<Value> {
+    let mut sent = c.req_packed_command(cmd).await;
+    let mut pause = CLUSTER_RESEND_PAUSE;
+    for _ in 0..CLUSTER_RESENDS {
+        let Some(refused) = sent.as_ref().err().and_then(refused_unrun) else { break };
+        sent = match refused {
+            Refused::MovedTo { host, port } => {
+                c.route_command(cmd.clone(), RoutingInfo::SingleNode(to_node(host, port))).await
+            }
+            Refused::AskAt { host, port } => {
+                asking(c, &host, port).await?;
+                c.route_command(cmd.clone(), RoutingInfo::SingleNode(to_node(host, port))).await
+            }
+            Refused::Again => {
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+                c.req_packed_command(cmd).await
+            }
+        };
+    }
+    sent
+}
+
+/// [`cluster_command`] for a pipeline (`offset`, `count`: the replies
+/// wanted, as `req_packed_commands` takes them). Pipelines carry reads and
+/// writes idempotent by construction (`DEL`, the dead-letter script), so one
+/// refused part way is sent whole again. After `ASK`, `ASKING` goes first
+/// (it covers a transaction's commands too, `MULTI` keeping it).
+async fn cluster_pipeline(
+    c: &mut ClusterConnection,
+    pipeline: &Pipeline,
+    offset: usize,
+    count: usize,
+) -> redis::RedisResult<Vec<Value>> {
+    let mut sent = c.req_packed_commands(pipeline, offset, count).await;
+    let mut pause = CLUSTER_RESEND_PAUSE;
+    for _ in 0..CLUSTER_RESENDS {
+        let Some(refused) = sent.as_ref().err().and_then(refused_unrun) else { break };
+        sent = match refused {
+            Refused::MovedTo { host, port } => {
+                c.route_pipeline(pipeline.clone(), offset, count, to_node(host, port)).await
+            }
+            Refused::AskAt { host, port } => {
+                asking(c, &host, port).await?;
+                c.route_pipeline(pipeline.clone(), offset, count, to_node(host, port)).await
+            }
+            Refused::Again => {
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+                c.req_packed_commands(pipeline, offset, count).await
+            }
+        };
+    }
+    sent
+}
+
 impl ConnectionLike for StreamConnection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
             Self::Standalone(c) => c.req_packed_command(cmd),
-            Self::Cluster(c) => c.req_packed_command(cmd),
+            Self::Cluster(c) => Box::pin(cluster_command(c, cmd)),
         }
     }
 
@@ -121,7 +244,7 @@ impl ConnectionLike for StreamConnection {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             Self::Standalone(c) => c.req_packed_commands(cmd, offset, count),
-            Self::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+            Self::Cluster(c) => Box::pin(cluster_pipeline(c, cmd, offset, count)),
         }
     }
 
@@ -212,5 +335,41 @@ impl Connections {
     /// How many endpoints have a shared connection.
     pub async fn endpoints(&self) -> usize {
         self.by_endpoint.lock().await.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn error(reply: &str) -> RedisError {
+        redis::parse_redis_value(reply.as_bytes()).and_then(Value::extract_error).expect_err("an error reply")
+    }
+
+    #[test]
+    fn only_what_the_cluster_refused_unrun_is_sent_again() {
+        assert_eq!(
+            refused_unrun(&error("-MOVED 3999 127.0.0.1:6381\r\n")),
+            Some(Refused::MovedTo { host: "127.0.0.1".into(), port: 6381 })
+        );
+        assert_eq!(
+            refused_unrun(&error("-ASK 3999 10.0.0.2:7000\r\n")),
+            Some(Refused::AskAt { host: "10.0.0.2".into(), port: 7000 })
+        );
+        for again in [
+            "-TRYAGAIN Multiple keys request during rehashing of slot\r\n",
+            "-CLUSTERDOWN The cluster is down\r\n",
+            "-MASTERDOWN Link with MASTER is down\r\n",
+            "-LOADING Redis is loading the dataset in memory\r\n",
+            "-READONLY You can't write against a read only replica.\r\n",
+        ] {
+            assert_eq!(refused_unrun(&error(again)), Some(Refused::Again), "{again}");
+        }
+        // The command may have run: the caller is told, nothing is re-sent.
+        let dropped = RedisError::from(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset by peer"));
+        for maybe_ran in [dropped, timeout_error(), error("-ERR unknown command\r\n"), error("-NOSCRIPT no script\r\n")]
+        {
+            assert_eq!(refused_unrun(&maybe_ran), None, "{maybe_ran}");
+        }
     }
 }

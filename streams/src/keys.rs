@@ -19,9 +19,12 @@ pub fn companion_key(stream: &str, suffix: &str) -> String {
     }
 }
 
-/// The default dead-letter stream of `stream`.
-pub fn dead_letter_stream(stream: &str) -> String {
-    companion_key(stream, "dead")
+/// The default dead-letter stream of `group` on `stream`: one per group, so
+/// a cap, a purge, a count or a Warning belongs to one resource even when
+/// two groups read one stream; in the stream's slot, so an entry is
+/// dead-lettered with its ack in one `MULTI`.
+pub fn dead_letter_stream(stream: &str, group: &str) -> String {
+    companion_key(stream, &format!("dead:{group}"))
 }
 
 /// The hash holding the last handler error per pending entry of `group`, so
@@ -115,9 +118,9 @@ mod tests {
 
     #[test]
     fn companions_share_the_stream_slot() {
-        assert_eq!(dead_letter_stream("orders"), "{orders}:dead");
-        assert_eq!(dead_letter_stream("{shop}orders"), "{shop}orders:dead");
-        assert!(same_slot("orders", &dead_letter_stream("orders")));
+        assert_eq!(dead_letter_stream("orders", "billing"), "{orders}:dead:billing");
+        assert_eq!(dead_letter_stream("{shop}orders", "billing"), "{shop}orders:dead:billing");
+        assert!(same_slot("orders", &dead_letter_stream("orders", "billing")));
         assert!(same_slot("{a}x", &last_error_key("{a}x", "g")));
         assert!(!same_slot("orders", "orders:dead"));
     }

@@ -54,8 +54,37 @@ pub async fn send<C: redis::aio::ConnectionLike + Send>(
     business_key: &str,
     fields: &[(&str, &[u8])],
 ) -> Result<String, crate::StreamError> {
+    send_to_shard(conn, stream, shards, business_key, None, fields).await
+}
+
+/// [`send`] for an event the producer may add twice (it sends again after
+/// an error, when the first `XADD` may have landed): the entry carries
+/// `event_id` as `streamfleet.event-id`, so the workers' guard runs the
+/// event once whichever copy comes first, and acks the other unrun.
+pub async fn send_event<C: redis::aio::ConnectionLike + Send>(
+    conn: &mut C,
+    stream: &str,
+    shards: u32,
+    business_key: &str,
+    event_id: &str,
+    fields: &[(&str, &[u8])],
+) -> Result<String, crate::StreamError> {
+    send_to_shard(conn, stream, shards, business_key, Some(event_id), fields).await
+}
+
+async fn send_to_shard<C: redis::aio::ConnectionLike + Send>(
+    conn: &mut C,
+    stream: &str,
+    shards: u32,
+    business_key: &str,
+    event_id: Option<&str>,
+    fields: &[(&str, &[u8])],
+) -> Result<String, crate::StreamError> {
     let mut cmd = redis::cmd("XADD");
     cmd.arg(shard_key(stream, shard_of(business_key, shards))).arg("*");
+    if let Some(event) = event_id {
+        cmd.arg(crate::entry::F_EVENT_ID).arg(event);
+    }
     for (k, v) in fields {
         cmd.arg(*k).arg(*v);
     }

@@ -9,8 +9,8 @@
 use anyhow::{Result, bail};
 use redis::AsyncCommands as _;
 use redis::streams::{StreamReadOptions, StreamReadReply};
+use streamfleet_streams::ensure_group;
 use streamfleet_streams::health::{Delay, LAG_COUNT_BOUND, Lag, inspect};
-use streamfleet_streams::{ensure_group, keys};
 use streamfleet_testbed::RedisServer;
 use streamfleet_testbed::redis_server::{calls_between, command_calls};
 
@@ -36,7 +36,7 @@ async fn snapshot_matches_redis() -> Result<()> {
     for i in 0..10 {
         let _: String = conn.xadd("s", "*", &[("i", i)]).await?;
     }
-    let _: String = conn.xadd(keys::dead_letter_stream("s"), "*", &[("x", 1)]).await?;
+    let _: String = conn.xadd("{s}:dead", "*", &[("x", 1)]).await?;
     let ids = read(&mut conn, "c1", 4).await?;
     let _: i64 = conn.xack("s", "g", &[&ids[0]]).await?;
     read(&mut conn, "c2", 1).await?;

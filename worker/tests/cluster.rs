@@ -48,7 +48,7 @@ async fn a_worker_on_a_cluster_handles_acks_and_dead_letters() -> Result<()> {
     eventually("all settled", T, || async {
         let p: redis::streams::StreamPendingReply =
             redis::cmd("XPENDING").arg("orders").arg("g").query_async(&mut conn.clone()).await?;
-        let dead: usize = redis::cmd("XLEN").arg("{orders}:dead").query_async(&mut conn.clone()).await?;
+        let dead: usize = redis::cmd("XLEN").arg("{orders}:dead:g").query_async(&mut conn.clone()).await?;
         Ok((handler.total() == 20 && p.count() == 0 && dead == 1).then_some(()))
     })
     .await?;
@@ -87,7 +87,7 @@ async fn a_worker_reads_every_shard_across_the_cluster() -> Result<()> {
         (env::MIN_IDLE_MS, "1000".into()),
     ]);
     let config = WorkerConfig::from_lookup(|k| vars.get(k).cloned()).unwrap();
-    let dead_letters = shards.iter().map(|s| streamfleet_streams::keys::dead_letter_stream(s)).collect::<Vec<_>>();
+    let dead_letters = shards.iter().map(|s| streamfleet_streams::keys::dead_letter_stream(s, "g")).collect::<Vec<_>>();
     let handler = Scripted::default();
     let (stop, run) = spawn(Worker::new(config, handler.clone()).with_idempotency_guard(Duration::from_secs(600)));
     eventually("every shard settled", T, || async {

@@ -307,7 +307,7 @@ async fn entries_of_a_consumer_declared_dead_are_handled_at_once_despite_its_gua
         "orders",
         "g",
         "dead-pod",
-        "{orders}:dead",
+        "{orders}:dead:g",
         Duration::from_secs(60),
         10,
     )
@@ -464,7 +464,7 @@ async fn a_dead_letter_that_cannot_be_written_leaves_its_entry_pending() -> Resu
     let opts = redis::streams::StreamReadOptions::default().group("g", "c1").count(10);
     let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
     // The dead-letter key holds something else: XADD fails.
-    let _: () = conn.set("{orders}:dead", "not a stream").await?;
+    let _: () = conn.set("{orders}:dead:g", "not a stream").await?;
     let entry = Entry { stream: "orders".into(), id: id.clone(), fields: vec![], deliveries: 1, crashes: 0 };
     let letter = dl::Letter {
         group: "g",
@@ -474,7 +474,7 @@ async fn a_dead_letter_that_cannot_be_written_leaves_its_entry_pending() -> Resu
         business_key: None,
         while_pending: true,
     };
-    let moved = dl::dead_letter(&mut conn, "{orders}:dead", &entry, &letter).await;
+    let moved = dl::dead_letter(&mut conn, "{orders}:dead:g", &entry, &letter).await;
     assert!(moved.is_err(), "{moved:?}");
     assert_eq!(pending(&mut conn).await?, 1, "not acked: the entry is not lost");
     Ok(())
@@ -485,7 +485,7 @@ async fn a_dead_letter_that_cannot_be_written_leaves_its_entry_pending() -> Resu
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_dead_letter_fails_its_entry_only() -> Result<()> {
     let (server, mut conn) = setup().await?;
-    let _: () = conn.set("{orders}:dead", "not a stream").await?;
+    let _: () = conn.set("{orders}:dead:g", "not a stream").await?;
     let refused = add(&mut conn, &[("kind", "refused"), ("key", "k1")]).await?;
     let fine: Vec<String> = [
         add(&mut conn, &[("kind", "ok"), ("key", "k2")]).await?,
@@ -548,7 +548,7 @@ async fn shutdown_starts_no_new_handler_and_releases_what_it_did_not_start() -> 
         assert!(idle >= 10_000, "{id} claimable at once (idle {idle} ms)");
     }
     let loss =
-        streamfleet_streams::claim::LossRecord { dead_letter_stream: "{orders}:dead", consumer: "c2", why: "gone" };
+        streamfleet_streams::claim::LossRecord { dead_letter_stream: "{orders}:dead:g", consumer: "c2", why: "gone" };
     // (With no min idle: on a server younger than min-idle-time a claim
     // waits for holders to renew, `claim::claim_rules_lua`.)
     let claimed =
@@ -580,7 +580,7 @@ async fn a_replay_runs_in_its_own_group_only_and_never_after_a_completion() -> R
     let _: () = conn.set(format!("{{orders}}:done:g:{k2}"), "completed").await?;
     // A second group on the stream, from now on.
     streamfleet_streams::ensure_group(&mut conn, "orders", "other", "$").await?;
-    let replayed = replay(&mut conn, "{orders}:dead", &Selection::All, false).await?;
+    let replayed = replay(&mut conn, "{orders}:dead:g", &Selection::All, false).await?;
     let new_id = match &replayed[..] {
         [Replayed::Requeued { new_id, business_key, .. }, Replayed::Skipped { why, .. }] => {
             assert_eq!(business_key.as_deref(), Some("k1"));
@@ -673,5 +673,47 @@ async fn a_blocking_handler_runs_on_the_blocking_pool_and_sees_its_delivery() ->
     let mut seen = seen.lock().unwrap().clone();
     seen.sort();
     assert_eq!(seen, ids.into_iter().map(|id| (id, Some(1), true)).collect::<Vec<_>>());
+    Ok(())
+}
+
+/// Two groups on one stream (two resources) dead-letter apart by default,
+/// each into its own `{orders}:dead:<group>`: a cap, a purge or a count on
+/// one resource's letters never touches the other's. Before, both wrote
+/// into `{orders}:dead`, and a cap on one trimmed the other's letters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_groups_on_one_stream_dead_letter_into_their_own_streams() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    streamfleet_streams::ensure_group(&mut conn, "orders", "audit", "0").await?;
+    add(&mut conn, &[("kind", "refused"), ("key", "k")]).await?;
+    let mut audit = config(&server, "a1", 10_000, 5);
+    audit.group = "audit".into();
+    let (stop_g, run_g) = spawn(Worker::new(config(&server, "g1", 10_000, 5), Scripted::default()));
+    let (stop_a, run_a) = spawn(Worker::new(audit, Scripted::default()));
+    let probe = conn.clone();
+    let length = move |key: &'static str| {
+        let mut c = probe.clone();
+        async move { Ok::<usize, anyhow::Error>(c.xlen(key).await?) }
+    };
+    eventually("each group dead-lettered the entry", T, || async {
+        Ok((length("{orders}:dead:g").await? == 1 && length("{orders}:dead:audit").await? == 1).then_some(()))
+    })
+    .await?;
+    for (stop, run) in [(stop_g, run_g), (stop_a, run_a)] {
+        let _ = stop.send(());
+        run.await??;
+    }
+    for group in ["g", "audit"] {
+        let letters = streamfleet_streams::dlq::page(
+            &mut conn,
+            &format!("{{orders}}:dead:{group}"),
+            &Default::default(),
+            None,
+            10,
+        )
+        .await?;
+        let groups: Vec<_> = letters.letters.iter().map(|l| l.group.as_deref()).collect();
+        assert_eq!(groups, vec![Some(group)], "{group}'s own letter only");
+    }
+    assert_eq!(length("{orders}:dead").await?, 0, "no shared stream");
     Ok(())
 }

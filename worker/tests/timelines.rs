@@ -17,8 +17,11 @@ use streamfleet_testbed::RedisServer;
 use streamfleet_worker::Worker;
 use streamfleet_worker::guard::{Guard, GuardState};
 
-const LOSS: LossRecord<'static> =
-    LossRecord { dead_letter_stream: "{orders}:dead", consumer: "b", why: "payload trimmed or deleted while pending" };
+const LOSS: LossRecord<'static> = LossRecord {
+    dead_letter_stream: "{orders}:dead:g",
+    consumer: "b",
+    why: "payload trimmed or deleted while pending",
+};
 
 /// A second consumer's claim steps, as its claim cycle runs them, for
 /// `window`: every entry it managed to take.
@@ -381,7 +384,7 @@ async fn an_idle_live_worker_without_its_pod_is_not_declared_dead() -> Result<()
     tokio::time::sleep(Duration::from_secs(3)).await;
     // What the operator's reaper does for a consumer without a pod.
     let released =
-        consumers::release_pending(&mut conn, "orders", "g", "pod-a", "{orders}:dead", Duration::from_secs(60), 10)
+        consumers::release_pending(&mut conn, "orders", "g", "pod-a", "{orders}:dead:g", Duration::from_secs(60), 10)
             .await?;
     let declared: Option<f64> = conn.zscore(&dead, "pod-a").await?;
     let _ = stop.send(());
@@ -434,7 +437,7 @@ async fn a_delivery_that_died_before_recording_anything_counts_and_one_handed_ba
         stream: "orders",
         group: "g",
         consumer: "sweeper",
-        dead_letter_stream: "{orders}:dead",
+        dead_letter_stream: "{orders}:dead:g",
         min_idle: Duration::from_millis(5),
         max_deliveries,
         batch: 10,
@@ -476,11 +479,11 @@ async fn a_5000_field_entry_is_dead_lettered_and_replayed_whole() -> Result<()> 
     let _ = stop.send(());
     running.await??;
     assert_eq!(pending(&mut conn).await?, 0);
-    let letters = streamfleet_streams::dlq::page(&mut conn, "{orders}:dead", &Default::default(), None, 10).await?;
+    let letters = streamfleet_streams::dlq::page(&mut conn, "{orders}:dead:g", &Default::default(), None, 10).await?;
     let letter = &letters.letters[0];
     assert_eq!((letter.source_id.as_deref(), letter.reason.as_deref()), (Some(id.as_str()), Some("permanent")));
     assert_eq!(letter.payload.len(), 5_001, "the letter shows every field of the entry");
-    let replayed = replay(&mut conn, "{orders}:dead", &Selection::All, false).await?;
+    let replayed = replay(&mut conn, "{orders}:dead:g", &Selection::All, false).await?;
     let Some(Replayed::Requeued { new_id, .. }) = replayed.first() else {
         panic!("not replayed: {replayed:?}");
     };

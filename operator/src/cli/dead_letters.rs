@@ -29,7 +29,7 @@ pub struct DeadLetterArgs {
     /// Break-glass: PEM CA bundle that signs a `rediss://` server's certificate.
     #[arg(long, global = true)]
     ca_file: Option<std::path::PathBuf>,
-    /// Break-glass: the dead-letter stream, e.g. `{orders}:dead`.
+    /// Break-glass: the dead-letter stream, e.g. `{orders}:dead:billing`.
     #[arg(long, global = true, env = "STREAMFLEET_DEAD_LETTER_STREAM")]
     dead_letter_stream: Option<String>,
     /// `text` (default) or `json` (one object per line).
@@ -86,7 +86,8 @@ impl FilterArgs {
 /// Which letters `replay` and `purge` act on: IDs, a filter, or all of them.
 #[derive(clap::Args, Clone)]
 struct ChosenArgs {
-    /// Dead-letter IDs (comma-separated).
+    /// Dead letters (comma-separated), as listings print them: the ID, or
+    /// `<dead-letter stream>@<ID>` when the pipeline has shards.
     #[arg(long, value_delimiter = ',', conflicts_with = "all")]
     ids: Vec<String>,
     #[command(flatten)]
@@ -137,7 +138,8 @@ enum DeadLetterCommand {
     },
     /// One dead letter in full: metadata and original fields.
     Show {
-        /// The dead letter's ID.
+        /// The dead letter, as listings print it: the ID, or
+        /// `<dead-letter stream>@<ID>` when the pipeline has shards.
         id: String,
     },
     /// Counts by reason, by hour and by error signature.
@@ -205,6 +207,8 @@ impl Backend {
     async fn show(&mut self, id: &str) -> Result<Option<Letter>> {
         match self {
             Self::Console(console) => {
+                // `{`, `}`, `:` and `@` of `<stream>@<ID>` as one path segment.
+                let id = percent_encoding::utf8_percent_encode(id, percent_encoding::NON_ALPHANUMERIC);
                 let Some(letter) = console.get_opt::<Letter>(&format!("deadletters/{id}"), "no dead letter").await?
                 else {
                     return Ok(None);
@@ -253,7 +257,7 @@ fn letter_line(l: &Letter) -> String {
     let or_dash = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
     format!(
         "{}\t{}\t{}\t{} {}\tkey={}\t{}",
-        l.id,
+        l.reference,
         l.at,
         or_dash(&l.reason),
         or_dash(&l.source_stream),

@@ -27,6 +27,13 @@ pub enum Refusal {
     OverCap { max: u64 },
     #[error("{0}")]
     BadFilter(String),
+    #[error(
+        "the letter {id:?} could be in any of the pipeline's {streams} dead-letter streams: \
+         name it as <dead-letter stream>@<ID>, as listings print it (e.g. {example}@{id})"
+    )]
+    AmbiguousId { id: String, streams: usize, example: String },
+    #[error("{stream:?} is not one of this pipeline's dead-letter streams ({known})")]
+    UnknownStream { stream: String, known: String },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,6 +53,36 @@ fn filter_of(selector_filter: &super::wire::FilterSpec) -> Result<Filter> {
 }
 
 impl Letters {
+    /// The dead-letter stream and ID of a letter as the user names it:
+    /// `<stream>@<ID>` (an ID never holds `@`), or a bare ID when the
+    /// pipeline has one dead-letter stream. A bare ID with several is
+    /// refused, not looked for in each: one ID can exist in two shards'
+    /// streams, and a replay or purge must take the one the user saw.
+    pub fn locate(&self, named: &str) -> Result<(String, String)> {
+        match named.rsplit_once('@') {
+            Some((stream, id)) if self.streams.iter().any(|s| s == stream) => Ok((stream.into(), id.into())),
+            Some((stream, _)) => {
+                Err(Refusal::UnknownStream { stream: stream.into(), known: self.streams.join(", ") }.into())
+            }
+            None => match &self.streams[..] {
+                [only] => Ok((only.clone(), named.into())),
+                streams => Err(Refusal::AmbiguousId {
+                    id: named.into(),
+                    streams: streams.len(),
+                    example: streams.first().cloned().unwrap_or_default(),
+                }
+                .into()),
+            },
+        }
+    }
+
+    /// How a letter is named to the user (listings, `show`, `--ids`):
+    /// `<stream>@<ID>` when the pipeline has several dead-letter streams.
+    fn letter(&self, stream: &str, letter: &dlq::DeadLetter, with_payload: bool) -> Letter {
+        let reference = if self.streams.len() > 1 { format!("{stream}@{}", letter.id) } else { letter.id.clone() };
+        Letter::of(stream, letter, reference, with_payload)
+    }
+
     /// Up to `limit` letters after the cursor `after` (`stream@id` when the
     /// pipeline has shards, else the ID), reading at most `max_scanned`.
     pub async fn list(
@@ -55,7 +92,7 @@ impl Letters {
         limit: usize,
         max_scanned: usize,
     ) -> Result<LetterList> {
-        let (mut resume_stream, mut after) = match after.map(|a| a.split_once('@')) {
+        let (mut resume_stream, mut after) = match after.map(|a| a.rsplit_once('@')) {
             Some(Some((stream, id))) => (Some(stream.to_string()), Some(id.to_string())),
             Some(None) => (None, after.map(String::from)),
             None => (None, None),
@@ -70,7 +107,7 @@ impl Letters {
             let page =
                 dlq::page_bounded(&mut self.conn, stream, filter, after.take().as_deref(), left, max_scanned).await?;
             left -= page.letters.len();
-            list.items.extend(page.letters.iter().map(|l| Letter::of(stream, l, false)));
+            list.items.extend(page.letters.iter().map(|l| self.letter(stream, l, false)));
             if let Some(cursor) = page.next {
                 list.continue_ = Some(if self.streams.len() > 1 { format!("{stream}@{cursor}") } else { cursor });
                 break;
@@ -80,13 +117,11 @@ impl Letters {
     }
 
     /// One letter, with its payload (the original fields) if asked.
-    pub async fn show(&mut self, id: &str, with_payload: bool) -> Result<Option<Letter>> {
-        for stream in &self.streams {
-            if let Some(letter) = dlq::show(&mut self.conn, stream, id).await? {
-                return Ok(Some(Letter::of(stream, &letter, with_payload)));
-            }
-        }
-        Ok(None)
+    /// `named` as [`Self::locate`] takes it.
+    pub async fn show(&mut self, named: &str, with_payload: bool) -> Result<Option<Letter>> {
+        let (stream, id) = self.locate(named)?;
+        let found = dlq::show(&mut self.conn, &stream, &id).await?;
+        Ok(found.map(|letter| self.letter(&stream, &letter, with_payload)))
     }
 
     /// Counts by reason, hour and error signature, over at most
@@ -112,8 +147,12 @@ impl Letters {
 
     /// The chosen letters, per stream: at most `max + 1` in all (one more
     /// than the cap says "too many" without reading on), each one that is
-    /// there (an ID is looked for in every shard's stream).
+    /// there (IDs as [`Self::locate`] takes them, all located before any is read).
     async fn choose(&mut self, selection: &Selection, max: u64) -> Result<Vec<(String, Vec<String>)>> {
+        let located = match selection {
+            Selection::Ids(named) => named.iter().map(|n| self.locate(n)).collect::<Result<Vec<_>>>()?,
+            _ => Vec::new(),
+        };
         let mut chosen = Vec::new();
         let mut total = 0u64;
         for stream in &self.streams {
@@ -122,9 +161,9 @@ impl Letters {
                 break;
             }
             let ids: Vec<String> = match selection {
-                Selection::Ids(ids) => {
+                Selection::Ids(_) => {
                     let mut there = Vec::new();
-                    for id in ids {
+                    for (_, id) in located.iter().filter(|(s, _)| s == stream) {
                         if there.len() < want && dlq::show(&mut self.conn, stream, id).await?.is_some() {
                             there.push(id.clone());
                         }

@@ -19,6 +19,10 @@ pub fn pipeline_path(namespace: &str, name: &str) -> String {
 pub struct Letter {
     pub dead_letter_stream: String,
     pub id: String,
+    /// What `show` and `--ids` take: `<deadLetterStream>@<id>` when the
+    /// pipeline has several dead-letter streams (shards), else the ID.
+    #[serde(rename = "ref")]
+    pub reference: String,
     /// RFC 3339.
     pub at: String,
     pub reason: Option<String>,
@@ -35,10 +39,11 @@ pub struct Letter {
 }
 
 impl Letter {
-    pub fn of(stream: &str, l: &DeadLetter, with_payload: bool) -> Self {
+    pub fn of(stream: &str, l: &DeadLetter, reference: String, with_payload: bool) -> Self {
         Self {
             dead_letter_stream: stream.to_string(),
             id: l.id.clone(),
+            reference,
             at: rfc3339(l.at_ms),
             reason: l.reason.clone(),
             source_stream: l.source_stream.clone(),

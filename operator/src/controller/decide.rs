@@ -730,7 +730,7 @@ mod tests {
         let mut full = snapshot(0, 0, &[]);
         full.dead_letter_length = 130;
         let plan = converge(run(&capped, &observed(Some(full.clone()), Some(1))));
-        assert_eq!(plan.dead_letter_trims, vec![("{orders}:dead".to_string(), 100)]);
+        assert_eq!(plan.dead_letter_trims, vec![("{orders}:dead:g".to_string(), 100)]);
         assert_eq!(plan.dead_letter_cap_reached, Some(true));
         let warning = plan.events.iter().find(|e| e.reason == "DeadLetterCapReached").unwrap();
         assert_eq!(warning.type_, EventType::Warning);

@@ -49,7 +49,11 @@ impl ValidSpec {
     /// Where `stream`'s dead letters go: shard 0's configured (or default)
     /// dead-letter stream, and each further shard's own, in its slot.
     pub fn dead_letter_stream_of(&self, stream: &str) -> String {
-        if stream == self.stream { self.dead_letter_stream.clone() } else { keys::dead_letter_stream(stream) }
+        if stream == self.stream {
+            self.dead_letter_stream.clone()
+        } else {
+            keys::dead_letter_stream(stream, &self.group)
+        }
     }
 }
 
@@ -94,7 +98,7 @@ fn retry_schedule(spec: &RetrySpec, min_idle: Duration) -> Result<Schedule, Erro
 pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
     let spec = &scg.spec;
     let dead_letter_stream =
-        spec.recovery.dead_letter_stream.clone().unwrap_or_else(|| keys::dead_letter_stream(&spec.stream));
+        spec.recovery.dead_letter_stream.clone().unwrap_or_else(|| keys::dead_letter_stream(&spec.stream, &spec.group));
     if dead_letter_stream == spec.stream {
         return Err(Error::InvalidSpec(
             "spec.recovery.deadLetterStream equals spec.stream: dead letters would be consumed again".into(),
@@ -174,8 +178,8 @@ mod tests {
     fn shards_are_keys_of_their_own_and_refuse_a_shared_dead_letter_stream_or_hash_tag() {
         let v = validate(&scg(json!({"shards": 3}))).unwrap();
         assert_eq!(v.streams, vec!["orders", "orders:1", "orders:2"]);
-        assert_eq!(v.dead_letter_stream_of("orders"), "{orders}:dead");
-        assert_eq!(v.dead_letter_stream_of("orders:2"), "{orders:2}:dead");
+        assert_eq!(v.dead_letter_stream_of("orders"), "{orders}:dead:g");
+        assert_eq!(v.dead_letter_stream_of("orders:2"), "{orders:2}:dead:g");
         assert_eq!(validate(&scg(json!({}))).unwrap().streams, vec!["orders"]);
         let shared = validate(&scg(json!({"shards": 2, "recovery": {"deadLetterStream": "dlq"}}))).unwrap_err();
         assert!(shared.to_string().contains("spec.recovery.deadLetterStream must be unset"), "{shared}");
@@ -183,6 +187,17 @@ mod tests {
         tagged.spec.stream = "{shop}orders".into();
         assert!(validate(&tagged).unwrap_err().to_string().contains("no hash tag"));
         assert!(validate(&scg(json!({"shards": 0}))).unwrap_err().to_string().contains("spec.shards"));
+    }
+
+    #[test]
+    fn two_groups_on_one_stream_dead_letter_apart_by_default() {
+        let billing = validate(&scg(json!({"group": "billing", "shards": 2}))).unwrap();
+        let audit = validate(&scg(json!({"group": "audit", "shards": 2}))).unwrap();
+        for stream in ["orders", "orders:1"] {
+            let (b, a) = (billing.dead_letter_stream_of(stream), audit.dead_letter_stream_of(stream));
+            assert_ne!(b, a, "a cap or purge on one group's letters would take the other's");
+            assert!(keys::same_slot(&b, stream) && keys::same_slot(&a, stream), "{b} {a} beside {stream}");
+        }
     }
 
     fn scg(extra: serde_json::Value) -> StreamConsumerGroup {
@@ -199,7 +214,7 @@ mod tests {
     #[test]
     fn defaults_become_typed_values() {
         let v = validate(&scg(json!({"retention": {"maxAgeSeconds": 60}}))).unwrap();
-        assert_eq!(v.dead_letter_stream, "{orders}:dead");
+        assert_eq!(v.dead_letter_stream, "{orders}:dead:g");
         assert_eq!(v.min_idle, Duration::from_secs(60));
         assert_eq!((v.max_deliveries, v.batch, v.target_per_replica), (10, 100, 100));
         assert_eq!(v.poll_interval, Duration::from_secs(10));

@@ -59,7 +59,7 @@ async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_ser
             business_key: Some(&key),
             while_pending: false,
         };
-        dead_letter(&mut f.conn, "{orders}:dead", &entry, &letter).await?;
+        dead_letter(&mut f.conn, "{orders}:dead:billing", &entry, &letter).await?;
     }
     let plugin = tempfile::tempdir()?;
     std::os::unix::fs::symlink(
@@ -181,7 +181,7 @@ async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_ser
     let second = json_lines(&out);
     assert_eq!(second.len(), 2, "{out}");
     assert!(!err.contains("more:"), "the last page: {err}");
-    assert_eq!(second[0]["deadLetterStream"], "{orders}:dead", "found through the resource");
+    assert_eq!(second[0]["deadLetterStream"], "{orders}:dead:billing", "found through the resource");
 
     // Filters: reason and business key.
     let (_, out, _) = dlq(&["list", "--reason", "malformed"]).await?;
@@ -307,7 +307,7 @@ async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_ser
     assert!(note.contains("alice") && note.contains("replayed 2 of 2"), "{note}");
     let length_after: usize = f.conn.xlen("orders").await?;
     assert_eq!(length_after, length_before + 2);
-    let dead: usize = f.conn.xlen("{orders}:dead").await?;
+    let dead: usize = f.conn.xlen("{orders}:dead:billing").await?;
     assert_eq!(dead, 4);
 
     // In the web console, as alice with the keyboard's focus: filter, ask to
@@ -353,7 +353,7 @@ async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_ser
     assert!(!ok && err.contains("--yes"), "{err}");
     let (_, out, _) = dlq(&["purge", "--reason", "permanent", "--dry-run"]).await?;
     assert_eq!(json_lines(&out)[0]["done"], 3);
-    let dead: usize = f.conn.xlen("{orders}:dead").await?;
+    let dead: usize = f.conn.xlen("{orders}:dead:billing").await?;
     assert_eq!(dead, 3, "a dry run deletes nothing");
     let (ok, out, err) = dlq(&["purge", "--reason", "permanent", "--yes"]).await?;
     assert!(ok, "{err}");
@@ -387,7 +387,7 @@ async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_ser
             business_key: None,
             while_pending: false,
         };
-        newest = dead_letter(&mut f.conn, "{orders}:dead", &entry, &letter).await?.unwrap_or_default();
+        newest = dead_letter(&mut f.conn, "{orders}:dead:billing", &entry, &letter).await?.unwrap_or_default();
     }
     let scgs: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), &ns);
     let cap = serde_json::json!({"spec": {"recovery": {"deadLetterMaxLength": 1}}});
@@ -395,7 +395,7 @@ async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_ser
     let scg = wait_condition(&client, &ns, "p", "DeadLetterCapReached", "True", None, T).await?;
     let condition = scg.status.unwrap().conditions.into_iter().find(|c| c.type_ == "DeadLetterCapReached").unwrap();
     assert_eq!(condition.reason, "AtCap");
-    let kept: redis::streams::StreamRangeReply = f.conn.xrange_all("{orders}:dead").await?;
+    let kept: redis::streams::StreamRangeReply = f.conn.xrange_all("{orders}:dead:billing").await?;
     let kept: Vec<String> = kept.ids.into_iter().map(|e| e.id).collect();
     assert_eq!(kept, vec![newest.clone()], "the newest letter stays");
     let warning = eventually("a DeadLetterCapReached Warning", T, || async {

@@ -170,7 +170,7 @@ async fn an_outages_dead_letters_are_replayed_from_the_web_console_and_charged()
     page.eval("document.getElementById('confirm-yes').click(); true").await?;
     page.wait_until("the purge's result", "document.getElementById('message').textContent.includes('2 of 2 purged')")
         .await?;
-    let dead: usize = conn.xlen("{orders}:dead").await?;
+    let dead: usize = conn.xlen("{orders}:dead:billing").await?;
     assert_eq!(dead, 0, "every letter replayed or purged");
     for (reason, note) in
         [("DeadLettersReplayed", "alice replayed 5 of 5"), ("DeadLettersPurged", "alice purged 2 of 2")]

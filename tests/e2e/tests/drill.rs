@@ -6,16 +6,21 @@
 //! shares the group, Redis crashes and restarts from its AOF (`appendfsync
 //! always`), the kube-apiserver restarts, the leading operator is SIGKILLed,
 //! and an outside `XTRIM` deletes the payloads of entries pending in a
-//! vanished consumer's hands. Handlers stall up to 0.8 × min-idle-time, so
-//! the hold is what keeps a second holder off. One order kills whichever
-//! worker runs it, every time (a crash-looping deploy). At the end the set
-//! of charged orders is the set produced minus the poison, minus exactly the
-//! orders reported payload-lost, minus the killer, which is a
-//! `crashed-worker` dead letter after exactly the crash limit's deaths; no
-//! order is charged twice and no repeat got past a live first charger (a
-//! repeat is excused only by a death of the first charger, timed between
-//! its charge and the repeat); every entry is acked or dead-lettered; and
-//! every injected fault is shown to have happened. The figures go to
+//! vanished consumer's hands. For the first part of the run the producer
+//! trims by length (`XADD … MAXLEN ~`, keeping every undelivered entry), so
+//! entries still pending go too: in a live worker's hands (shown to happen)
+//! and in dead ones'. Handlers stall up to 0.8 × min-idle-time, so the hold
+//! is what keeps a second holder off. One order kills whichever worker runs
+//! it, every time (a crash-looping deploy). At the end every order produced
+//! is exactly one of: charged, a poison order's `permanent` letter, the
+//! killer's `crashed-worker` letter (alone, after exactly the crash limit's
+//! deaths), or recorded `payload-missing` uncharged; a charged order is
+//! recorded lost only if its charger died after charging (a live holder
+//! that completed its entry never leaves a false loss); no order is charged
+//! twice and no repeat got past a live first charger (a repeat is excused
+//! only by a death of the first charger, timed between its charge and the
+//! repeat); every entry is acked or dead-lettered; and every injected fault
+//! is shown to have happened. The figures go to
 //! `target/figures/drill*.json` (`docs/benchmarks.md#the-fault-drill`).
 //!
 //! By hand (the full-size drill):
@@ -51,6 +56,10 @@ const TRIMMED: usize = 25;
 /// entry read with its batch and stalled late in it is idle past
 /// min-idle-time unless its holder renews it.
 const STALL_MS: u64 = MIN_IDLE_MS * 4 / 5;
+/// While the producer trims by length, it keeps the undelivered entries,
+/// the batch it adds, and this many more: older entries go, pending or not
+/// (a stalled entry is pending longer than this many orders take to come).
+const TRIM_KEEP: usize = 100;
 /// The deaths after which an entry that kills its worker is dead-lettered
 /// `crashed-worker`: the worker's crash limit, 3, or maxDeliveries if lower
 /// (`docs/delivery-guarantees.md`).
@@ -102,7 +111,7 @@ fn slow_worker(redis_url: &str, guard: bool) -> Result<Deployment> {
         ("STREAMFLEET_GROUP", "billing".into()),
         ("STREAMFLEET_MIN_IDLE_MS", MIN_IDLE_MS.to_string()),
         ("STREAMFLEET_MAX_DELIVERIES", MAX_DELIVERIES.to_string()),
-        ("STREAMFLEET_DEAD_LETTER_STREAM", "{orders}:dead".into()),
+        ("STREAMFLEET_DEAD_LETTER_STREAM", "{orders}:dead:billing".into()),
         ("STREAMFLEET_BATCH_SIZE", "2".into()),
         ("EXAMPLE_HANDLER_MS", "400".into()),
         ("EXAMPLE_GUARD", if guard { "on" } else { "off" }.into()),
@@ -141,15 +150,21 @@ async fn crash_drill_without_the_guard_the_handlers_idempotency_holds_alone() ->
 }
 
 /// Produces orders `range` (1% poison; `killer`, if in range, kills each
-/// worker that runs it) in batches; returns (entry ID, order) per order.
+/// worker that runs it) in batches, trimming the stream by length to `keep`
+/// entries when given; returns (entry ID, order) per order.
 async fn produce(
     conn: &mut redis::aio::MultiplexedConnection,
     range: std::ops::Range<usize>,
     killer: usize,
+    keep: Option<usize>,
 ) -> Result<Vec<(String, usize)>> {
     let mut pipe = redis::pipe();
     for i in range.clone() {
-        pipe.cmd("XADD").arg("orders").arg("*").arg("order_id").arg(i).arg("amount_cents").arg(100 + i);
+        pipe.cmd("XADD").arg("orders");
+        if let Some(keep) = keep {
+            pipe.arg("MAXLEN").arg("~").arg(keep);
+        }
+        pipe.arg("*").arg("order_id").arg(i).arg("amount_cents").arg(100 + i);
         if i % 100 == 42 {
             pipe.arg("poison").arg("1");
         }
@@ -159,6 +174,80 @@ async fn produce(
     }
     let ids: Vec<String> = pipe.query_async(conn).await?;
     Ok(ids.into_iter().zip(range).collect())
+}
+
+/// Entries the group has not delivered yet (`XINFO GROUPS` lag; unknown
+/// after a deletion past the group's last-delivered ID).
+async fn undelivered(conn: &mut redis::aio::MultiplexedConnection) -> Result<Option<usize>> {
+    let info: redis::streams::StreamInfoGroupsReply = conn.xinfo_groups("orders").await?;
+    Ok(info.groups.iter().find(|g| g.name == "billing").and_then(|g| g.lag))
+}
+
+/// Pending entries (of the oldest 1,000) whose payload is gone, other than
+/// the vanished consumer's: `(ID, holder)`.
+async fn pending_without_payload(conn: &mut redis::aio::MultiplexedConnection) -> Result<Vec<(String, String)>> {
+    let flat: Vec<String> = redis::Script::new(
+        r"
+        local out = {}
+        for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1000)) do
+            if p[2] ~= 'vanished' and #redis.call('XRANGE', KEYS[1], p[1], p[1]) == 0 then
+                out[#out + 1] = p[1]
+                out[#out + 1] = p[2]
+            end
+        end
+        return out",
+    )
+    .key("orders")
+    .arg("billing")
+    .invoke_async(conn)
+    .await?;
+    Ok(flat.chunks(2).map(|p| (p[0].clone(), p[1].clone())).collect())
+}
+
+/// The dead letters, by what they say: poison orders (`permanent`), the
+/// killer (`crashed-worker`), and payloads lost (order, when recorded).
+#[derive(Default)]
+struct Letters {
+    permanent: Vec<String>,
+    crashed: Vec<String>,
+    lost: Vec<(String, u64)>,
+}
+
+/// Reads the dead letters, checking what each says of itself; a
+/// payload-missing letter names its entry, whose order `order_of` gives.
+async fn read_letters(
+    conn: &mut redis::aio::MultiplexedConnection,
+    order_of: &HashMap<String, usize>,
+) -> Result<Letters> {
+    let range: redis::streams::StreamRangeReply = conn.xrange_all("{orders}:dead:billing").await?;
+    let mut letters = Letters::default();
+    for e in range.ids {
+        let f: HashMap<String, String> = streamfleet_streams::entry::fields_from_map(e.map)
+            .into_iter()
+            .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
+            .collect();
+        assert_eq!(f[dl::F_SOURCE_STREAM], "orders");
+        assert_eq!(f[dl::F_GROUP], "billing");
+        assert!(!f[dl::F_SOURCE_ID].is_empty() && !f[dl::F_CONSUMER].is_empty() && !f[dl::F_AT].is_empty());
+        match f[dl::F_REASON].as_str() {
+            "payload-missing" => {
+                let order = order_of.get(&f[dl::F_SOURCE_ID]).unwrap_or_else(|| panic!("{f:?}: never produced"));
+                letters.lost.push((order.to_string(), f[dl::F_AT].parse()?));
+            }
+            "crashed-worker" => {
+                assert_eq!((f["crash"].as_str(), &f[dl::F_BUSINESS_KEY]), ("1", &f["order_id"]), "{f:?}");
+                letters.crashed.push(f["order_id"].clone());
+            }
+            reason => {
+                assert_eq!(reason, "permanent", "{f:?}");
+                assert!(f[dl::F_ERROR].contains("card declined"));
+                assert_eq!(f["poison"], "1");
+                assert_eq!(f[dl::F_BUSINESS_KEY], f["order_id"]);
+                letters.permanent.push(f["order_id"].clone());
+            }
+        }
+    }
+    Ok(letters)
 }
 
 /// What the faults did, as observed.
@@ -292,13 +381,12 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
     // Mid-run, while the faults land: the order that kills its worker.
     let killer = (orders / 2 / 100 * 100 + 17).max(first + 17);
     anyhow::ensure!(killer < orders, "DRILL_ORDERS {orders}: too few for the killer order");
-    let mut produced = produce(&mut conn, 0..first, usize::MAX).await?;
+    let mut produced = produce(&mut conn, 0..first, usize::MAX, None).await?;
     let opts = redis::streams::StreamReadOptions::default().group("billing", "vanished").count(TRIMMED);
     let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
     let trimmed: u64 =
         redis::cmd("XTRIM").arg("orders").arg("MINID").arg(&produced[TRIMMED].0).query_async(&mut conn).await?;
     assert_eq!(trimmed, TRIMMED as u64, "the trim deleted exactly the vanished consumer's pending entries");
-    let lost: HashMap<String, usize> = produced[..TRIMMED].iter().cloned().collect();
 
     f.apply(&pipeline(&plan)).await?;
     Api::<Deployment>::namespaced(client.clone(), &ns)
@@ -308,6 +396,11 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
 
     // The rest of the orders, produced at an even pace over the drill while
     // the faults are injected; a Redis restart waits for the batch in flight.
+    // Until well before the killer, the producer trims by length, keeping
+    // what the group has not read yet: what goes is delivered, pending or
+    // not. After each trim, entries pending without a payload are noted with
+    // their holder (`trimmed_in_hand`).
+    let trim_until = killer.saturating_sub(1000);
     let producing = std::sync::Arc::new(tokio::sync::Mutex::new(()));
     let producer = {
         let producing = producing.clone();
@@ -315,18 +408,25 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
         tokio::spawn(async move {
             let batches = (orders - first).div_ceil(100).max(1);
             let pause = Duration::from_millis(seconds * 1000 / batches as u64);
-            let mut out = Vec::new();
+            let (mut out, mut trimmed_in_hand) = (Vec::new(), Vec::new());
             let mut next = first;
             while next < orders {
                 let end = (next + 100).min(orders);
                 let _producing = producing.lock().await;
                 let mut c = redis::Client::open(url.as_str())?.get_multiplexed_async_connection().await?;
-                out.extend(produce(&mut c, next..end, killer).await?);
+                let keep = match end <= trim_until {
+                    true => undelivered(&mut c).await?.map(|unread| unread + (end - next) + TRIM_KEEP),
+                    false => None,
+                };
+                out.extend(produce(&mut c, next..end, killer, keep).await?);
+                if keep.is_some() {
+                    trimmed_in_hand.extend(pending_without_payload(&mut c).await?);
+                }
                 drop(_producing);
                 next = end;
                 tokio::time::sleep(pause).await;
             }
-            anyhow::Ok(out)
+            anyhow::Ok((out, trimmed_in_hand))
         })
     };
 
@@ -355,7 +455,7 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
             if step >= schedule.len() && producer.is_finished() {
                 let _producing = producing.lock().await;
                 let more = orders + top_ups.len()..orders + top_ups.len() + 500;
-                top_ups.extend(produce(&mut conn, more, usize::MAX).await?);
+                top_ups.extend(produce(&mut conn, more, usize::MAX, None).await?);
             }
             if let Some((consumer, order, landed)) = aimed_kill(&client, &ns, &mut conn, &mut stalls_seen).await? {
                 observed.killed_consumers.push((consumer.clone(), unix_ms()));
@@ -439,86 +539,86 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
         }
         step += 1;
     }
-    produced.extend(producer.await??);
+    let (rest, trimmed_in_hand) = producer.await??;
+    produced.extend(rest);
     produced.extend(top_ups);
     let orders = produced.len();
+    let order_of: HashMap<String, usize> = produced.iter().cloned().collect();
     let poison: Vec<String> = produced.iter().filter(|(_, i)| i % 100 == 42).map(|(_, i)| i.to_string()).collect();
 
-    let expected = orders - poison.len() - TRIMMED - 1;
+    // Settled: nothing pending, and every order charged or dead-lettered
+    // (a lost payload counts once, charged or not).
     let settled = eventually("every order settled", Duration::from_secs(900), || async {
         let mut c = f.redis.connection().await?;
-        let charged: usize = c.hlen("{ledger}:charges").await?;
-        let dead: usize = c.xlen("{orders}:dead").await?;
-        let dead = dead.saturating_sub(TRIMMED);
+        c.set_response_timeout(Duration::from_secs(120));
         let pending: redis::streams::StreamPendingReply = c.xpending("orders", "billing").await?;
-        Ok((charged == expected && dead == poison.len() + 1 && pending.count() == 0).then_some(()))
+        if pending.count() > 0 {
+            return Ok(None);
+        }
+        let charged: std::collections::HashSet<String> = c.hkeys("{ledger}:charges").await?;
+        let letters = read_letters(&mut c, &order_of).await?;
+        let lost_uncharged = letters.lost.iter().filter(|(o, _)| !charged.contains(o)).count();
+        let done = charged.len() + letters.permanent.len() + letters.crashed.len() + lost_uncharged;
+        // (More than `orders` is settled too: the checks below say what is wrong.)
+        Ok((done >= orders).then_some(()))
     })
     .await;
     let settled_in = started.elapsed();
     let mut conn = f.redis.connection().await?;
     // Whole ledgers of 100,000 orders come back in one reply.
     conn.set_response_timeout(Duration::from_secs(120));
-    let charged: usize = conn.hlen("{ledger}:charges").await?;
-    let dead: usize = conn.xlen("{orders}:dead").await?;
+    let ledger: HashMap<String, u64> = conn.hgetall("{ledger}:charges").await?;
+    let letters = read_letters(&mut conn, &order_of).await?;
     let pending: redis::streams::StreamPendingReply = conn.xpending("orders", "billing").await?;
     settled.map_err(|e| {
-        e.context(format!("charged {charged}/{expected}, dead {dead}, pending {}; {observed:?}", pending.count()))
+        e.context(format!(
+            "charged {}, permanent {}, crashed {}, lost {}, pending {} of {orders} orders; {observed:?}",
+            ledger.len(),
+            letters.permanent.len(),
+            letters.crashed.len(),
+            letters.lost.len(),
+            pending.count()
+        ))
     })?;
 
-    // The charged set is exactly: produced, minus poison, minus the orders
-    // reported payload-lost (by business key, through the producer's IDs).
-    let ledger: HashMap<String, u64> = conn.hgetall("{ledger}:charges").await?;
-    let letters: redis::streams::StreamRangeReply = conn.xrange_all("{orders}:dead").await?;
-    let mut dead_keys = Vec::new();
-    let mut lost_keys = Vec::new();
-    let mut crashed_keys = Vec::new();
-    for e in letters.ids {
-        let f: HashMap<String, String> = streamfleet_streams::entry::fields_from_map(e.map)
-            .into_iter()
-            .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
-            .collect();
-        assert_eq!(f[dl::F_SOURCE_STREAM], "orders");
-        assert_eq!(f[dl::F_GROUP], "billing");
-        assert!(!f[dl::F_SOURCE_ID].is_empty() && !f[dl::F_CONSUMER].is_empty() && !f[dl::F_AT].is_empty());
-        if f[dl::F_REASON] == "payload-missing" {
-            let order = lost.get(&f[dl::F_SOURCE_ID]).unwrap_or_else(|| panic!("{f:?} reported lost, never trimmed"));
-            lost_keys.push(order.to_string());
-            continue;
-        }
-        if f[dl::F_REASON] == "crashed-worker" {
-            assert_eq!((f["crash"].as_str(), &f[dl::F_BUSINESS_KEY]), ("1", &f["order_id"]), "{f:?}");
-            crashed_keys.push(f["order_id"].clone());
-            continue;
-        }
-        assert_eq!(f[dl::F_REASON], "permanent", "{f:?}");
-        assert!(f[dl::F_ERROR].contains("card declined"));
-        assert_eq!(f["poison"], "1");
-        assert_eq!(f[dl::F_BUSINESS_KEY], f["order_id"]);
-        dead_keys.push(f["order_id"].clone());
+    // Losses: one record per entry; the outside trim's entries are all on
+    // record, uncharged (their consumer vanished before running them).
+    let lost: std::collections::BTreeSet<String> = letters.lost.iter().map(|(o, _)| o.clone()).collect();
+    assert_eq!(lost.len(), letters.lost.len(), "one payload-missing record per entry: {:?}", letters.lost);
+    for (_, order) in &produced[..TRIMMED] {
+        let order = order.to_string();
+        assert!(lost.contains(&order) && !ledger.contains_key(&order), "trimmed under the vanished consumer: {order}");
     }
-    lost_keys.sort();
-    let mut trimmed_orders: Vec<String> = lost.values().map(usize::to_string).collect();
-    trimmed_orders.sort();
-    assert_eq!(lost_keys, trimmed_orders, "each trimmed pending entry is on record as payload-missing");
-    let mut poison_sorted = poison.clone();
-    poison_sorted.sort();
-    dead_keys.sort();
-    assert_eq!(dead_keys, poison_sorted, "each poison order is a dead letter, once");
+    let lost_uncharged: std::collections::BTreeSet<String> =
+        lost.iter().filter(|o| !ledger.contains_key(*o)).cloned().collect();
+    // Each poison order is a dead letter once, unless its payload went first.
+    let mut permanent = letters.permanent.clone();
+    permanent.sort();
+    let mut poison_letters: Vec<String> = poison.iter().filter(|o| !lost.contains(*o)).cloned().collect();
+    poison_letters.sort();
+    assert_eq!(permanent, poison_letters, "each poison order is a dead letter, once");
     // The killer alone is quarantined, after exactly the crash limit's deaths.
-    assert_eq!(crashed_keys, [killer.to_string()], "the order that kills its worker is a crashed-worker letter, alone");
+    assert_eq!(
+        letters.crashed,
+        [killer.to_string()],
+        "the order that kills its worker is a crashed-worker letter, alone"
+    );
     let aborts: Vec<String> = conn.lrange("{ledger}:aborts", 0, -1).await?;
     assert_eq!(aborts.len(), CRASH_LIMIT, "deaths caused by the killer order: {aborts:?}");
     for death in &aborts {
         let (consumer, at) = death.split_once(' ').expect("<consumer> <ms>");
         observed.killed_consumers.push((consumer.to_string(), at.parse()?));
     }
+    // The charged set is exactly: produced, minus poison, minus the killer,
+    // minus the orders lost before anyone charged them.
     let expected_set: std::collections::BTreeSet<String> = produced
         .iter()
         .map(|(_, i)| i.to_string())
-        .filter(|o| !poison.contains(o) && !lost_keys.contains(o) && *o != killer.to_string())
+        .filter(|o| !poison.contains(o) && !lost_uncharged.contains(o) && *o != killer.to_string())
         .collect();
+    let expected = expected_set.len();
     let charged_set: std::collections::BTreeSet<String> = ledger.keys().cloned().collect();
-    assert_eq!(charged_set, expected_set, "charged = produced - poison - payload-lost");
+    assert_eq!(charged_set, expected_set, "charged = produced - poison - killer - lost uncharged");
     for (_, i) in produced.iter().filter(|(_, i)| expected_set.contains(&i.to_string())) {
         assert_eq!(ledger[&i.to_string()], 100 + u64::try_from(*i)?, "order {i} charged the wrong amount");
     }
@@ -529,12 +629,11 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
     let scgs: Api<streamfleet_crd::StreamConsumerGroup> = Api::namespaced(client.clone(), &ns);
     let status = eventually("payloadLost in status", Duration::from_secs(60), || async {
         let s = scgs.get("orders").await?.status.unwrap_or_default();
-        Ok(s.payload_lost.clone().filter(|p| p.total > 0).map(|p| (p, s.health)))
+        Ok(s.payload_lost.clone().filter(|p| p.total >= lost.len() as i64).map(|p| (p, s.health)))
     })
     .await?;
-    assert_eq!(status.0.total, TRIMMED as i64, "payload-lost total is exactly the trimmed pending entries");
+    assert_eq!(status.0.total, lost.len() as i64, "payload-lost total is exactly the loss records");
     assert_eq!(status.1, Some(streamfleet_crd::Health::PayloadLost));
-
     // Duplicates: deliveries absorbed (the guard suppressed them, or the
     // ledger refused a second charge) versus duplicate effects: a repeat that
     // got past a first charger still alive, other than that charger's own
@@ -572,11 +671,38 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
         .map(|(order, _)| (order, charged_by.get(order)))
         .collect();
     let crash_repeats = repeats.iter().filter(|(order, _)| in_flight_at_crash(order)).count();
+    // Loss means lost: a charged order is on record as lost only when its
+    // charger died after charging and before the record (its entry then
+    // lost its payload in a dead consumer's hands), or when the charger never
+    // heard back (a charge in flight at the Redis crash: a retry was due,
+    // and the payload went first).
+    let false_losses: Vec<&String> = letters
+        .lost
+        .iter()
+        .filter(|(order, at)| {
+            let charged = charged_at.get(order).copied();
+            ledger.contains_key(order)
+                && !in_flight_at_crash(order)
+                && !charged.zip(charged_by.get(order)).is_some_and(|(from, c)| died_between(c, from, *at))
+        })
+        .map(|(order, _)| order)
+        .collect();
+    // Entries trimmed by the producer while pending in a worker's hands,
+    // then completed by that worker: charged by it, and no loss record (had
+    // it died holding the entry, the claim after it would have found the
+    // payload gone and recorded the loss).
+    let completed_after_trim: std::collections::BTreeSet<String> = trimmed_in_hand
+        .iter()
+        .filter_map(|(id, holder)| order_of.get(id).map(|o| (o.to_string(), holder)))
+        .filter(|(order, holder)| charged_by.get(order) == Some(*holder) && !lost.contains(order))
+        .map(|(order, _)| order)
+        .collect();
     let duplicate_effects: Vec<(&String, Option<&String>)> =
         repeats.into_iter().filter(|(order, _)| !in_flight_at_crash(order)).collect();
     let absorbed = suppressed.unwrap_or(0) + refused.values().sum::<u64>();
     println!(
-        "drill (guard {}): {orders} orders over {seconds} s ({} poison, {} payload-lost: {}) settled in {:?}; \
+        "drill (guard {}): {orders} orders over {seconds} s ({} poison, {} payload-lost of which {} charged first by a \
+         charger that then died; trimmed by length in a live worker's hands and completed by it: {}) settled in {:?}; \
          worker SIGKILLs: {} random + {} aimed between effect and ack (shown: charged and still held by the dead \
          process; {} aimed missed, the ack came first); Redis crash-restarts from AOF: {}; kube-apiserver restarts: {}; \
          leading operator SIGKILLed: {}; transient failures: {}; charged by the slow worker: {slow_charges}; duplicate \
@@ -585,8 +711,9 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
          deaths caused by the killer order before its crashed-worker letter: {}; duplicate effects: {}",
         if plan.guard { "on" } else { "off" },
         poison.len(),
-        lost_keys.len(),
-        lost_keys.join(","),
+        lost.len(),
+        lost.len() - lost_uncharged.len(),
+        completed_after_trim.len(),
         settled_in,
         observed.random_kills,
         observed.aimed_landed.len(),
@@ -603,6 +730,11 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
     );
     // Every fault happened.
     assert!(duplicate_effects.is_empty(), "charged again while the first charger lived: {duplicate_effects:?}");
+    assert!(false_losses.is_empty(), "recorded lost though charged by a holder that lived on: {false_losses:?}");
+    assert!(
+        trim_until <= first || !completed_after_trim.is_empty(),
+        "no entry was trimmed by length in a live worker's hands and completed: {trimmed_in_hand:?}"
+    );
     assert_eq!(observed.random_kills, plan.random_kills, "every random SIGKILL landed on a running worker");
     assert!(observed.aimed_landed.len() >= plan.aimed_kills, "aimed SIGKILLs that landed: {:?}", observed.aimed_landed);
     for (consumer, order) in &observed.aimed_landed {
@@ -638,7 +770,15 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
         row("kube-apiserver restarts", usize::from(observed.apiserver_restart.is_some()).to_string()),
         row("leading operator SIGKILLed", usize::from(observed.leader_killed.is_some()).to_string()),
         row("transient gateway failures", transient.to_string()),
-        row("payloads trimmed under a vanished consumer, reported payload-missing", lost_keys.len().to_string()),
+        row("payloads trimmed under a vanished consumer, reported payload-missing", TRIMMED.to_string()),
+        row(
+            "payloads lost in all (outside trim and the producer's MAXLEN), each on record as payload-missing",
+            lost.len().to_string(),
+        ),
+        row(
+            "entries trimmed by length in a live worker's hands, then completed by it (no loss record)",
+            completed_after_trim.len().to_string(),
+        ),
         row("charged by the slow but live worker", slow_charges.to_string()),
         row("duplicate deliveries absorbed (guard or ledger)", absorbed.to_string()),
         row("repeats of charges in flight at the Redis crash", crash_repeats.to_string()),
@@ -656,7 +796,7 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
                 "orders": orders_asked, "productionSeconds": seconds, "workers": plan.workers,
                 "guard": plan.guard, "minIdleTimeMs": MIN_IDLE_MS, "maxDeliveries": MAX_DELIVERIES,
                 "batchSize": BATCH_SIZE, "stallMs": STALL_MS, "stallPercent": STALL_PERCENT,
-                "transientPercent": TRANSIENT_PERCENT,
+                "transientPercent": TRANSIENT_PERCENT, "trimKeep": TRIM_KEEP,
             },
             "columns": ["injected or observed", "count"],
             "rows": rows,

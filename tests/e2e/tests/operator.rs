@@ -77,7 +77,7 @@ async fn helm_installed_operator_creates_group_workers_and_recovery() -> Result<
     assert_eq!(penv[env::REDIS_URL], redis.url().as_str());
     assert_eq!(penv[env::STREAMS], "orders");
     assert_eq!(penv[env::GROUP], "billing");
-    assert_eq!(penv[env::DEAD_LETTER_STREAM], "{orders}:dead");
+    assert_eq!(penv[env::DEAD_LETTER_STREAM], "{orders}:dead:billing");
     let uid = penv[env::POD_UID].as_str().unwrap_or_default();
     assert!(!uid.is_empty(), "the pod UID reaches the worker");
     assert_eq!(

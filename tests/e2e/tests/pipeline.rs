@@ -431,7 +431,7 @@ async fn the_python_worker_runs_under_the_operator_and_survives_a_killed_pod() -
     let ledger: std::collections::HashMap<String, String> = conn.hgetall("ledger").await?;
     let expected: std::collections::BTreeSet<String> = (0..300).map(|i| i.to_string()).collect();
     assert_eq!(ledger.keys().cloned().collect::<std::collections::BTreeSet<_>>(), expected, "each order charged");
-    let letters: redis::streams::StreamRangeReply = conn.xrange_all("{orders}:dead").await?;
+    let letters: redis::streams::StreamRangeReply = conn.xrange_all("{orders}:dead:billing").await?;
     let mut keys: Vec<String> = letters
         .ids
         .iter()
@@ -461,7 +461,7 @@ async fn the_python_worker_runs_under_the_operator_and_survives_a_killed_pod() -
         Ok((charged().await? == 320 && pending.count() == 0).then_some(()))
     })
     .await?;
-    let letters: usize = conn.xlen("{orders}:dead").await?;
+    let letters: usize = conn.xlen("{orders}:dead:billing").await?;
     assert_eq!(letters, 5, "no order dead-lettered for the outage");
     let records: std::collections::HashMap<String, String> = conn.hgetall("{orders}:last-error:billing").await?;
     assert!(records.is_empty(), "entry records left behind: {records:?}");

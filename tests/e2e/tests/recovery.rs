@@ -86,7 +86,7 @@ async fn sweep_dead_letters_poison_reports_lost_payloads_and_replay_requeues() -
     // Replay with the operator binary: the poison order goes back, the
     // payload-missing record stays.
     let out = tokio::process::Command::new(tools::cargo_bin("streamfleet")?)
-        .args(["dead-letters", "--dead-letter-stream", "{orders}:dead", "replay", "--all"])
+        .args(["dead-letters", "--dead-letter-stream", "{orders}:dead:billing", "replay", "--all"])
         .env("STREAMFLEET_REDIS_URL", f.redis.url())
         .env("STREAMFLEET_LOG_FORMAT", "text")
         .output()
@@ -94,7 +94,7 @@ async fn sweep_dead_letters_poison_reports_lost_payloads_and_replay_requeues() -
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("requeued ") && stdout.contains("-> orders ") && stdout.contains("skipped"), "{stdout}");
-    let dlq: usize = conn.xlen("{orders}:dead").await?;
+    let dlq: usize = conn.xlen("{orders}:dead:billing").await?;
     assert_eq!(dlq, 1);
     let last_entry: redis::streams::StreamRangeReply = conn.xrevrange_count("orders", "+", "-", 1).await?;
     let fields = streamfleet_streams::entry::fields_from_map(last_entry.ids[0].map.clone());

@@ -61,7 +61,7 @@ async fn example_workers_on_a_redis_cluster_charge_every_order_once() -> Result<
     eventually("every order settled on the cluster", T, || async {
         let mut c = conn.clone();
         let charged: usize = c.hlen("{ledger}:charges").await?;
-        let dead: usize = c.xlen("{orders}:dead").await?;
+        let dead: usize = c.xlen("{orders}:dead:billing").await?;
         let pending: redis::streams::StreamPendingReply = c.xpending("orders", "billing").await?;
         Ok((charged == expected && dead == poison && pending.count() == 0).then_some(()))
     })

@@ -91,7 +91,7 @@ async fn an_outage_is_ridden_out_on_the_schedule_and_a_longer_one_dead_letters_a
     })
     .await?;
     let drained = up_at.elapsed();
-    let dead: usize = conn.xlen("{orders}:dead").await?;
+    let dead: usize = conn.xlen("{orders}:dead:billing").await?;
     assert_eq!(dead, 0, "an outage shorter than the horizon dead-letters nothing");
     let duplicates: HashMap<String, i64> = conn.hgetall("{ledger}:duplicates").await?;
     assert!(duplicates.is_empty(), "every order charged once: {duplicates:?}");
@@ -117,7 +117,7 @@ async fn an_outage_is_ridden_out_on_the_schedule_and_a_longer_one_dead_letters_a
     let long_from = Instant::now();
     produce(&mut conn, 220, 250).await?;
     let letters = eventually("30 dead letters", T, || async {
-        let letters: redis::streams::StreamRangeReply = conn.clone().xrange_all("{orders}:dead").await?;
+        let letters: redis::streams::StreamRangeReply = conn.clone().xrange_all("{orders}:dead:billing").await?;
         Ok((letters.ids.len() == 30).then_some(letters))
     })
     .await?;

@@ -89,7 +89,7 @@ async fn the_redis_password_appears_in_no_log_event_status_or_object() -> Result
     eventually("orders charged and poison dead-lettered", T, || async {
         let mut c = conn.clone();
         let charged: usize = redis::cmd("HLEN").arg("{ledger}:charges").query_async(&mut c).await?;
-        let dead: usize = redis::cmd("XLEN").arg("{orders}:dead").query_async(&mut c).await?;
+        let dead: usize = redis::cmd("XLEN").arg("{orders}:dead:billing").query_async(&mut c).await?;
         Ok((charged == 48 && dead == 2).then_some(()))
     })
     .await?;

@@ -58,8 +58,10 @@ async fn settled(conn: &mut redis::cluster_async::ClusterConnection, shards: u32
     let charged: usize = redis::cmd("HLEN").arg("{ledger}:charges").query_async(conn).await?;
     let (mut dead, mut pending) = (0, 0);
     for shard in shard_keys("orders", shards) {
-        let n: usize =
-            redis::cmd("XLEN").arg(streamfleet_streams::keys::dead_letter_stream(&shard)).query_async(conn).await?;
+        let n: usize = redis::cmd("XLEN")
+            .arg(streamfleet_streams::keys::dead_letter_stream(&shard, "billing"))
+            .query_async(conn)
+            .await?;
         dead += n;
         let p: redis::streams::StreamPendingReply =
             redis::cmd("XPENDING").arg(&shard).arg("billing").query_async(conn).await?;
@@ -149,7 +151,7 @@ async fn a_sharded_pipeline_on_a_cluster_runs_every_shard_grows_under_load_and_n
     }
     let mut with_letters = None;
     for shard in shard_keys("orders", 6) {
-        let dlq = streamfleet_streams::keys::dead_letter_stream(&shard);
+        let dlq = streamfleet_streams::keys::dead_letter_stream(&shard, "billing");
         let n: usize = redis::cmd("XLEN").arg(&dlq).query_async(&mut c).await?;
         if n > 0 {
             with_letters = Some((shard, dlq, n));
@@ -256,7 +258,7 @@ async fn six_shards_survive_a_master_failover_and_a_worker_kill_with_every_order
     // Each poison order on its own shard's dead-letter stream.
     for shard in &shards {
         let letters: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
-            .arg(streamfleet_streams::keys::dead_letter_stream(shard))
+            .arg(streamfleet_streams::keys::dead_letter_stream(shard, "billing"))
             .arg("-")
             .arg("+")
             .query_async(&mut c)

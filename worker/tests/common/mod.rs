@@ -135,7 +135,7 @@ pub async fn pending(conn: &mut redis::aio::MultiplexedConnection) -> Result<usi
 pub type DeadLetters = Vec<HashMap<String, String>>;
 
 pub async fn dead_letters(conn: &mut redis::aio::MultiplexedConnection) -> Result<DeadLetters> {
-    let range: redis::streams::StreamRangeReply = conn.xrange_all("{orders}:dead").await?;
+    let range: redis::streams::StreamRangeReply = conn.xrange_all("{orders}:dead:g").await?;
     Ok(range
         .ids
         .into_iter()

@@ -104,7 +104,7 @@ async fn main() -> Result<()> {
         let _: () = redis::cmd("DEL").arg(&base).query_async(&mut conn).await?;
 
         let stream = format!("swept-{run}");
-        let dead = format!("{{{stream}}}:dead");
+        let dead = streamfleet_streams::keys::dead_letter_stream(&stream, "g");
         arranged = arrange(&mut conn, &stream, n, true).await?;
         let settings = SweepSettings {
             stream: &stream,
