@@ -71,7 +71,8 @@ static EXTEND: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
 /// entries' ID span, read in pages (`XPENDING … <consumer>`: one call for a
 /// batch read together, not one per entry). Returns the IDs another
 /// consumer holds now (not acked here); run twice, the second run acks
-/// nothing and reports nothing.
+/// nothing and reports those IDs again
+/// (`protocol::a_commit_sent_twice_acks_once_and_never_acks_what_another_holds`).
 static COMMIT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         r"

@@ -717,3 +717,53 @@ async fn two_groups_on_one_stream_dead_letter_into_their_own_streams() -> Result
     assert_eq!(length("{orders}:dead").await?, 0, "no shared stream");
     Ok(())
 }
+
+/// A commit sent twice (its reply lost, the caller trying again) changes
+/// nothing the second time: the entry it acked stays acked, the completion
+/// and the released lock stay as they are, and an entry another consumer
+/// claimed meanwhile is reported again, never acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_sent_twice_acks_once_and_never_acks_what_another_holds() -> Result<()> {
+    use streamfleet_worker::lease::{Completion, Lease};
+    let (server, mut conn) = setup().await?;
+    let ours = add(&mut conn, &[("kind", "ok"), ("key", "k0")]).await?;
+    let taken = add(&mut conn, &[("kind", "ok"), ("key", "k1")]).await?;
+    let opts = redis::streams::StreamReadOptions::default().group("g", "w").count(10);
+    let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
+    // A claim after a long pause: the second entry is another consumer's now.
+    let _: redis::Value =
+        redis::cmd("XCLAIM").arg("orders").arg("g").arg("thief").arg(0).arg(&taken).query_async(&mut conn).await?;
+    let lock = |k: &str| format!("{{orders}}:idem:g:{k}");
+    let mark = |k: &str| format!("processing:w:{k}");
+    for k in ["k0", "k1"] {
+        let _: () = conn.set(lock(k), mark(k)).await?;
+    }
+    let completion = |event: &str, k: &str| Completion {
+        record: streamfleet_streams::keys::completion_key("orders", "g", event),
+        lock: Some((lock(k), mark(k))),
+    };
+    let settled = [(ours.as_str(), Some(completion(&ours, "k0"))), (taken.as_str(), Some(completion(&taken, "k1")))];
+    let endpoint =
+        streamfleet_streams::Endpoint { url: server.url(), mode: streamfleet_streams::Mode::Standalone, ca_pem: None };
+    let mut stream_conn = streamfleet_streams::StreamConnection::connect(&endpoint).await?;
+    let lease = Lease { stream: "orders", group: "g", consumer: "w" };
+    let state = |mut c: redis::aio::MultiplexedConnection| async move {
+        let pending: redis::streams::StreamPendingCountReply = c.xpending_count("orders", "g", "-", "+", 10).await?;
+        let owners: Vec<(String, String)> = pending.ids.into_iter().map(|p| (p.id, p.consumer)).collect();
+        let locks: Vec<Option<String>> = vec![c.get(lock("k0")).await?, c.get(lock("k1")).await?];
+        anyhow::Ok((owners, locks))
+    };
+    let first = lease.commit(&mut stream_conn, 60_000, &settled).await?;
+    assert_eq!(first, vec![taken.clone()], "the claimed entry is reported, not acked");
+    let after_first = state(conn.clone()).await?;
+    assert_eq!(after_first.0, vec![(taken.clone(), "thief".to_string())], "ours acked, the thief's left");
+    assert_eq!(after_first.1, vec![None, None], "both locks released: both effects happened");
+    let second = lease.commit(&mut stream_conn, 60_000, &settled).await?;
+    assert_eq!(second, first, "sent again: the same report");
+    assert_eq!(state(conn.clone()).await?, after_first, "sent again: nothing changed");
+    for event in [&ours, &taken] {
+        let done: Option<String> = conn.get(streamfleet_streams::keys::completion_key("orders", "g", event)).await?;
+        assert_eq!(done.as_deref(), Some("completed"), "{event}");
+    }
+    Ok(())
+}
