@@ -60,62 +60,76 @@ pub async fn record_not_started<C: ConnectionLike + Send>(
     group: &str,
     consumer: &str,
 ) -> Result<bool, StreamError> {
-    record_run(conn, entry, group, consumer, handed_back(entry.deliveries), "recording an entry left unstarted").await
+    let runs = [(entry.id.as_str(), handed_back(entry.deliveries))];
+    let written = record_runs(conn, &entry.stream, group, consumer, &runs, "recording an entry left unstarted").await?;
+    Ok(written.first() == Some(&true))
 }
 
-/// Records that the handler of `entry`'s current delivery starts now.
-/// Written (and waited for) before the handler runs: a process that dies
-/// in it leaves the record behind for the next claim to read. False, and
-/// nothing written, when `consumer` no longer holds the entry (its hold
-/// lapsed and another claimed, acked or dead-lettered it): its handler must
-/// not start.
-pub async fn record_start<C: ConnectionLike + Send>(
+/// Records that the handlers of `starting` (entries of `stream`: ID and
+/// delivery count) start now, in one script: a worker whose handlers start
+/// together writes their records together (group commit). Written (and
+/// waited for) before the handlers run: a process that dies in one leaves
+/// the record behind for the next claim to read. Per entry, false (and
+/// nothing written for it) when `consumer` no longer holds it (its hold
+/// lapsed and another claimed, acked or dead-lettered it): its handler
+/// must not start.
+pub async fn record_starts<C: ConnectionLike + Send>(
     conn: &mut C,
-    entry: &Entry,
+    stream: &str,
     group: &str,
     consumer: &str,
-) -> Result<bool, StreamError> {
-    record_run(conn, entry, group, consumer, entry.deliveries.to_string(), "recording a handler's start").await
+    starting: &[(&str, u64)],
+) -> Result<Vec<bool>, StreamError> {
+    let runs: Vec<(&str, String)> = starting.iter().map(|(id, deliveries)| (*id, deliveries.to_string())).collect();
+    record_runs(conn, stream, group, consumer, &runs, "recording handlers' start").await
 }
 
-/// Sets the entry's run record while `ARGV[2]` holds it in the PEL, in one
-/// script: a holder whose hold lapsed never leaves a record for an entry
-/// that has left the PEL (where nothing would ever delete it) or that
-/// another consumer now runs. KEYS: the stream, the entry-record hash.
-/// ARGV: group, consumer, ID, its [`run_field`], value. Returns 1 written,
-/// 0 not held.
-static RECORD_RUN: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+/// Sets each entry's run record ([`run_field`]) while `ARGV[2]` holds it in
+/// the PEL, in one script: a holder whose hold lapsed never leaves a record
+/// for an entry that has left the PEL (where nothing would ever delete it)
+/// or that another consumer now runs. KEYS: the stream, the entry-record
+/// hash. ARGV: group, consumer, then per entry its ID and value. Returns
+/// per entry 1 written, 0 not held. One `XPENDING` per entry (a point
+/// lookup) and one `HSET` for all.
+static RECORD_RUNS: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         r"
-        local held = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2])
-        if #held == 0 then
-            return 0
+        local out, fields = {}, {}
+        for j = 3, #ARGV, 2 do
+            local id = ARGV[j]
+            if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) > 0 then
+                fields[#fields + 1] = id .. ':run'
+                fields[#fields + 1] = ARGV[j + 1]
+                out[#out + 1] = 1
+            else
+                out[#out + 1] = 0
+            end
         end
-        redis.call('HSET', KEYS[2], ARGV[4], ARGV[5])
-        return 1",
+        if #fields > 0 then
+            redis.call('HSET', KEYS[2], unpack(fields))
+        end
+        return out",
     )
 });
 
-async fn record_run<C: ConnectionLike + Send>(
+async fn record_runs<C: ConnectionLike + Send>(
     conn: &mut C,
-    entry: &Entry,
+    stream: &str,
     group: &str,
     consumer: &str,
-    value: String,
+    runs: &[(&str, String)],
     action: &'static str,
-) -> Result<bool, StreamError> {
-    let written: i64 = RECORD_RUN
-        .key(&entry.stream)
-        .key(keys::last_error_key(&entry.stream, group))
-        .arg(group)
-        .arg(consumer)
-        .arg(&entry.id)
-        .arg(run_field(&entry.id))
-        .arg(value)
-        .invoke_async(conn)
-        .await
-        .map_err(|e| StreamError::new(action, e))?;
-    Ok(written == 1)
+) -> Result<Vec<bool>, StreamError> {
+    if runs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut script = RECORD_RUNS.prepare_invoke();
+    script.key(stream).key(keys::last_error_key(stream, group)).arg(group).arg(consumer);
+    for (id, value) in runs {
+        script.arg(*id).arg(value);
+    }
+    let written: Vec<u8> = script.invoke_async(conn).await.map_err(|e| StreamError::new(action, e))?;
+    Ok(written.into_iter().map(|w| w == 1).collect())
 }
 
 /// Lua shared by the claim scripts: `redelivery(record_key, id, count)`

@@ -108,11 +108,13 @@ impl<H: Handler> Worker<H> {
         };
         let (settled_tx, settled_rx) = tokio::sync::mpsc::unbounded_channel::<(usize, Settled)>();
         let failure: std::sync::Mutex<Option<WorkerError>> = std::sync::Mutex::new(None);
+        let (starts_tx, starts_rx) = tokio::sync::mpsc::unbounded_channel::<start::StartRequest>();
         let done = tokio::sync::Notify::new();
         let handlers = async {
             let run = futures::stream::iter(groups).for_each_concurrent(self.config.concurrency.max(1), |group| {
-                let (tx, conn, failure, batch) = (settled_tx.clone(), conn.clone(), &failure, &batch);
-                self.run_group(conn, batch, group, tx, failure)
+                let (tx, starts, conn, failure, batch) =
+                    (settled_tx.clone(), starts_tx.clone(), conn.clone(), &failure, &batch);
+                self.run_group(conn, batch, group, tx, starts, failure)
             });
             tokio::select! {
                 () = run => {}
@@ -121,11 +123,13 @@ impl<H: Handler> Worker<H> {
                 }
             }
             drop(settled_tx);
+            drop(starts_tx);
         };
         let flushes = self.flush_settled(conn.clone(), settled_rx, &batch, &failure);
+        let starts = self.record_starts(conn.clone(), starts_rx, &batch);
         // The hold lasts until every done entry is committed too.
         let work = async {
-            let ((), flushed) = tokio::join!(handlers, flushes);
+            let ((), flushed, ()) = tokio::join!(handlers, flushes, starts);
             done.notify_one();
             flushed
         };
@@ -182,6 +186,7 @@ impl<H: Handler> Worker<H> {
         batch: &Batch,
         group: Vec<usize>,
         settled: tokio::sync::mpsc::UnboundedSender<(usize, Settled)>,
+        starts: start::Starts,
         failure: &std::sync::Mutex<Option<WorkerError>>,
     ) {
         for i in group {
@@ -192,7 +197,7 @@ impl<H: Handler> Worker<H> {
                 continue;
             }
             batch.advance(i, Event::Start);
-            match self.settle(&mut conn, batch, i).await {
+            match self.settle(&mut conn, batch, i, &starts).await {
                 Ok(Settled::Leave) => batch.advance(i, Event::Left),
                 Ok(outcome) => {
                     batch.advance(i, Event::EffectDone);

@@ -9,6 +9,7 @@ mod hold;
 mod read;
 mod reclaim;
 mod settle;
+mod start;
 
 use batch::Batch;
 use read::Reader;
@@ -159,6 +160,10 @@ pub enum WorkerError {
     /// The server cannot run the protocol (older than 7.0).
     #[error("{0}")]
     Unsupported(String),
+    /// Shutting down while Redis was unreachable: what was being done did
+    /// not happen (and is not retried).
+    #[error("stopped: {0}")]
+    Stopped(&'static str),
     /// A failpoint (tests only) stopped the worker where it stood, as a crash would.
     #[error("stopped at failpoint {0}")]
     Failpoint(&'static str),

@@ -21,6 +21,7 @@ impl<H: Handler> Worker<H> {
         conn: &mut StreamConnection,
         batch: &Batch,
         i: usize,
+        starts: &start::Starts,
     ) -> Result<Settled, WorkerError> {
         let (entry, acquisition) = (&batch.entries[i], batch.acquisitions[i]);
         let key = match &batch.keys[i] {
@@ -88,7 +89,7 @@ impl<H: Handler> Worker<H> {
             }
         };
         fail::fail_point!("worker::before-start");
-        if !self.at_most_once && !self.record_start(conn, entry).await? {
+        if !self.at_most_once && !self.start(starts, i).await? {
             // Claimed away since it was read (this consumer's hold lapsed):
             // its new holder runs it, not this one.
             tracing::info!(stream = %entry.stream, id = %entry.id, "not started: another consumer holds the entry now");
@@ -215,29 +216,6 @@ impl<H: Handler> Worker<H> {
                 tracing::info!("a probe succeeded: calls resume (circuit closed)");
             }
             None => {}
-        }
-    }
-
-    /// Records that `entry`'s handler starts (`started`), before it runs: if
-    /// it takes the process down, the next claim knows it was running. While
-    /// Redis is unreachable (a restart, a failover) it retries with backoff
-    /// (the batch stays held meanwhile) rather than fail the batch, whose
-    /// entries would then sit unheld; it gives up only on shutdown. False
-    /// when this consumer no longer holds the entry: its handler must not start.
-    pub(super) async fn record_start(&self, conn: &mut StreamConnection, entry: &Entry) -> Result<bool, WorkerError> {
-        let mut delay = RETRY_FIRST;
-        loop {
-            match streamfleet_streams::started::record_start(conn, entry, &self.config.group, &self.config.consumer)
-                .await
-            {
-                Ok(held) => return Ok(held),
-                Err(e) if stopping(&self.stop) => return Err(e.into()),
-                Err(e) => {
-                    tracing::warn!(stream = %entry.stream, id = %entry.id, error = %e, retry_in = ?delay, "recording a handler's start failed; retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(RETRY_MAX);
-                }
-            }
         }
     }
 

@@ -1,0 +1,99 @@
+//! Recording handlers' starts as a group commit: the handlers of a batch
+//! that are about to start together (up to `concurrency`) have their start
+//! records (`started`) written by one script per stream, not one each.
+//! Each still waits for its own record before it runs.
+
+use super::*;
+
+/// One handler waiting to start: its entry's index in the batch, and where
+/// to say whether it may (`None`: the record could not be written, and the
+/// worker is stopping).
+pub(super) type StartRequest = (usize, tokio::sync::oneshot::Sender<Option<bool>>);
+
+/// Where a batch's handlers ask for their start records.
+pub(super) type Starts = tokio::sync::mpsc::UnboundedSender<StartRequest>;
+
+impl<H: Handler> Worker<H> {
+    /// Writes the start records asked for, as they come: all that queued
+    /// while the last write was in flight go in the next, one script per
+    /// stream. While Redis is unreachable (a restart, a failover) it retries
+    /// with backoff (the batch stays held meanwhile) rather than fail the
+    /// batch, whose entries would then sit unheld; it gives up only on
+    /// shutdown. Ends when every handler's sender is gone.
+    pub(super) async fn record_starts(
+        &self,
+        mut conn: StreamConnection,
+        mut requests: tokio::sync::mpsc::UnboundedReceiver<StartRequest>,
+        batch: &Batch,
+    ) {
+        let mut delay = RETRY_FIRST;
+        let mut waiting: Vec<StartRequest> = Vec::new();
+        loop {
+            if waiting.is_empty() {
+                match requests.recv().await {
+                    Some(first) => waiting.push(first),
+                    None => return,
+                }
+            }
+            while let Ok(more) = requests.try_recv() {
+                waiting.push(more);
+            }
+            let mut by_stream: BTreeMap<&str, Vec<(&str, u64)>> = BTreeMap::new();
+            for (i, _) in &waiting {
+                let entry = &batch.entries[*i];
+                by_stream.entry(entry.stream.as_str()).or_default().push((entry.id.as_str(), entry.deliveries));
+            }
+            let mut answers: std::collections::HashMap<(&str, &str), bool> = std::collections::HashMap::new();
+            let mut failed = None;
+            for (stream, starting) in &by_stream {
+                let (group, consumer) = (&self.config.group, &self.config.consumer);
+                match streamfleet_streams::started::record_starts(&mut conn, stream, group, consumer, starting).await {
+                    Ok(held) => {
+                        answers.extend(starting.iter().zip(held).map(|((id, _), held)| ((*stream, *id), held)));
+                    }
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
+                    }
+                }
+            }
+            // Answered: those whose stream's script ran. The rest wait for the next write.
+            let (answered, rest): (Vec<StartRequest>, Vec<StartRequest>) = waiting.into_iter().partition(|(i, _)| {
+                let entry = &batch.entries[*i];
+                answers.contains_key(&(entry.stream.as_str(), entry.id.as_str()))
+            });
+            for (i, reply) in answered {
+                let entry = &batch.entries[i];
+                let held = answers.get(&(entry.stream.as_str(), entry.id.as_str())).copied();
+                let _ = reply.send(held);
+            }
+            waiting = rest;
+            match failed {
+                None => delay = RETRY_FIRST,
+                Some(e) if stopping(&self.stop) => {
+                    tracing::warn!(error = %e, "recording handlers' start failed while stopping: they do not start");
+                    for (_, reply) in waiting.drain(..) {
+                        let _ = reply.send(None);
+                    }
+                }
+                Some(e) => {
+                    tracing::warn!(error = %e, entries = waiting.len(), retry_in = ?delay, "recording handlers' start failed; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(RETRY_MAX);
+                }
+            }
+        }
+    }
+
+    /// Waits for entry `i`'s start record (`record_starts`). False when this
+    /// consumer no longer holds the entry: its handler must not start.
+    pub(super) async fn start(&self, starts: &Starts, i: usize) -> Result<bool, WorkerError> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        if starts.send((i, reply)).is_ok()
+            && let Ok(Some(held)) = answer.await
+        {
+            return Ok(held);
+        }
+        Err(WorkerError::Stopped("recording a handler's start: Redis unreachable while stopping"))
+    }
+}
