@@ -767,3 +767,64 @@ async fn a_commit_sent_twice_acks_once_and_never_acks_what_another_holds() -> Re
     }
     Ok(())
 }
+
+/// Counts its calls; each blocks its thread for `block` (as a synchronous
+/// client called from async code would), then succeeds.
+#[derive(Clone)]
+struct BlocksItsThread {
+    calls: Arc<std::sync::atomic::AtomicU32>,
+    block: Duration,
+}
+
+impl streamfleet_worker::Handler for BlocksItsThread {
+    fn handle(&self, _entry: &Entry) -> impl std::future::Future<Output = streamfleet_worker::Outcome> + Send {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let block = self.block;
+        async move {
+            std::thread::sleep(block);
+            streamfleet_worker::Outcome::Done
+        }
+    }
+}
+
+/// A handler that blocks its worker's only thread for four times
+/// min-idle-time keeps its entry: the hold runs on a thread of its own, so
+/// a second consumer claiming idle entries all along never takes (and runs
+/// again) what the first is still running. Before, the hold ran beside the
+/// handlers, starved with them: the entry went idle and the second
+/// consumer ran it too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_blocking_its_thread_past_min_idle_keeps_its_entry() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    add(&mut conn, &[("kind", "ok")]).await?;
+    let blocking = BlocksItsThread { calls: Arc::default(), block: Duration::from_millis(1200) };
+    // The first consumer on a runtime of one thread, which its handler blocks.
+    let first = Worker::new(config(&server, "c1", 300, 5), blocking.clone());
+    let (stop_first, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running_first = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        runtime.block_on(first.run(async move {
+            let _ = stopped.await;
+        }))?;
+        anyhow::Ok(())
+    });
+    let calls = blocking.calls.clone();
+    let started = move || {
+        let calls = calls.clone();
+        async move { Ok((calls.load(std::sync::atomic::Ordering::SeqCst) == 1).then_some(())) }
+    };
+    eventually("the first consumer's handler started", T, started).await?;
+    // The second claims entries idle past min-idle-time every 150 ms.
+    let second = Worker::new(config(&server, "c2", 300, 5), Scripted::default());
+    let second_stats = second.stats();
+    let (stop_second, running_second) = spawn(second);
+    eventually("the entry acked", T, || async { Ok((pending(&mut conn.clone()).await? == 0).then_some(())) }).await?;
+    let _ = stop_second.send(());
+    running_second.await??;
+    let _ = stop_first.send(());
+    running_first.join().unwrap()?;
+    assert_eq!(blocking.calls.load(std::sync::atomic::Ordering::SeqCst), 1, "run once, by the first consumer");
+    assert_eq!(Stats::get(&second_stats.claimed), 0, "the second consumer never claimed it");
+    assert_eq!(Stats::get(&second_stats.processed), 0);
+    Ok(())
+}

@@ -98,18 +98,18 @@ impl<H: Handler> Worker<H> {
         };
         let groups = key_groups(&items);
         drop(items);
-        let batch = Batch {
+        let batch = Arc::new(Batch {
             phase: entries.iter().map(|_| PhaseCell::default()).collect(),
             entries,
             keys,
             tokens,
             acquisitions,
             crash: tokio::sync::Notify::new(),
-        };
+        });
         let (settled_tx, settled_rx) = tokio::sync::mpsc::unbounded_channel::<(usize, Settled)>();
         let failure: std::sync::Mutex<Option<WorkerError>> = std::sync::Mutex::new(None);
         let (starts_tx, starts_rx) = tokio::sync::mpsc::unbounded_channel::<start::StartRequest>();
-        let done = tokio::sync::Notify::new();
+        let done = Arc::new(tokio::sync::Notify::new());
         let handlers = async {
             let run = futures::stream::iter(groups).for_each_concurrent(self.config.concurrency.max(1), |group| {
                 let (tx, starts, conn, failure, batch) =
@@ -133,7 +133,7 @@ impl<H: Handler> Worker<H> {
             done.notify_one();
             flushed
         };
-        let holds = self.hold(conn.clone(), &batch, &done);
+        let holds = self.hold(&batch, &done);
         tokio::select! {
             (flushed, ()) = async { tokio::join!(work, holds) } => {
                 self.after_batch(conn, &batch, failure, flushed).await

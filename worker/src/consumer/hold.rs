@@ -3,25 +3,93 @@
 
 use super::*;
 
-impl<H: Handler> Worker<H> {
-    /// Extends the hold on the batch's unsettled entries every third of
-    /// min-idle-time (2 s at most) until the handlers are done.
-    pub(super) async fn hold(&self, mut conn: StreamConnection, batch: &Batch, done: &tokio::sync::Notify) {
-        if self.at_most_once {
-            return;
-        }
-        // At least every 2 s: the hold is also what shows the operator this
-        // consumer is alive while it reads nothing (`reaper::SILENT_FOR_MS`).
-        let every = (self.config.min_idle / 3).clamp(Duration::from_millis(30), Duration::from_secs(2));
+/// The thread that holds batches in hand: a runtime and a connection of
+/// its own, so a handler that blocks the worker's threads
+/// (`std::thread::sleep`, a synchronous client called from async code)
+/// cannot starve the hold and let another consumer claim, and run again,
+/// what this one is still running. Started with the first batch; ends when
+/// the worker is dropped.
+pub(super) struct Holder {
+    jobs: tokio::sync::mpsc::UnboundedSender<HoldJob>,
+}
+
+/// One batch to hold until `done`: its entries' IDs, streams and guard
+/// marks (fixed once acquired) and phases (read as they move). Says on
+/// `stopped` when it no longer extends anything.
+struct HoldJob {
+    batch: Arc<Batch>,
+    marks: Vec<Option<(String, String)>>,
+    done: Arc<tokio::sync::Notify>,
+    stopped: tokio::sync::oneshot::Sender<()>,
+}
+
+impl Holder {
+    fn start(config: &WorkerConfig) -> std::io::Result<Self> {
+        let (jobs, mut queue) = tokio::sync::mpsc::unbounded_channel::<HoldJob>();
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let site = Arc::new(HoldSite {
+            conn: tokio::sync::OnceCell::new(),
+            endpoint: config.endpoint.clone(),
+            group: config.group.clone(),
+            consumer: config.consumer.clone(),
+            // At least every 2 s: the hold is also what shows the operator this
+            // consumer is alive while it reads nothing (`reaper::SILENT_FOR_MS`).
+            every: (config.min_idle / 3).clamp(Duration::from_millis(30), Duration::from_secs(2)),
+            ttl: crate::guard::millis(config.min_idle),
+        });
+        std::thread::Builder::new().name("streamfleet-hold".into()).spawn(move || {
+            runtime.block_on(async move {
+                while let Some(job) = queue.recv().await {
+                    let site = site.clone();
+                    tokio::spawn(async move {
+                        let HoldJob { batch, marks, done, mut stopped } = job;
+                        tokio::select! {
+                            () = site.hold(&batch, &marks, &done) => {
+                                let _ = stopped.send(());
+                            }
+                            // The batch is gone (a failpoint's crash, a cancelled future): so is its hold.
+                            () = stopped.closed() => {}
+                        }
+                    });
+                }
+            });
+        })?;
+        Ok(Self { jobs })
+    }
+}
+
+/// Where the holder thread holds batches: its connection (made on first
+/// use), the consumer, and how often and how long each hold lasts.
+struct HoldSite {
+    conn: tokio::sync::OnceCell<StreamConnection>,
+    endpoint: streamfleet_streams::Endpoint,
+    group: String,
+    consumer: String,
+    every: Duration,
+    ttl: u64,
+}
+
+impl HoldSite {
+    /// Extends the hold on the batch's unsettled entries every `every`
+    /// until the batch is done.
+    async fn hold(&self, batch: &Batch, marks: &[Option<(String, String)>], done: &tokio::sync::Notify) {
+        let (group, consumer, ttl) = (self.group.as_str(), self.consumer.as_str(), self.ttl);
         loop {
             tokio::select! {
                 () = done.notified() => return,
-                () = tokio::time::sleep(every) => {}
+                () = tokio::time::sleep(self.every) => {}
             }
+            let mut conn = match self.conn.get_or_try_init(|| StreamConnection::connect(&self.endpoint)).await {
+                Ok(conn) => conn.clone(),
+                Err(e) => {
+                    tracing::warn!(error = %e, "connecting to extend the hold on the batch");
+                    continue;
+                }
+            };
             for (stream, open) in batch.open_by_stream() {
-                let held: Vec<Held> = open.iter().map(|&i| self.held(batch, i)).collect();
-                let lease = self.lease(stream);
-                let ttl = crate::guard::millis(self.config.min_idle);
+                let held: Vec<Held> =
+                    open.iter().map(|&i| Held { id: &batch.entries[i].id, mark: marks[i].clone() }).collect();
+                let lease = Lease { stream, group, consumer };
                 match lease.extend(&mut conn, ttl, &held).await {
                     Ok(owned) => {
                         for (i, ours) in open.into_iter().zip(owned) {
@@ -33,6 +101,36 @@ impl<H: Handler> Worker<H> {
                     Err(e) => tracing::warn!(error = %e, "extending the hold on the batch"),
                 }
             }
+        }
+    }
+}
+
+impl<H: Handler> Worker<H> {
+    /// Holds the batch's unsettled entries (on the [`Holder`]'s thread) until
+    /// `done`; resolves once the hold no longer extends anything.
+    pub(super) async fn hold(&self, batch: &Arc<Batch>, done: &Arc<tokio::sync::Notify>) {
+        if self.at_most_once {
+            return;
+        }
+        if self.holder.get().is_none() {
+            match Holder::start(&self.config) {
+                Ok(holder) => {
+                    let _ = self.holder.set(holder);
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "starting the hold thread failed: the batch is not held (its entries can be claimed once idle)");
+                    return;
+                }
+            }
+        }
+        let Some(holder) = self.holder.get() else {
+            return;
+        };
+        let (stopped, finished) = tokio::sync::oneshot::channel();
+        let marks = (0..batch.entries.len()).map(|i| self.mark_of(batch, i)).collect();
+        let job = HoldJob { batch: batch.clone(), marks, done: done.clone(), stopped };
+        if holder.jobs.send(job).is_ok() {
+            let _ = finished.await;
         }
     }
 

@@ -191,6 +191,8 @@ pub struct Worker<H> {
     stop: Arc<AtomicBool>,
     /// Stops calling a failing downstream (`breaker`); `None`: turned off.
     breaker: Option<Arc<std::sync::Mutex<Breaker>>>,
+    /// Holds batches in hand from a thread of its own (started with the first batch).
+    holder: std::sync::OnceLock<hold::Holder>,
 }
 
 impl<H: Handler> Worker<H> {
@@ -205,6 +207,7 @@ impl<H: Handler> Worker<H> {
             stats,
             at_most_once: false,
             stop: Arc::new(AtomicBool::new(false)),
+            holder: std::sync::OnceLock::new(),
         }
     }
 
