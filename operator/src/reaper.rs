@@ -10,13 +10,13 @@ use streamfleet_streams::health::ConsumerState;
 
 /// How long a consumer must have been silent in Redis (`XINFO CONSUMERS`
 /// idle) before it can be dead: a first filter only. A live worker also
-/// records a heartbeat every 2 s whether or not it reads anything
+/// records a heartbeat every 0.5 s whether or not it reads anything
 /// (`consumers::heartbeat`), and the release itself declares nobody dead
 /// who beat within this long (`consumers::declare_dead`): idle time alone
 /// is no proof (on Redis 7.0 an idle reader's empty reads do not refresh
 /// it), nor is a pod missing from the cache (a kubelet still runs a
 /// force-deleted pod's process through its grace period).
-pub const SILENT_FOR_MS: u64 = 6_000;
+pub const SILENT_FOR_MS: u64 = 2_000;
 const _: () = assert!(SILENT_FOR_MS == streamfleet_streams::consumers::SILENT_FOR.as_millis() as u64);
 
 /// The consumers to reap: attributable to this resource's workloads by name,
@@ -35,6 +35,21 @@ pub fn dead_consumers<'a>(
         .filter(|c| !live_pods.contains(&c.name))
         .filter(|c| c.idle_ms >= SILENT_FOR_MS)
         .collect()
+}
+
+/// Whether a consumer of this resource's workloads without a pod still
+/// holds entries and was active in Redis lately (`XINFO` idle under twice
+/// `SILENT_FOR_MS`): its process probably just died, and its silence runs
+/// out within seconds. The resource is looked at again soon rather than a
+/// poll interval later, so its entries are released as soon as they may
+/// be. Bounded: `XINFO` idle only grows once the process is gone.
+pub fn awaiting_silence(consumers: &[ConsumerState], live_pods: &HashSet<String>, owned_prefixes: &[String]) -> bool {
+    consumers.iter().any(|c| {
+        c.pending > 0
+            && c.idle_ms < 2 * SILENT_FOR_MS
+            && owned_prefixes.iter().any(|p| c.name.starts_with(p.as_str()))
+            && !live_pods.contains(&c.name)
+    })
 }
 
 /// The identities a live pod's consumer may carry.
@@ -65,6 +80,22 @@ mod tests {
         let prefixes = vec!["orders-worker-".to_string()];
         let dead: Vec<&str> = dead_consumers(&consumers, &live, &prefixes).iter().map(|c| c.name.as_str()).collect();
         assert_eq!(dead, vec!["orders-worker-abc-1.uid-0"]);
+    }
+
+    #[test]
+    fn a_podless_consumer_active_lately_with_entries_is_awaited() {
+        let prefixes = vec!["orders-worker-".to_string()];
+        let live: HashSet<String> = identities("orders-worker-abc-1", Some("uid-1")).collect();
+        let with = |name: &str, pending: u64, idle_ms: u64| vec![ConsumerState { name: name.into(), pending, idle_ms }];
+        let awaited = |consumers: &[ConsumerState]| awaiting_silence(consumers, &live, &prefixes);
+        assert!(awaited(&with("orders-worker-abc-2.uid-2", 4, 300)), "just killed, entries held");
+        assert!(!awaited(&with("orders-worker-abc-2.uid-2", 0, 300)), "nothing to release");
+        assert!(
+            !awaited(&with("orders-worker-abc-2.uid-2", 4, 2 * SILENT_FOR_MS)),
+            "long silent: the next poll will do"
+        );
+        assert!(!awaited(&with("orders-worker-abc-1.uid-1", 4, 300)), "its pod lives");
+        assert!(!awaited(&with("external-app", 4, 300)), "not ours");
     }
 
     #[test]

@@ -34,12 +34,14 @@ pub async fn pending_of<C: ConnectionLike + Send>(
 }
 
 /// How often a live worker tells Redis it is alive, whether or not it has
-/// anything in hand ([`heartbeat`]; the hold on a batch does it too).
-pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
+/// anything in hand ([`heartbeat`]), from a thread its handlers cannot
+/// block. Often, because a dead worker's entries wait [`SILENT_FOR`] before
+/// they are released: one script per stream every half second.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_millis(500);
 
 /// How long a consumer must have been silent before it may be declared
-/// dead: three heartbeats missed.
-pub const SILENT_FOR: Duration = Duration::from_secs(6);
+/// dead: four heartbeats missed.
+pub const SILENT_FOR: Duration = Duration::from_secs(2);
 
 /// KEYS: the group's alive registry, its dead-consumer registry. ARGV:
 /// consumer. Records that the consumer is alive now (the server's ms), and

@@ -362,8 +362,8 @@ fn crash_looping_worker_process() -> Result<()> {
 /// Before the fix liveness was read from `XINFO CONSUMERS` idle time alone,
 /// which on Redis 7.0 an idle reader's empty reads do not refresh: the
 /// release declared it dead, its guard marks void for 24 h (and any entry
-/// it held handed to others). Now every worker beats every second or two, the release
-/// leaves a consumer that beat within 6 s alone, and a consumer declared
+/// it held handed to others). Now every worker beats every 0.5 s, the release
+/// leaves a consumer that beat within 2 s alone, and a consumer declared
 /// dead while it lived takes itself out of the dead registry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_live_worker_without_its_pod_is_not_declared_dead() -> Result<()> {

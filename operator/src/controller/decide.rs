@@ -108,6 +108,9 @@ pub struct Convergence {
     /// The server's eviction setting, for the `EvictionPossible` condition.
     pub eviction: streamfleet_streams::version::Eviction,
     pub reap: Vec<Reap>,
+    /// A consumer without a pod may become releasable within seconds
+    /// (`reaper::awaiting_silence`): look again soon.
+    pub reap_soon: bool,
     /// On a scale-down, each worker pod's deletion cost (the entries its
     /// consumer holds), so the ReplicaSet removes the idlest pods first.
     pub deletion_costs: Vec<(String, i32)>,
@@ -261,6 +264,11 @@ pub fn decide(
         dead_letter_cap_reached,
         eviction: observed.eviction.clone(),
         reap: reap_plan(at.scg, &snapshot, observed),
+        reap_soon: reaper::awaiting_silence(
+            &snapshot.consumers,
+            &observed.live_pods,
+            &objects::pod_name_prefixes(at.scg),
+        ),
         deletion_costs: match current_replicas {
             Some(current) if scaling.replicas < current => deletion_costs(&snapshot, &observed.pods),
             _ => Vec::new(),

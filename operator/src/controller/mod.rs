@@ -51,6 +51,11 @@ const MAX_BACKOFF: Duration = Duration::from_secs(60);
 /// After creating a missing group, look again this soon.
 const AFTER_GROUP_CREATED: Duration = Duration::from_millis(200);
 
+/// How soon a resource is looked at again while a consumer without a pod
+/// may become releasable (`Convergence::reap_soon`): its entries wait no
+/// longer than this past its silence.
+const REAP_SOON: Duration = Duration::from_millis(500);
+
 /// What every reconcile shares.
 pub struct Context {
     pub client: Client,
@@ -519,7 +524,7 @@ async fn reconcile_resource(scg: &StreamConsumerGroup, ctx: &Context) -> Result<
         return Err(refused);
     }
     ctx.reset_backoff(&key(scg));
-    Ok(Action::requeue(spec.poll_interval))
+    Ok(Action::requeue(if plan.reap_soon { spec.poll_interval.min(REAP_SOON) } else { spec.poll_interval }))
 }
 
 /// A pass that stopped before the group was inspected: a status with health

@@ -289,11 +289,13 @@ async fn a_killed_workers_entries_are_handled_and_acked_within_seconds_and_live_
             "summary": format!("Median {:.2} s over {} runs.", median.as_secs_f64(), figures.len()),
         }),
     )?;
-    // A force-deleted pod's consumer is released once silent for 6 s (the
+    // A force-deleted pod's consumer is released once silent for 2 s (the
     // operator's `reaper::SILENT_FOR_MS`: a real kubelet may still run the
-    // process), then its entries move within a poll or two.
-    assert!(median < Duration::from_secs(12), "median {median:?} over {times:?}");
-    assert!(times.iter().all(|t| *t < Duration::from_secs(16)), "{times:?}");
+    // process), the operator looking again every 0.5 s meanwhile
+    // (`reaper::awaiting_silence`); then its entries move within a claim cycle.
+    // The target (issue 25): under 5 s.
+    assert!(median < Duration::from_secs(5), "median {median:?} over {times:?}");
+    assert!(times.iter().all(|t| *t < Duration::from_secs(8)), "{times:?}");
 
     // Every order charged exactly once (the ledger refuses seconds); only
     // orders in the killed workers' hands were tried twice.

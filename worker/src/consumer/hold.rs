@@ -3,12 +3,13 @@
 
 use super::*;
 
-/// The thread that holds batches in hand: a runtime and a connection of
-/// its own, so a handler that blocks the worker's threads
-/// (`std::thread::sleep`, a synchronous client called from async code)
-/// cannot starve the hold and let another consumer claim, and run again,
-/// what this one is still running. Started with the first batch; ends when
-/// the worker is dropped.
+/// The thread that holds batches in hand and beats (tells Redis this
+/// consumer is alive): a runtime and a connection of its own, so a handler
+/// that blocks the worker's threads (`std::thread::sleep`, a synchronous
+/// client called from async code) cannot starve the hold and let another
+/// consumer claim, and run again, what this one is still running, nor
+/// silence the heartbeat and have the operator take a live consumer for
+/// dead. Started when the worker runs; ends when the worker is dropped.
 pub(super) struct Holder {
     jobs: tokio::sync::mpsc::UnboundedSender<HoldJob>,
 }
@@ -32,13 +33,13 @@ impl Holder {
             endpoint: config.endpoint.clone(),
             group: config.group.clone(),
             consumer: config.consumer.clone(),
-            // At least every 2 s: the hold is also what shows the operator this
-            // consumer is alive while it reads nothing (`reaper::SILENT_FOR_MS`).
+            streams: config.streams.clone(),
             every: (config.min_idle / 3).clamp(Duration::from_millis(30), Duration::from_secs(2)),
             ttl: crate::guard::millis(config.min_idle),
         });
         std::thread::Builder::new().name("streamfleet-hold".into()).spawn(move || {
             runtime.block_on(async move {
+                tokio::spawn(site.clone().beat());
                 while let Some(job) = queue.recv().await {
                     let site = site.clone();
                     tokio::spawn(async move {
@@ -65,11 +66,52 @@ struct HoldSite {
     endpoint: streamfleet_streams::Endpoint,
     group: String,
     consumer: String,
+    streams: Vec<String>,
     every: Duration,
     ttl: u64,
 }
 
 impl HoldSite {
+    async fn connection(&self) -> Result<StreamConnection, StreamError> {
+        self.conn.get_or_try_init(|| StreamConnection::connect(&self.endpoint)).await.cloned()
+    }
+
+    /// Tells each stream's group this consumer is alive every
+    /// `HEARTBEAT_EVERY` (`consumers::heartbeat`), which also takes it out
+    /// of the dead registry if the operator declared it dead while it
+    /// lived. `XINFO CONSUMERS` idle time is no proof of life (Redis 7.0
+    /// does not refresh it on an empty read).
+    async fn beat(self: Arc<Self>) {
+        let mut failing = false;
+        loop {
+            let mut beaten = Ok(());
+            match self.connection().await {
+                Ok(mut conn) => {
+                    for stream in &self.streams {
+                        match consumers::heartbeat(&mut conn, stream, &self.group, &self.consumer).await {
+                            Ok(true) => {
+                                tracing::warn!(stream = %stream, consumer = %self.consumer, "this consumer had been declared dead while alive; no longer");
+                            }
+                            Ok(false) => {}
+                            Err(e) => beaten = Err(e),
+                        }
+                    }
+                }
+                Err(e) => beaten = Err(e),
+            }
+            match beaten {
+                // Once per outage, not every half second.
+                Err(e) if !failing => {
+                    tracing::warn!(error = %e, "recording this consumer alive failed; retrying");
+                    failing = true;
+                }
+                Err(_) => {}
+                Ok(()) => failing = false,
+            }
+            tokio::time::sleep(HEARTBEAT_EVERY).await;
+        }
+    }
+
     /// Extends the hold on the batch's unsettled entries every `every`
     /// until the batch is done.
     async fn hold(&self, batch: &Batch, marks: &[Option<(String, String)>], done: &tokio::sync::Notify) {
@@ -79,8 +121,8 @@ impl HoldSite {
                 () = done.notified() => return,
                 () = tokio::time::sleep(self.every) => {}
             }
-            let mut conn = match self.conn.get_or_try_init(|| StreamConnection::connect(&self.endpoint)).await {
-                Ok(conn) => conn.clone(),
+            let mut conn = match self.connection().await {
+                Ok(conn) => conn,
                 Err(e) => {
                     tracing::warn!(error = %e, "connecting to extend the hold on the batch");
                     continue;
@@ -106,24 +148,31 @@ impl HoldSite {
 }
 
 impl<H: Handler> Worker<H> {
-    /// Holds the batch's unsettled entries (on the [`Holder`]'s thread) until
-    /// `done`; resolves once the hold no longer extends anything.
-    pub(super) async fn hold(&self, batch: &Arc<Batch>, done: &Arc<tokio::sync::Notify>) {
-        if self.at_most_once {
-            return;
-        }
+    /// The [`Holder`], started on first use. `None` (logged) if its thread
+    /// could not be started: batches are then not held (their entries can
+    /// be claimed once idle) and the consumer does not beat.
+    pub(super) fn holder(&self) -> Option<&Holder> {
         if self.holder.get().is_none() {
             match Holder::start(&self.config) {
                 Ok(holder) => {
                     let _ = self.holder.set(holder);
                 }
                 Err(e) => {
-                    tracing::error!(error = %e, "starting the hold thread failed: the batch is not held (its entries can be claimed once idle)");
-                    return;
+                    tracing::error!(error = %e, "starting the hold thread failed: batches are not held and this consumer does not beat");
+                    return None;
                 }
             }
         }
-        let Some(holder) = self.holder.get() else {
+        self.holder.get()
+    }
+
+    /// Holds the batch's unsettled entries (on the [`Holder`]'s thread) until
+    /// `done`; resolves once the hold no longer extends anything.
+    pub(super) async fn hold(&self, batch: &Arc<Batch>, done: &Arc<tokio::sync::Notify>) {
+        if self.at_most_once {
+            return;
+        }
+        let Some(holder) = self.holder() else {
             return;
         };
         let (stopped, finished) = tokio::sync::oneshot::channel();

@@ -58,7 +58,6 @@ struct ConsumeState {
     /// Whether this consumer's own pending entries were taken back.
     taken_back: bool,
     next_claim: Instant,
-    next_heartbeat: Instant,
 }
 
 /// The delivery a handler is running, as [`current_delivery`] tells it.
@@ -267,6 +266,8 @@ impl<H: Handler> Worker<H> {
             flag.store(true, Ordering::SeqCst);
         });
         let mut conn = StreamConnection::connect(&self.config.endpoint).await?;
+        // Beats from now on, from a thread of its own.
+        let _ = self.holder();
         let result = match self.config.mode {
             RunMode::Recovery => self.recover(&mut conn, &stop).await,
             RunMode::Consume => self.consume(&mut conn, &stop).await,
@@ -281,8 +282,7 @@ impl<H: Handler> Worker<H> {
     async fn consume(&self, conn: &mut StreamConnection, stop: &AtomicBool) -> Result<(), WorkerError> {
         let mut readers = self.readers().await?;
         let now = Instant::now();
-        let mut state =
-            ConsumeState { server_checked: false, taken_back: self.at_most_once, next_claim: now, next_heartbeat: now };
+        let mut state = ConsumeState { server_checked: false, taken_back: self.at_most_once, next_claim: now };
         let mut delay = RETRY_FIRST;
         while !stopping(stop) {
             match self.consume_step(conn, &mut readers, stop, &mut state).await {
@@ -321,12 +321,6 @@ impl<H: Handler> Worker<H> {
             tracing::info!(?version, at_most_once = self.at_most_once, "consuming");
             state.server_checked = true;
         }
-        if Instant::now() >= state.next_heartbeat {
-            // Idle or not: `XINFO CONSUMERS` idle time is no proof of life
-            // (Redis 7.0 does not refresh it on an empty read).
-            state.next_heartbeat = Instant::now() + HEARTBEAT_EVERY / 2;
-            self.heartbeat(conn).await?;
-        }
         if !state.taken_back {
             // A restart under the same name (same pod): what this consumer read
             // before and never settled is handled first, at once.
@@ -344,18 +338,5 @@ impl<H: Handler> Worker<H> {
         // PEL unseen until claimed. The short BLOCK bounds the drain instead.
         let entries = self.read(readers).await?;
         self.process(conn, entries).await
-    }
-
-    /// Tells each stream's group this consumer is alive
-    /// (`consumers::heartbeat`), which also takes it out of the dead
-    /// registry if the operator declared it dead while it lived.
-    async fn heartbeat(&self, conn: &mut StreamConnection) -> Result<(), WorkerError> {
-        for stream in &self.config.streams {
-            let revived = consumers::heartbeat(conn, stream, &self.config.group, &self.config.consumer).await?;
-            if revived {
-                tracing::warn!(stream = %stream, consumer = %self.config.consumer, "this consumer had been declared dead while alive; no longer");
-            }
-        }
-        Ok(())
     }
 }
