@@ -787,8 +787,8 @@ impl streamfleet_worker::Handler for BlocksItsThread {
     }
 }
 
-/// A handler that blocks its worker's only thread for four times
-/// min-idle-time keeps its entry: the hold runs on a thread of its own, so
+/// A handler that blocks its worker's only thread for 1.8 × min-idle-time
+/// keeps its entry: the hold runs on a thread of its own, so
 /// a second consumer claiming idle entries all along never takes (and runs
 /// again) what the first is still running. Before, the hold ran beside the
 /// handlers, starved with them: the entry went idle and the second
@@ -797,9 +797,9 @@ impl streamfleet_worker::Handler for BlocksItsThread {
 async fn a_handler_blocking_its_thread_past_min_idle_keeps_its_entry() -> Result<()> {
     let (server, mut conn) = setup().await?;
     add(&mut conn, &[("kind", "ok")]).await?;
-    let blocking = BlocksItsThread { calls: Arc::default(), block: Duration::from_millis(1200) };
+    let blocking = BlocksItsThread { calls: Arc::default(), block: Duration::from_millis(1800) };
     // The first consumer on a runtime of one thread, which its handler blocks.
-    let first = Worker::new(config(&server, "c1", 300, 5), blocking.clone());
+    let first = Worker::new(config(&server, "c1", 1000, 5), blocking.clone());
     let (stop_first, stopped) = tokio::sync::oneshot::channel::<()>();
     let running_first = std::thread::spawn(move || {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -814,8 +814,8 @@ async fn a_handler_blocking_its_thread_past_min_idle_keeps_its_entry() -> Result
         async move { Ok((calls.load(std::sync::atomic::Ordering::SeqCst) == 1).then_some(())) }
     };
     eventually("the first consumer's handler started", T, started).await?;
-    // The second claims entries idle past min-idle-time every 150 ms.
-    let second = Worker::new(config(&server, "c2", 300, 5), Scripted::default());
+    // The second claims entries idle past min-idle-time every 500 ms.
+    let second = Worker::new(config(&server, "c2", 1000, 5), Scripted::default());
     let second_stats = second.stats();
     let (stop_second, running_second) = spawn(second);
     eventually("the entry acked", T, || async { Ok((pending(&mut conn.clone()).await? == 0).then_some(())) }).await?;
@@ -826,5 +826,45 @@ async fn a_handler_blocking_its_thread_past_min_idle_keeps_its_entry() -> Result
     assert_eq!(blocking.calls.load(std::sync::atomic::Ordering::SeqCst), 1, "run once, by the first consumer");
     assert_eq!(Stats::get(&second_stats.claimed), 0, "the second consumer never claimed it");
     assert_eq!(Stats::get(&second_stats.processed), 0);
+    Ok(())
+}
+
+/// A handler hung past twice min-idle-time (it blocks its thread, so its
+/// deadline cannot drop it) lets its entry go: the hold stops, and another
+/// consumer claims the entry once idle and runs it, as it would a crashed
+/// worker's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_hung_past_twice_min_idle_lets_its_entry_go() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    add(&mut conn, &[("kind", "ok")]).await?;
+    let hung = BlocksItsThread { calls: Arc::default(), block: Duration::from_millis(2500) };
+    let first = Worker::new(config(&server, "c1", 300, 5), hung.clone());
+    let (stop_first, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running_first = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        runtime.block_on(first.run(async move {
+            let _ = stopped.await;
+        }))?;
+        anyhow::Ok(())
+    });
+    let calls = hung.calls.clone();
+    let started = move || {
+        let calls = calls.clone();
+        async move { Ok((calls.load(std::sync::atomic::Ordering::SeqCst) == 1).then_some(())) }
+    };
+    eventually("the first consumer's handler started", T, started).await?;
+    let second = Worker::new(config(&server, "c2", 300, 5), Scripted::default());
+    let second_stats = second.stats();
+    let (stop_second, running_second) = spawn(second);
+    eventually("the second consumer ran and acked it", T, || async {
+        Ok((Stats::get(&second_stats.processed) == 1 && pending(&mut conn.clone()).await? == 0).then_some(()))
+    })
+    .await?;
+    assert_eq!(hung.calls.load(std::sync::atomic::Ordering::SeqCst), 1, "the hung handler still runs");
+    let _ = stop_second.send(());
+    running_second.await??;
+    let _ = stop_first.send(());
+    running_first.join().unwrap()?;
+    assert_eq!(Stats::get(&second_stats.claimed), 1, "claimed from the hung handler's worker");
     Ok(())
 }

@@ -14,6 +14,11 @@ pub(super) struct Batch {
     pub(super) phase: Vec<PhaseCell>,
     /// Notified when a failpoint stops the batch where it stands (tests).
     pub(super) crash: tokio::sync::Notify,
+    /// When the batch was taken, the origin of `handler_since`.
+    pub(super) born: Instant,
+    /// Per entry, since when (ms after `born`, plus 1) its handler has been
+    /// running; 0 while none runs.
+    pub(super) handler_since: Vec<std::sync::atomic::AtomicU64>,
 }
 
 impl Batch {
@@ -23,6 +28,22 @@ impl Batch {
         if let Err(phase) = self.phase[i].apply(event) {
             tracing::error!(id = %self.entries[i].id, ?phase, ?event, "an entry's phase does not allow this event (a defect)");
         }
+    }
+
+    fn since_born(&self) -> u64 {
+        u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX).saturating_add(1)
+    }
+
+    /// Entry `i`'s handler starts (`true`) or has returned (`false`).
+    pub(super) fn handler_running(&self, i: usize, running: bool) {
+        let since = if running { self.since_born() } else { 0 };
+        self.handler_since[i].store(since, Ordering::SeqCst);
+    }
+
+    /// Whether entry `i`'s handler has been running for longer than `limit`.
+    pub(super) fn hung(&self, i: usize, limit: Duration) -> bool {
+        let since = self.handler_since[i].load(Ordering::SeqCst);
+        since != 0 && u128::from(self.since_born() - since) > limit.as_millis()
     }
 
     /// The entries in hand (`Phase::is_held`), per stream.
@@ -100,11 +121,13 @@ impl<H: Handler> Worker<H> {
         drop(items);
         let batch = Arc::new(Batch {
             phase: entries.iter().map(|_| PhaseCell::default()).collect(),
+            handler_since: entries.iter().map(|_| std::sync::atomic::AtomicU64::new(0)).collect(),
             entries,
             keys,
             tokens,
             acquisitions,
             crash: tokio::sync::Notify::new(),
+            born: Instant::now(),
         });
         let (settled_tx, settled_rx) = tokio::sync::mpsc::unbounded_channel::<(usize, Settled)>();
         let failure: std::sync::Mutex<Option<WorkerError>> = std::sync::Mutex::new(None);

@@ -36,6 +36,7 @@ impl Holder {
             streams: config.streams.clone(),
             every: (config.min_idle / 3).clamp(Duration::from_millis(30), Duration::from_secs(2)),
             ttl: crate::guard::millis(config.min_idle),
+            hung_after: hung_after(config.min_idle),
         });
         std::thread::Builder::new().name("streamfleet-hold".into()).spawn(move || {
             runtime.block_on(async move {
@@ -59,6 +60,16 @@ impl Holder {
     }
 }
 
+/// How long a handler may run before its entry is let go: twice
+/// min-idle-time. Each attempt's deadline is min-idle-time and in-process
+/// retries stop after a quarter of it, so only a handler that blocks its
+/// thread past its deadline (it cannot be cancelled) runs this long; its
+/// entry is then claimed once idle, as a crashed worker's would be, rather
+/// than held for as long as the process lives.
+fn hung_after(min_idle: Duration) -> Duration {
+    min_idle * 2
+}
+
 /// Where the holder thread holds batches: its connection (made on first
 /// use), the consumer, and how often and how long each hold lasts.
 struct HoldSite {
@@ -69,6 +80,8 @@ struct HoldSite {
     streams: Vec<String>,
     every: Duration,
     ttl: u64,
+    /// A handler running longer than this is hung (`hung_after`).
+    hung_after: Duration,
 }
 
 impl HoldSite {
@@ -113,9 +126,10 @@ impl HoldSite {
     }
 
     /// Extends the hold on the batch's unsettled entries every `every`
-    /// until the batch is done.
+    /// until the batch is done; not on an entry whose handler is hung.
     async fn hold(&self, batch: &Batch, marks: &[Option<(String, String)>], done: &tokio::sync::Notify) {
         let (group, consumer, ttl) = (self.group.as_str(), self.consumer.as_str(), self.ttl);
+        let mut let_go: std::collections::HashSet<usize> = std::collections::HashSet::new();
         loop {
             tokio::select! {
                 () = done.notified() => return,
@@ -128,7 +142,14 @@ impl HoldSite {
                     continue;
                 }
             };
-            for (stream, open) in batch.open_by_stream() {
+            for (stream, mut open) in batch.open_by_stream() {
+                open.retain(|&i| {
+                    let hung = batch.hung(i, self.hung_after);
+                    if hung && let_go.insert(i) {
+                        tracing::warn!(stream, id = %batch.entries[i].id, after = ?self.hung_after, "a handler is hung (it blocks its thread past its deadline): its entry is no longer held, another consumer may claim it once idle");
+                    }
+                    !hung
+                });
                 let held: Vec<Held> =
                     open.iter().map(|&i| Held { id: &batch.entries[i].id, mark: marks[i].clone() }).collect();
                 let lease = Lease { stream, group, consumer };

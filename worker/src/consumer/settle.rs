@@ -105,7 +105,9 @@ impl<H: Handler> Worker<H> {
             deliveries: entry.deliveries,
             fence: acquisition.fence,
         };
+        batch.handler_running(i, true);
         let outcome = DELIVERY.scope(delivery, self.handle_with_retries(entry, probe)).await;
+        batch.handler_running(i, false);
         self.stats.handler_latency.observe(started.elapsed());
         match outcome {
             Outcome::Done => {
