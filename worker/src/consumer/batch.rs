@@ -19,6 +19,10 @@ pub(super) struct Batch {
     /// Per entry, since when (ms after `born`, plus 1) its handler has been
     /// running; 0 while none runs.
     pub(super) handler_since: Vec<std::sync::atomic::AtomicU64>,
+    /// Taken by the hold across reading which entries are held and extending
+    /// them, and by an entry leaving (`release`), so a guard mark released
+    /// is never put back by an extension that read the entry as held.
+    pub(super) extending: tokio::sync::Mutex<()>,
 }
 
 impl Batch {
@@ -43,7 +47,7 @@ impl Batch {
     /// Whether entry `i`'s handler has been running for longer than `limit`.
     pub(super) fn hung(&self, i: usize, limit: Duration) -> bool {
         let since = self.handler_since[i].load(Ordering::SeqCst);
-        since != 0 && u128::from(self.since_born() - since) > limit.as_millis()
+        since != 0 && u128::from(self.since_born().saturating_sub(since)) > limit.as_millis()
     }
 
     /// The entries in hand (`Phase::is_held`), per stream.
@@ -128,6 +132,7 @@ impl<H: Handler> Worker<H> {
             acquisitions,
             crash: tokio::sync::Notify::new(),
             born: Instant::now(),
+            extending: tokio::sync::Mutex::new(()),
         });
         let (settled_tx, settled_rx) = tokio::sync::mpsc::unbounded_channel::<(usize, Settled)>();
         let failure: std::sync::Mutex<Option<WorkerError>> = std::sync::Mutex::new(None);

@@ -60,11 +60,11 @@ impl Holder {
     }
 }
 
-/// How long a handler may run before its entry is let go: twice
+/// How long a handler may run before its batch is let go: twice
 /// min-idle-time. Each attempt's deadline is min-idle-time and in-process
 /// retries stop after a quarter of it, so only a handler that blocks its
 /// thread past its deadline (it cannot be cancelled) runs this long; its
-/// entry is then claimed once idle, as a crashed worker's would be, rather
+/// batch is then claimed once idle, as a crashed worker's would be, rather
 /// than held for as long as the process lives.
 fn hung_after(min_idle: Duration) -> Duration {
     min_idle * 2
@@ -96,22 +96,33 @@ impl HoldSite {
     /// does not refresh it on an empty read).
     async fn beat(self: Arc<Self>) {
         let mut failing = false;
+        let site = &*self;
         loop {
-            let mut beaten = Ok(());
-            match self.connection().await {
-                Ok(mut conn) => {
-                    for stream in &self.streams {
-                        match consumers::heartbeat(&mut conn, stream, &self.group, &self.consumer).await {
-                            Ok(true) => {
-                                tracing::warn!(stream = %stream, consumer = %self.consumer, "this consumer had been declared dead while alive; no longer");
+            let next = tokio::time::Instant::now() + HEARTBEAT_EVERY;
+            let beaten = match site.connection().await {
+                // Every stream at once, each bounded by the beat interval:
+                // one slow shard delays no other shard's beat.
+                Ok(conn) => futures::future::join_all(site.streams.iter().map(|stream| {
+                    let mut conn = conn.clone();
+                    async move {
+                        let beat = consumers::heartbeat(&mut conn, stream, &site.group, &site.consumer);
+                        match tokio::time::timeout(HEARTBEAT_EVERY, beat).await {
+                            Ok(Ok(true)) => {
+                                tracing::warn!(stream = %stream, consumer = %site.consumer, "this consumer had been declared dead while alive; no longer");
+                                Ok(())
                             }
-                            Ok(false) => {}
-                            Err(e) => beaten = Err(e),
+                            Ok(Ok(false)) => Ok(()),
+                            Ok(Err(e)) => Err(e.to_string()),
+                            Err(_) => Err(format!("no reply within {HEARTBEAT_EVERY:?}")),
                         }
                     }
-                }
-                Err(e) => beaten = Err(e),
-            }
+                }))
+                .await
+                .into_iter()
+                .collect::<Result<Vec<()>, String>>()
+                .map(drop),
+                Err(e) => Err(e.to_string()),
+            };
             match beaten {
                 // Once per outage, not every half second.
                 Err(e) if !failing => {
@@ -121,15 +132,19 @@ impl HoldSite {
                 Err(_) => {}
                 Ok(()) => failing = false,
             }
-            tokio::time::sleep(HEARTBEAT_EVERY).await;
+            tokio::time::sleep_until(next).await;
         }
     }
 
     /// Extends the hold on the batch's unsettled entries every `every`
-    /// until the batch is done; not on an entry whose handler is hung.
+    /// until the batch is done, or until a handler of it is hung: a handler
+    /// that blocks its thread freezes the batch's whole task (its other
+    /// handlers, its commits), so the batch is let go as a crashed worker's
+    /// would be, and claimed once idle. Should the hung handler return, the
+    /// batch goes on unheld: an entry claimed away meanwhile is neither
+    /// started (`started`) nor acked (`lease::commit`) here.
     async fn hold(&self, batch: &Batch, marks: &[Option<(String, String)>], done: &tokio::sync::Notify) {
         let (group, consumer, ttl) = (self.group.as_str(), self.consumer.as_str(), self.ttl);
-        let mut let_go: std::collections::HashSet<usize> = std::collections::HashSet::new();
         loop {
             tokio::select! {
                 () = done.notified() => return,
@@ -137,19 +152,18 @@ impl HoldSite {
             }
             let mut conn = match self.connection().await {
                 Ok(conn) => conn,
-                Err(e) => {
-                    tracing::warn!(error = %e, "connecting to extend the hold on the batch");
-                    continue;
-                }
+                // (The heartbeat logs the outage.)
+                Err(_) => continue,
             };
-            for (stream, mut open) in batch.open_by_stream() {
-                open.retain(|&i| {
-                    let hung = batch.hung(i, self.hung_after);
-                    if hung && let_go.insert(i) {
-                        tracing::warn!(stream, id = %batch.entries[i].id, after = ?self.hung_after, "a handler is hung (it blocks its thread past its deadline): its entry is no longer held, another consumer may claim it once idle");
-                    }
-                    !hung
-                });
+            if let Some(i) = (0..batch.entries.len()).find(|&i| batch.hung(i, self.hung_after)) {
+                let entry = &batch.entries[i];
+                tracing::warn!(stream = %entry.stream, id = %entry.id, after = ?self.hung_after, "a handler is hung (it blocks its thread past its deadline, freezing its batch): the batch is no longer held, other consumers claim its entries once idle");
+                return;
+            }
+            // No entry leaves between the snapshot and its extension: a
+            // guard mark released meanwhile would be put back (`release`).
+            let _turn = batch.extending.lock().await;
+            for (stream, open) in batch.open_by_stream() {
                 let held: Vec<Held> =
                     open.iter().map(|&i| Held { id: &batch.entries[i].id, mark: marks[i].clone() }).collect();
                 let lease = Lease { stream, group, consumer };
@@ -199,9 +213,11 @@ impl<H: Handler> Worker<H> {
         let (stopped, finished) = tokio::sync::oneshot::channel();
         let marks = (0..batch.entries.len()).map(|i| self.mark_of(batch, i)).collect();
         let job = HoldJob { batch: batch.clone(), marks, done: done.clone(), stopped };
-        if holder.jobs.send(job).is_ok() {
-            let _ = finished.await;
+        if holder.jobs.send(job).is_err() {
+            tracing::error!("the hold thread is gone: this batch is not held (its entries can be claimed once idle)");
+            return;
         }
+        let _ = finished.await;
     }
 
     /// Hands back entries read or claimed but never started (no guard mark

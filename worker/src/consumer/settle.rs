@@ -236,7 +236,11 @@ impl<H: Handler> Worker<H> {
         batch: &Batch,
         i: usize,
     ) -> Result<(), WorkerError> {
+        // Not while the hold extends (it read the entry as held, and would
+        // put the mark back): once marked leaving, no extension touches it.
+        let turn = batch.extending.lock().await;
         batch.advance(i, Event::Leave);
+        drop(turn);
         let (entry, acquisition) = (&batch.entries[i], batch.acquisitions[i]);
         if acquisition.state != GuardState::Acquired {
             return Ok(());

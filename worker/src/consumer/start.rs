@@ -22,7 +22,7 @@ impl<H: Handler> Worker<H> {
     /// shutdown. Ends when every handler's sender is gone.
     pub(super) async fn record_starts(
         &self,
-        mut conn: StreamConnection,
+        conn: StreamConnection,
         mut requests: tokio::sync::mpsc::UnboundedReceiver<StartRequest>,
         batch: &Batch,
     ) {
@@ -38,36 +38,43 @@ impl<H: Handler> Worker<H> {
             while let Ok(more) = requests.try_recv() {
                 waiting.push(more);
             }
-            let mut by_stream: BTreeMap<&str, Vec<(&str, u64)>> = BTreeMap::new();
-            for (i, _) in &waiting {
-                let entry = &batch.entries[*i];
-                by_stream.entry(entry.stream.as_str()).or_default().push((entry.id.as_str(), entry.deliveries));
+            let mut by_stream: BTreeMap<&str, Vec<StartRequest>> = BTreeMap::new();
+            for request in waiting.drain(..) {
+                by_stream.entry(batch.entries[request.0].stream.as_str()).or_default().push(request);
             }
-            let mut answers: std::collections::HashMap<(&str, &str), bool> = std::collections::HashMap::new();
+            // One script per stream, all at once, each stream's handlers told
+            // as soon as its script returns: a shard failing over holds up no
+            // other shard's handlers.
+            let (group, consumer) = (&self.config.group, &self.config.consumer);
+            let mut scripts: futures::stream::FuturesUnordered<_> = by_stream
+                .iter()
+                .map(|(&stream, requests)| {
+                    let starting: Vec<(&str, u64)> = requests
+                        .iter()
+                        .map(|(i, _)| (batch.entries[*i].id.as_str(), batch.entries[*i].deliveries))
+                        .collect();
+                    let mut conn = conn.clone();
+                    async move {
+                        let held =
+                            streamfleet_streams::started::record_starts(&mut conn, stream, group, consumer, &starting)
+                                .await;
+                        (stream, held)
+                    }
+                })
+                .collect();
             let mut failed = None;
-            for (stream, starting) in &by_stream {
-                let (group, consumer) = (&self.config.group, &self.config.consumer);
-                match streamfleet_streams::started::record_starts(&mut conn, stream, group, consumer, starting).await {
+            while let Some((stream, held)) = scripts.next().await {
+                match held {
                     Ok(held) => {
-                        answers.extend(starting.iter().zip(held).map(|((id, _), held)| ((*stream, *id), held)));
+                        for ((_, reply), held) in by_stream.remove(stream).unwrap_or_default().into_iter().zip(held) {
+                            let _ = reply.send(Some(held));
+                        }
                     }
-                    Err(e) => {
-                        failed = Some(e);
-                        break;
-                    }
+                    Err(e) => failed = Some(e),
                 }
             }
-            // Answered: those whose stream's script ran. The rest wait for the next write.
-            let (answered, rest): (Vec<StartRequest>, Vec<StartRequest>) = waiting.into_iter().partition(|(i, _)| {
-                let entry = &batch.entries[*i];
-                answers.contains_key(&(entry.stream.as_str(), entry.id.as_str()))
-            });
-            for (i, reply) in answered {
-                let entry = &batch.entries[i];
-                let held = answers.get(&(entry.stream.as_str(), entry.id.as_str())).copied();
-                let _ = reply.send(held);
-            }
-            waiting = rest;
+            // The rest wait for the next write.
+            waiting.extend(by_stream.into_values().flatten());
             match failed {
                 None => delay = RETRY_FIRST,
                 Some(e) if stopping(&self.stop) => {
