@@ -165,7 +165,7 @@ pub struct RedisTls {
 
 /// The worker fleet.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", try_from = "WorkerSpecWire")]
 pub struct WorkerSpec {
     /// The pod template of the worker Deployment (a core/v1 PodTemplateSpec;
     /// `kubectl explain deployment.spec.template` documents its fields). Its
@@ -186,6 +186,84 @@ pub struct WorkerSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 1000))]
     pub concurrency: Option<i32>,
+
+    /// Fields written in `template` that a pod template does not have (a
+    /// typo such as `resoures`), as paths under `spec.worker.template`:
+    /// dropped when the resource was read, so the operator says so (the
+    /// `TemplateFieldsUnknown` condition) rather than run pods without them
+    /// in silence. Not part of the resource.
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub unknown_template_fields: Vec<String>,
+}
+
+/// [`WorkerSpec`] as written: its pod template kept as JSON until every
+/// field in it is accounted for (the API server keeps unknown fields there:
+/// `x-kubernetes-preserve-unknown-fields`). The same schema.
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+struct WorkerSpecWire {
+    /// The pod template of the worker Deployment (a core/v1 PodTemplateSpec;
+    /// `kubectl explain deployment.spec.template` documents its fields). Its
+    /// labels and containers are the user's; the operator adds its own
+    /// selector labels and the env contract.
+    #[schemars(schema_with = "pod_template_schema")]
+    template: serde_json::Value,
+
+    /// The container that receives the env contract. Defaults to the first
+    /// container of the template.
+    #[serde(default)]
+    #[schemars(length(max = 63))]
+    container_name: Option<String>,
+
+    /// Handlers in flight per worker pod (`STREAMFLEET_CONCURRENCY`; the
+    /// library's default is 10). Entries with the same business key never
+    /// run at once. `scaling.targetPerReplica` is per pod, whatever this is.
+    #[serde(default)]
+    #[schemars(range(min = 1, max = 1000))]
+    concurrency: Option<i32>,
+}
+
+impl TryFrom<WorkerSpecWire> for WorkerSpec {
+    type Error = serde_json::Error;
+
+    fn try_from(wire: WorkerSpecWire) -> Result<Self, Self::Error> {
+        let template: PodTemplateSpec = serde_json::from_value(wire.template.clone())?;
+        let read = serde_json::to_value(&template)?;
+        let mut unknown = Vec::new();
+        unknown_fields(&wire.template, &read, "spec.worker.template", &mut unknown);
+        Ok(Self {
+            template,
+            container_name: wire.container_name,
+            concurrency: wire.concurrency,
+            unknown_template_fields: unknown,
+        })
+    }
+}
+
+/// The paths (under `at`) of fields in `written` that `read` (the same
+/// value parsed into its type and written back) lacks: fields the type does
+/// not have. A `null` is no field.
+fn unknown_fields(written: &serde_json::Value, read: &serde_json::Value, at: &str, out: &mut Vec<String>) {
+    use serde_json::Value;
+    match (written, read) {
+        (Value::Object(written), Value::Object(read)) => {
+            for (name, value) in written {
+                let path = format!("{at}.{name}");
+                match read.get(name) {
+                    _ if value.is_null() => {}
+                    None => out.push(path),
+                    Some(kept) => unknown_fields(value, kept, &path, out),
+                }
+            }
+        }
+        (Value::Array(written), Value::Array(read)) => {
+            for (i, (value, kept)) in written.iter().zip(read).enumerate() {
+                unknown_fields(value, kept, &format!("{at}[{i}]"), out);
+            }
+        }
+        _ => {}
+    }
 }
 
 /// The pod template is validated by the API server when the operator applies
@@ -479,7 +557,8 @@ pub struct StreamConsumerGroupStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
 
-    /// `Ready`, `GroupReady`, `WorkersAvailable`, `Degraded`, `RetentionBlocked`, `Conflict`.
+    /// `Ready`, `GroupReady`, `WorkersAvailable`, `Degraded`, `RetentionBlocked`, `Conflict`,
+    /// `DelayUnknown`, `EvictionPossible`, `DeadLetterCapReached`, `TemplateFieldsUnknown`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 16))]
     pub conditions: Vec<Condition>,
@@ -745,6 +824,32 @@ mod tests {
             "group": "billing",
             "worker": {"template": {"spec": {"containers": [{"name": "w", "image": "worker"}]}}}
         })
+    }
+
+    #[test]
+    fn a_typo_in_the_pod_template_is_named_not_dropped_in_silence() {
+        let mut spec = minimal();
+        spec["worker"]["template"] = serde_json::json!({
+            "metadata": {"labels": {"team": "billing"}, "creationTimestamp": null},
+            "spec": {
+                "containers": [
+                    {"name": "w", "image": "worker", "resources": {"limits": {"cpu": "1"}}, "env": []},
+                    {"name": "sidecar", "image": "proxy", "resoures": {"limits": {"cpu": "1"}}}
+                ],
+                "nodeSelectr": {"disk": "ssd"},
+                "terminationGracePeriodSeconds": 30
+            }
+        });
+        let spec: StreamConsumerGroupSpec = serde_json::from_value(spec).unwrap();
+        assert_eq!(
+            spec.worker.unknown_template_fields,
+            vec!["spec.worker.template.spec.containers[1].resoures", "spec.worker.template.spec.nodeSelectr"]
+        );
+        assert_eq!(spec.worker.template.spec.unwrap().containers[0].name, "w", "the known fields are read");
+        let clean: StreamConsumerGroupSpec = serde_json::from_value(minimal()).unwrap();
+        assert!(clean.worker.unknown_template_fields.is_empty());
+        // Not part of the resource: never written back.
+        assert!(serde_json::to_value(&clean).unwrap()["worker"].get("unknownTemplateFields").is_none());
     }
 
     #[test]

@@ -13,6 +13,8 @@ pub const DEAD_LETTER_CAP_REACHED: &str = "DeadLetterCapReached";
 pub const DELAY_UNKNOWN: &str = "DelayUnknown";
 /// True while the Redis server may evict keys (`maxmemory-policy`).
 pub const EVICTION_POSSIBLE: &str = "EvictionPossible";
+/// True while the worker template has fields a pod template does not have.
+pub const TEMPLATE_FIELDS_UNKNOWN: &str = "TemplateFieldsUnknown";
 
 /// Sets condition `type_` in `conditions`; its transition time changes only
 /// when its status does.

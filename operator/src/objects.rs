@@ -1,6 +1,7 @@
 //! The objects the operator owns, built from a `StreamConsumerGroup` by pure
 //! functions: the worker Deployment and the recovery CronJob.
 
+use crate::controller::validate::ValidSpec;
 use crate::error::Error;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::batch::v1::{CronJob, CronJobSpec, JobSpec, JobTemplateSpec};
@@ -88,23 +89,9 @@ fn owned_meta(scg: &StreamConsumerGroup, name: String, component: &str) -> Resul
     })
 }
 
-/// The dead-letter stream: explicit, or the group's slot-sharing default.
-pub fn dead_letter_stream(scg: &StreamConsumerGroup) -> String {
-    scg.spec
-        .recovery
-        .dead_letter_stream
-        .clone()
-        .unwrap_or_else(|| streamfleet_streams::keys::dead_letter_stream(&scg.spec.stream, &scg.spec.group))
-}
-
-/// Every shard's stream key (`spec.shards`, default 1: the stream itself).
-pub fn shard_streams(scg: &StreamConsumerGroup) -> Vec<String> {
-    let shards = u32::try_from(scg.spec.shards.unwrap_or(1)).unwrap_or(1).clamp(1, 64);
-    streamfleet_streams::shard::shard_keys(&scg.spec.stream, shards)
-}
-
-/// The env contract (see `streamfleet_contract`) for a worker or recovery container.
-pub fn contract_env(scg: &StreamConsumerGroup, mode: &str) -> Vec<EnvVar> {
+/// The env contract (see `streamfleet_contract`) for a worker or recovery
+/// container. Shards and the dead-letter stream come from the validated spec.
+pub fn contract_env(scg: &StreamConsumerGroup, valid: &ValidSpec, mode: &str) -> Vec<EnvVar> {
     let spec = &scg.spec;
     let value = |name: &str, v: String| EnvVar { name: name.into(), value: Some(v), value_from: None };
     let secret = |name: &str, r: &streamfleet_crd::SecretKeyRef| EnvVar {
@@ -133,7 +120,7 @@ pub fn contract_env(scg: &StreamConsumerGroup, mode: &str) -> Vec<EnvVar> {
             }
             .into(),
         ),
-        value(env::STREAMS, shard_streams(scg).join(",")),
+        value(env::STREAMS, valid.streams.join(",")),
         value(env::GROUP, spec.group.clone()),
         field(env::POD_NAME, "metadata.name"),
         field(env::POD_UID, "metadata.uid"),
@@ -164,8 +151,8 @@ pub fn contract_env(scg: &StreamConsumerGroup, mode: &str) -> Vec<EnvVar> {
         out.push(value(env::RETRY_FOR_MS, s.saturating_mul(1000).to_string()));
     }
     // Sharded: unset, so each shard dead-letters into its own slot.
-    if shard_streams(scg).len() == 1 {
-        out.push(value(env::DEAD_LETTER_STREAM, dead_letter_stream(scg)));
+    if valid.streams.len() == 1 {
+        out.push(value(env::DEAD_LETTER_STREAM, valid.dead_letter_stream.clone()));
     }
     if let Some(ca) = spec.redis.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
         out.push(secret(env::REDIS_CA_PEM, ca));
@@ -183,7 +170,12 @@ const DRAIN_MARGIN_MS: i64 = 3_000;
 /// The user's pod template with our labels and the env contract injected into
 /// the worker container. The user's own env entries of the same names lose:
 /// the contract must be what the operator says it is.
-fn worker_pod_template(scg: &StreamConsumerGroup, component: &str, mode: &str) -> Result<PodTemplateSpec, Error> {
+fn worker_pod_template(
+    scg: &StreamConsumerGroup,
+    valid: &ValidSpec,
+    component: &str,
+    mode: &str,
+) -> Result<PodTemplateSpec, Error> {
     let mut template = scg.spec.worker.template.clone();
     let meta = template.metadata.get_or_insert_with(ObjectMeta::default);
     let pod_labels = meta.labels.get_or_insert_with(BTreeMap::new);
@@ -207,7 +199,7 @@ fn worker_pod_template(scg: &StreamConsumerGroup, component: &str, mode: &str) -
             .first_mut()
             .ok_or_else(|| Error::InvalidSpec("spec.worker.template.spec.containers must not be empty".into()))?,
     };
-    let mut contract = contract_env(scg, mode);
+    let mut contract = contract_env(scg, valid, mode);
     // Handlers in flight get the grace period less a margin to finish: the
     // rest is handed back before the kubelet's SIGKILL.
     let grace_ms = pod.termination_grace_period_seconds.unwrap_or(30).max(0).saturating_mul(1000);
@@ -223,7 +215,7 @@ fn worker_pod_template(scg: &StreamConsumerGroup, component: &str, mode: &str) -
 }
 
 /// The worker Deployment at `replicas`.
-pub fn worker_deployment(scg: &StreamConsumerGroup, replicas: i32) -> Result<Deployment, Error> {
+pub fn worker_deployment(scg: &StreamConsumerGroup, valid: &ValidSpec, replicas: i32) -> Result<Deployment, Error> {
     let selector = BTreeMap::from([
         (GROUP_LABEL.to_string(), scg.name_any()),
         (COMPONENT_LABEL.to_string(), "worker".to_string()),
@@ -233,7 +225,7 @@ pub fn worker_deployment(scg: &StreamConsumerGroup, replicas: i32) -> Result<Dep
         spec: Some(DeploymentSpec {
             replicas: Some(replicas),
             selector: LabelSelector { match_labels: Some(selector), match_expressions: None },
-            template: worker_pod_template(scg, "worker", "consume")?,
+            template: worker_pod_template(scg, valid, "worker", "consume")?,
             ..DeploymentSpec::default()
         }),
         status: None,
@@ -242,10 +234,14 @@ pub fn worker_deployment(scg: &StreamConsumerGroup, replicas: i32) -> Result<Dep
 
 /// The recovery CronJob: the operator image's `sweep` in `Sweep` mode, the
 /// worker template in recovery mode in `Worker` mode.
-pub fn recovery_cronjob(scg: &StreamConsumerGroup, settings: &ObjectSettings) -> Result<CronJob, Error> {
+pub fn recovery_cronjob(
+    scg: &StreamConsumerGroup,
+    valid: &ValidSpec,
+    settings: &ObjectSettings,
+) -> Result<CronJob, Error> {
     let mut template = match scg.spec.recovery.mode {
-        RecoveryMode::Worker => worker_pod_template(scg, "recovery", "recovery")?,
-        RecoveryMode::Sweep => sweep_pod_template(scg, settings),
+        RecoveryMode::Worker => worker_pod_template(scg, valid, "recovery", "recovery")?,
+        RecoveryMode::Sweep => sweep_pod_template(scg, valid, settings),
     };
     if let Some(spec) = template.spec.as_mut() {
         spec.restart_policy = Some("OnFailure".into());
@@ -276,7 +272,7 @@ pub fn recovery_cronjob(scg: &StreamConsumerGroup, settings: &ObjectSettings) ->
     })
 }
 
-fn sweep_pod_template(scg: &StreamConsumerGroup, settings: &ObjectSettings) -> PodTemplateSpec {
+fn sweep_pod_template(scg: &StreamConsumerGroup, valid: &ValidSpec, settings: &ObjectSettings) -> PodTemplateSpec {
     PodTemplateSpec {
         metadata: Some(ObjectMeta {
             labels: Some(labels(scg, "recovery")),
@@ -296,7 +292,7 @@ fn sweep_pod_template(scg: &StreamConsumerGroup, settings: &ObjectSettings) -> P
                 name: "sweep".into(),
                 image: Some(settings.operator_image.clone()),
                 args: Some(vec!["sweep".into()]),
-                env: Some(contract_env(scg, "recovery")),
+                env: Some(contract_env(scg, valid, "recovery")),
                 resources: settings.sweep_resources.clone(),
                 security_context: Some(restricted_security_context()),
                 ..Container::default()
@@ -323,6 +319,14 @@ mod tests {
     use super::*;
     use serde_json::json;
     use streamfleet_streams::{RunMode, WorkerConfig};
+
+    fn worker_mode() -> StreamConsumerGroup {
+        scg(json!({"recovery": {"mode": "Worker"}}))
+    }
+
+    fn valid(s: &StreamConsumerGroup) -> ValidSpec {
+        crate::controller::validate::validate(s).unwrap()
+    }
 
     fn scg(extra: serde_json::Value) -> StreamConsumerGroup {
         let mut v = json!({
@@ -396,9 +400,9 @@ mod tests {
         for case in cases {
             let s = scg(case.clone());
             let valid = crate::controller::validate::validate(&s).unwrap();
-            let deployment = worker_deployment(&s, 1).unwrap();
+            let deployment = worker_deployment(&s, &valid, 1).unwrap();
             let pod = deployment.spec.unwrap().template.spec.unwrap();
-            let cronjob = recovery_cronjob(&s, &settings).unwrap();
+            let cronjob = recovery_cronjob(&s, &valid, &settings).unwrap();
             let run = cronjob.spec.unwrap().job_template.spec.unwrap().template.spec.unwrap();
             let worker = pod.containers.iter().find(|c| c.env.iter().flatten().any(|e| e.name == env::GROUP)).unwrap();
             let recovering =
@@ -446,7 +450,7 @@ mod tests {
     #[test]
     fn deployment_injects_contract_into_the_named_container_and_keeps_user_fields() {
         let s = scg(json!({"worker": {"containerName": "app", "template": scg(json!({})).spec.worker.template}}));
-        let d = worker_deployment(&s, 3).unwrap();
+        let d = worker_deployment(&s, &valid(&s), 3).unwrap();
         assert_eq!(d.metadata.name.as_deref(), Some("orders-worker"));
         let owner = &d.metadata.owner_references.as_ref().unwrap()[0];
         assert_eq!(
@@ -472,7 +476,8 @@ mod tests {
             .get_or_insert_default()
             .insert("app.kubernetes.io/name".into(), "payments".into());
         let s = scg(json!({"worker": {"template": named}}));
-        let labels = worker_deployment(&s, 1).unwrap().spec.unwrap().template.metadata.unwrap().labels.unwrap();
+        let labels =
+            worker_deployment(&s, &valid(&s), 1).unwrap().spec.unwrap().template.metadata.unwrap().labels.unwrap();
         assert_eq!(labels["app.kubernetes.io/name"], "payments");
         let pod = tmpl.spec.unwrap();
         assert!(pod.containers[0].env.is_none(), "the sidecar is untouched");
@@ -502,7 +507,7 @@ mod tests {
     #[test]
     fn a_sharded_pipeline_tells_workers_every_shard_and_no_shared_dead_letter_stream() {
         let resource = scg(json!({"shards": 3}));
-        let d = worker_deployment(&resource, 1).unwrap();
+        let d = worker_deployment(&resource, &valid(&resource), 1).unwrap();
         let pod = d.spec.unwrap().template.spec.unwrap();
         let env = env_of(&pod.containers[0]);
         assert_eq!(env[env::STREAMS].value.as_deref(), Some("orders,orders:1,orders:2"));
@@ -511,11 +516,11 @@ mod tests {
 
     #[test]
     fn first_container_is_the_default_target_and_missing_names_are_invalid() {
-        let d = worker_deployment(&scg(json!({})), 1).unwrap();
+        let d = worker_deployment(&scg(json!({})), &valid(&scg(json!({}))), 1).unwrap();
         let pod = d.spec.unwrap().template.spec.unwrap();
         assert!(env_of(&pod.containers[0]).contains_key(env::GROUP));
         let bad = scg(json!({"worker": {"containerName": "nope", "template": scg(json!({})).spec.worker.template}}));
-        let err = worker_deployment(&bad, 1).unwrap_err().to_string();
+        let err = worker_deployment(&bad, &valid(&bad), 1).unwrap_err().to_string();
         assert!(err.contains("spec.worker.containerName"), "{err}");
     }
 
@@ -524,7 +529,8 @@ mod tests {
         let s = scg(
             json!({"redis": {"urlSecretRef": {"name": "redis", "key": "url"}, "tls": {"caSecretRef": {"name": "ca", "key": "ca.crt"}}}}),
         );
-        let env: BTreeMap<_, _> = contract_env(&s, "consume").into_iter().map(|e| (e.name.clone(), e)).collect();
+        let env: BTreeMap<_, _> =
+            contract_env(&s, &valid(&s), "consume").into_iter().map(|e| (e.name.clone(), e)).collect();
         let ca = env[env::REDIS_CA_PEM].value_from.as_ref().unwrap().secret_key_ref.as_ref().unwrap();
         assert_eq!((ca.name.as_str(), ca.key.as_str()), ("ca", "ca.crt"));
     }
@@ -534,7 +540,7 @@ mod tests {
         let settings =
             ObjectSettings { operator_image: "streamfleet/streamfleet:1".into(), ..ObjectSettings::default() };
         let s = scg(json!({"recovery": {"schedule": "*/2 * * * *"}}));
-        let cj = recovery_cronjob(&s, &settings).unwrap();
+        let cj = recovery_cronjob(&s, &valid(&s), &settings).unwrap();
         let spec = cj.spec.unwrap();
         assert_eq!(spec.schedule, "*/2 * * * *");
         assert_eq!(spec.concurrency_policy.as_deref(), Some("Forbid"));
@@ -565,7 +571,13 @@ mod tests {
             }))
             .unwrap(),
         };
-        let job = recovery_cronjob(&scg(json!({})), &settings).unwrap().spec.unwrap().job_template.spec.unwrap();
+        let job = recovery_cronjob(&scg(json!({})), &valid(&scg(json!({}))), &settings)
+            .unwrap()
+            .spec
+            .unwrap()
+            .job_template
+            .spec
+            .unwrap();
         assert_eq!(job.active_deadline_seconds, Some(900));
         let annotations = job.template.metadata.as_ref().and_then(|m| m.annotations.clone()).unwrap_or_default();
         assert_eq!(annotations.get("sidecar.istio.io/inject").map(String::as_str), Some("false"));
@@ -576,7 +588,7 @@ mod tests {
         assert_eq!(pod.tolerations.unwrap_or_default()[0].key.as_deref(), Some("dedicated"));
         // Worker mode runs the user's template (its own pull secrets), under
         // the same deadline: a hung run must not block every later one.
-        let worker = recovery_cronjob(&scg(json!({"recovery": {"mode": "Worker"}})), &settings).unwrap();
+        let worker = recovery_cronjob(&worker_mode(), &valid(&worker_mode()), &settings).unwrap();
         let job = worker.spec.unwrap().job_template.spec.unwrap();
         let pod = job.template.spec.unwrap();
         assert_eq!((job.active_deadline_seconds, pod.image_pull_secrets, pod.tolerations), (Some(900), None, None));
@@ -585,7 +597,7 @@ mod tests {
     #[test]
     fn worker_mode_recovery_runs_the_worker_template_in_recovery_mode() {
         let settings = ObjectSettings { operator_image: "op".into(), ..ObjectSettings::default() };
-        let cj = recovery_cronjob(&scg(json!({"recovery": {"mode": "Worker"}})), &settings).unwrap();
+        let cj = recovery_cronjob(&worker_mode(), &valid(&worker_mode()), &settings).unwrap();
         let pod = cj.spec.unwrap().job_template.spec.unwrap().template.spec.unwrap();
         assert_eq!(pod.containers[1].image.as_deref(), Some("worker:1"));
         assert_eq!(env_of(&pod.containers[0])[env::MODE].value.as_deref(), Some("recovery"));

@@ -102,8 +102,8 @@ fn no_decodable_resource_makes_validation_or_the_builders_panic() {
         prop_assert!(valid.dead_letter_max_length.is_none_or(|n| n > 0));
 
         // The owned objects: built or refused, never a panic.
-        let _ = objects::contract_env(&scg, "consume");
-        let _ = objects::worker_deployment(&scg, 3);
+        let _ = objects::contract_env(&scg, &valid, "consume");
+        let _ = objects::worker_deployment(&scg, &valid, 3);
         let settings = ObjectSettings {
             operator_image: "streamfleet:test".into(),
             image_pull_secrets: vec!["pull".into()],
@@ -111,7 +111,7 @@ fn no_decodable_resource_makes_validation_or_the_builders_panic() {
             sweep_deadline_seconds: Some(600),
             sweep_pod: Default::default(),
         };
-        let _ = objects::recovery_cronjob(&scg, &settings);
+        let _ = objects::recovery_cronjob(&scg, &valid, &settings);
         let _ = objects::pod_name_prefixes(&scg);
 
         // The scaling policy and the health over a few polls: replicas within

@@ -25,6 +25,7 @@ const MANAGER_DELETION_COST: &str = "streamfleet-pod-deletion-cost";
 const DELETION_COST: &str = "controller.kubernetes.io/pod-deletion-cost";
 
 /// What acting on a convergence plan did.
+#[derive(Default)]
 pub struct Outcome {
     pub available_replicas: i32,
     /// Entries trimmed by retention.

@@ -44,6 +44,8 @@ pub struct PolicyMemory {
     /// Whether a server that may evict keys was announced, for the same
     /// reason (`None`: not known yet, the status decides).
     pub eviction_announced: Option<bool>,
+    /// The unknown template fields last announced (`TemplateFieldsUnknown`).
+    pub template_announced: Option<String>,
 }
 
 /// What one reconcile will do.
@@ -108,6 +110,9 @@ pub struct Convergence {
     /// The server's eviction setting, for the `EvictionPossible` condition.
     pub eviction: streamfleet_streams::version::Eviction,
     pub reap: Vec<Reap>,
+    /// Fields of the worker template that were dropped (typos): the
+    /// `TemplateFieldsUnknown` condition.
+    pub unknown_template_fields: Vec<String>,
     /// A consumer without a pod may become releasable within seconds
     /// (`reaper::awaiting_silence`): look again soon.
     pub reap_soon: bool,
@@ -195,7 +200,7 @@ pub fn decide(
         if !owner.same_endpoint_known {
             return Ok(Plan::Wait);
         }
-        return conflict(at, observed, owner);
+        return conflict(spec, at, observed, owner);
     }
     let Some(snapshot) = observed.group.clone() else {
         return Ok(create_group(spec, at.scg));
@@ -259,11 +264,13 @@ pub fn decide(
     let (dead_letter_trims, cap_events, dead_letter_cap_reached) = dead_letter_cap(spec, observed);
     events.extend(cap_events);
     events.extend(eviction_event(at.scg, &observed.eviction, &mut memory.eviction_announced));
+    events.extend(template_event(at.scg, &spec.unknown_template_fields, &mut memory.template_announced));
     Ok(Plan::Converge(Box::new(Convergence {
         dead_letter_trims,
         dead_letter_cap_reached,
         eviction: observed.eviction.clone(),
         reap: reap_plan(at.scg, &snapshot, observed),
+        unknown_template_fields: spec.unknown_template_fields.clone(),
         reap_soon: reaper::awaiting_silence(
             &snapshot.consumers,
             &observed.live_pods,
@@ -274,8 +281,8 @@ pub fn decide(
             _ => Vec::new(),
         },
         retrying,
-        deployment: objects::worker_deployment(at.scg, scaling.replicas)?,
-        cronjob: objects::recovery_cronjob(at.scg, at.settings)?,
+        deployment: objects::worker_deployment(at.scg, spec, scaling.replicas)?,
+        cronjob: objects::recovery_cronjob(at.scg, spec, at.settings)?,
         snapshot,
         current_replicas,
         scaling,
@@ -335,6 +342,39 @@ fn eviction_event(
         }
         Eviction::Unknown => None,
     }
+}
+
+/// What the `TemplateFieldsUnknown` condition and its Warning say.
+pub fn template_message(unknown: &[String]) -> String {
+    format!(
+        "the worker pod template has fields a pod template does not have, dropped (a typo?): {}; the workers run \
+         without them until the resource is fixed",
+        unknown.join(", ")
+    )
+}
+
+/// A Warning when the worker template has unknown fields, once per set of
+/// them (not again while the condition already says so).
+fn template_event(
+    scg: &StreamConsumerGroup,
+    unknown: &[String],
+    announced: &mut Option<String>,
+) -> Option<PlannedEvent> {
+    if unknown.is_empty() {
+        *announced = None;
+        return None;
+    }
+    let note = template_message(unknown);
+    let shown = scg.status.as_ref().is_some_and(|s| {
+        s.conditions
+            .iter()
+            .any(|c| c.type_ == crate::conditions::TEMPLATE_FIELDS_UNKNOWN && c.status == "True" && c.message == note)
+    });
+    if shown || announced.as_deref() == Some(note.as_str()) {
+        return None;
+    }
+    *announced = Some(note.clone());
+    Some(PlannedEvent { type_: EventType::Warning, reason: "TemplateFieldsUnknown", action: "Validate", note })
 }
 
 /// Each pod's deletion cost: the entries its consumers hold (a consumer is
@@ -486,14 +526,14 @@ fn earlier_claimant<'a>(scg: &StreamConsumerGroup, claimants: &'a [Claimant]) ->
     claimants.iter().filter(|c| rank(&c.created, &c.key) < me).min_by_key(|c| rank(&c.created, &c.key))
 }
 
-fn conflict(at: &Situation<'_>, observed: &Observation, owner: &Claimant) -> Result<Plan, Error> {
+fn conflict(spec: &ValidSpec, at: &Situation<'_>, observed: &Observation, owner: &Claimant) -> Result<Plan, Error> {
     let deployment = match observed.deployment {
-        Some(_) => Some(objects::worker_deployment(at.scg, 0)?),
+        Some(_) => Some(objects::worker_deployment(at.scg, spec, 0)?),
         None => None,
     };
     let cronjob = match observed.cronjob {
         Some(_) => {
-            let mut cronjob = objects::recovery_cronjob(at.scg, at.settings)?;
+            let mut cronjob = objects::recovery_cronjob(at.scg, spec, at.settings)?;
             if let Some(spec) = cronjob.spec.as_mut() {
                 spec.suspend = Some(true);
             }
@@ -671,6 +711,39 @@ mod tests {
             "the status in the cache is stale, the memory is not"
         );
         assert!(recovery_event(&stale, Some(&run(120)), Some(&at(60))).is_some(), "the next run is");
+    }
+
+    #[test]
+    fn unknown_template_fields_are_a_condition_and_one_warning() {
+        let typo: StreamConsumerGroup = serde_json::from_value(serde_json::json!({
+            "apiVersion": "streamfleet.io/v1alpha1",
+            "kind": "StreamConsumerGroup",
+            "metadata": {"name": "orders", "namespace": "shop", "uid": "u-1", "generation": 1},
+            "spec": {
+                "redis": {"urlSecretRef": {"name": "redis", "key": "url"}},
+                "stream": "orders",
+                "group": "billing",
+                "worker": {"template": {"spec": {"containers": [{"name": "w", "image": "worker", "resoures": {}}]}}}
+            }
+        }))
+        .unwrap();
+        let plan = converge(run(&typo, &observed(Some(snapshot(0, 0, &[])), Some(1))));
+        let field = "spec.worker.template.spec.containers[0].resoures";
+        assert_eq!(plan.unknown_template_fields, vec![field]);
+        let warnings: Vec<_> = plan.events.iter().filter(|e| e.reason == "TemplateFieldsUnknown").collect();
+        assert_eq!(warnings.len(), 1);
+        assert!(warnings[0].note.contains(field), "{}", warnings[0].note);
+        let status = super::super::status::converged(&typo, &plan, &Default::default(), &Time(Default::default()));
+        let condition = status.conditions.iter().find(|c| c.type_ == crate::conditions::TEMPLATE_FIELDS_UNKNOWN);
+        assert!(condition.is_some_and(|c| c.status == "True" && c.message.contains(field)), "{condition:?}");
+        // Once the status shows it, no second Warning; fixed, the condition goes.
+        let mut shown = typo.clone();
+        shown.status = Some(status);
+        let mut memory = PolicyMemory::default();
+        assert_eq!(template_event(&shown, &plan.unknown_template_fields, &mut memory.template_announced), None);
+        let fixed = converge(run(&scg(), &observed(Some(snapshot(0, 0, &[])), Some(1))));
+        let status = super::super::status::converged(&shown, &fixed, &Default::default(), &Time(Default::default()));
+        assert!(status.conditions.iter().all(|c| c.type_ != crate::conditions::TEMPLATE_FIELDS_UNKNOWN));
     }
 
     fn converge(plan: Plan) -> Convergence {

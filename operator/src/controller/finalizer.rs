@@ -52,7 +52,10 @@ pub async fn cleanup(scg: &StreamConsumerGroup, ctx: &Context) -> Result<Action,
                 return Ok(Err(other.key.clone()));
             }
             let mut existed = false;
-            for stream in crate::objects::shard_streams(scg) {
+            // Every shard the spec names, valid or not (out of range: as many
+            // as could have been made).
+            let shards = u32::try_from(scg.spec.shards.unwrap_or(1)).unwrap_or(1).clamp(1, 64);
+            for stream in streamfleet_streams::shard::shard_keys(&scg.spec.stream, shards) {
                 existed |= streamfleet_streams::destroy_group(&mut conn, &stream, &scg.spec.group).await?;
             }
             Ok::<_, Error>(Ok(existed))

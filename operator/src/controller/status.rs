@@ -102,6 +102,12 @@ pub fn converged(
         // Never read (INFO memory refused): nothing to claim either way.
         Eviction::Unknown => {}
     }
+    if plan.unknown_template_fields.is_empty() {
+        status.conditions.retain(|c| c.type_ != conditions::TEMPLATE_FIELDS_UNKNOWN);
+    } else {
+        let message = super::decide::template_message(&plan.unknown_template_fields);
+        set(&mut status, conditions::TEMPLATE_FIELDS_UNKNOWN, true, "UnknownFields", &message);
+    }
     status.health = Some(plan.health);
     if plan.last_recovery.is_some() {
         status.last_recovery = plan.last_recovery.clone();

@@ -36,6 +36,9 @@ pub struct ValidSpec {
     pub suspend: bool,
     /// `spec.recovery.deadLetterMaxLength`.
     pub dead_letter_max_length: Option<u64>,
+    /// Fields of `spec.worker.template` a pod template does not have (typos),
+    /// dropped when read: the `TemplateFieldsUnknown` condition names them.
+    pub unknown_template_fields: Vec<String>,
 }
 
 /// `spec.retention`, in the units the stream protocol takes.
@@ -166,6 +169,7 @@ pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
             None => None,
         },
         dead_letter_stream,
+        unknown_template_fields: spec.worker.unknown_template_fields.clone(),
     })
 }
 

@@ -327,7 +327,7 @@ async fn killing_the_leader_hands_over_with_one_leader_at_a_time() -> Result<()>
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_malformed_object_is_reported_and_does_not_stall_the_others() -> Result<()> {
+async fn a_malformed_object_is_reported_and_does_not_stall_the_others_and_a_template_typo_is_named() -> Result<()> {
     let f = Fixture::start("e2e-guard", &[]).await?;
     let (bed, client, ns, redis) = (f.bed, f.client.clone(), &f.ns, &f.redis);
     // The pod template is schemaless in the CRD (the API server validates it on
@@ -358,6 +358,37 @@ spec:
     .await?;
     let groups: Vec<String> = group_info(redis, "s").await?.into_iter().map(|(g, _)| g).collect();
     assert_eq!(groups, vec!["good".to_string()]);
+
+    // A typo in the pod template parses (the field is dropped), so admission
+    // and the parse let it through: a condition and a Warning name it.
+    let typo = r#"apiVersion: streamfleet.io/v1alpha1
+kind: StreamConsumerGroup
+metadata:
+  name: typo
+spec:
+  redis:
+    urlSecretRef: {name: redis, key: url}
+  stream: t
+  group: typo
+  worker:
+    template:
+      spec:
+        containers:
+          - name: w
+            image: worker
+            resoures: {limits: {cpu: "1"}}
+"#;
+    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(typo)).await?;
+    let field = "spec.worker.template.spec.containers[0].resoures";
+    let scg =
+        wait_condition(&client, &ns.name, "typo", "TemplateFieldsUnknown", "True", Some("UnknownFields"), T).await?;
+    let condition = scg.status.iter().flat_map(|s| &s.conditions).find(|c| c.type_ == "TemplateFieldsUnknown");
+    assert!(condition.is_some_and(|c| c.message.contains(field)), "{condition:?}");
+    eventually("TemplateFieldsUnknown event", T, || async {
+        let reasons = event_reasons(&client, &ns.name, "typo").await?;
+        Ok(reasons.iter().any(|r| r == "TemplateFieldsUnknown").then_some(()))
+    })
+    .await?;
     Ok(())
 }
 
