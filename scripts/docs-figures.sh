@@ -8,7 +8,15 @@
 #   bash scripts/docs-figures.sh          copy target/figures/, regenerate
 #   bash scripts/docs-figures.sh --check  fail if docs/benchmarks.md differs
 #                                         from what docs/figures/ generates,
-#                                         or a section has no figure file
+#                                         a section has no figure file, or a
+#                                         figure was measured on an
+#                                         uncommitted tree
+#
+# A figure measured on an uncommitted tree (`-dirty`) is refused (not
+# copied, and --check fails) unless STREAMFLEET_FIGURES_DIRTY=1. A figure
+# whose code changed after it was measured is marked stale on the page, with
+# the number of commits that changed that code since (SOURCES below): a
+# reader sees which figures are not the code at HEAD.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -17,6 +25,10 @@ if [ "$mode" != "--check" ]; then
   mkdir -p docs/figures
   shopt -s nullglob
   for json in target/figures/*.json; do
+    if grep -q '"commit": "[0-9a-f]*-dirty"' "$json" && [ "${STREAMFLEET_FIGURES_DIRTY:-}" != 1 ]; then
+      echo "not copied: $json was measured on an uncommitted tree (commit, then measure; or STREAMFLEET_FIGURES_DIRTY=1)" >&2
+      exit 1
+    fi
     cp "$json" docs/figures/
   done
   # The web console's screenshots (tests/e2e/tests/console.rs), shown in docs/console.md.
@@ -25,8 +37,32 @@ if [ "$mode" != "--check" ]; then
   done
 fi
 python3 - "$mode" <<'PY'
-import json, pathlib, re, sys
+import json, os, pathlib, re, subprocess, sys
 check = sys.argv[1] == "--check"
+allow_dirty = os.environ.get("STREAMFLEET_FIGURES_DIRTY") == "1"
+
+# The code each figure measures (git pathspecs); any other figure measures
+# everything but the docs.
+BENCH = ["tests/bench", "tests/testbed"]
+SOURCES = {
+    "worker": ["worker", "streams"] + BENCH,
+    "concurrency": ["worker", "streams"] + BENCH,
+    "shards": ["worker", "streams"] + BENCH,
+    "retry": ["worker", "streams"] + BENCH,
+    "sweep": ["streams"] + BENCH,
+    "health": ["streams"] + BENCH,
+    "fleet": ["operator", "streams", "crd", "charts"] + BENCH,
+}
+EVERYTHING = [".", ":(exclude)docs"]
+
+def changes_since(name, commit):
+    """Commits that changed the figure's code after `commit`; None when the
+    history cannot say (a shallow clone)."""
+    if not re.fullmatch(r"[0-9a-f]{7,40}", commit):
+        return None
+    out = subprocess.run(["git", "rev-list", "--count", f"{commit}..HEAD", "--", *SOURCES.get(name, EVERYTHING)],
+                         capture_output=True, text=True)
+    return int(out.stdout.strip()) if out.returncode == 0 else None
 doc = pathlib.Path("docs/benchmarks.md")
 text = doc.read_text()
 figures = {p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path("docs/figures").glob("*.json"))}
@@ -80,6 +116,14 @@ def render(name, f):
     settings = ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in f.get("settings", {}).items())
     env = f.get("environment", {})
     where = ", ".join(f"{k} {env[k]}" for k in ("commit", "date", "machine") if k in env)
+    commit = env.get("commit", "")
+    if commit.endswith("-dirty"):
+        where += " **(an uncommitted tree)**"
+    changed = changes_since(name, commit.removesuffix("-dirty"))
+    if changed is None:
+        unknown_history.append(name)
+    elif changed:
+        where += f" **Stale: the code it measures changed in {changed} commit{'s' if changed > 1 else ''} since.**"
     header = "| " + " | ".join(f["columns"]) + " |\n|" + "---|" * len(f["columns"])
     rows = "\n".join("| " + " | ".join(cell(c) for c in row) + " |" for row in f["rows"])
     return (
@@ -92,7 +136,7 @@ def render(name, f):
         f"<!-- /figure:{name} -->"
     )
 
-missing = []
+missing, unknown_history = [], []
 def replace(m):
     name = m.group(1)
     if name not in figures:
@@ -108,6 +152,24 @@ if unused:
     sys.exit(f"figure files without a section in docs/benchmarks.md: {', '.join(unused)}")
 stale_plots = [n for n, svg in plots.items() if not pathlib.Path(f"docs/figures/{n}.svg").exists()
                or pathlib.Path(f"docs/figures/{n}.svg").read_text() != svg]
+dirty = sorted(n for n, f in figures.items() if f.get("environment", {}).get("commit", "").endswith("-dirty"))
+if dirty and not allow_dirty:
+    why = f"figures measured on an uncommitted tree: {', '.join(dirty)} (measure them again at a commit)"
+    if check:
+        sys.exit(why)
+    print(why, file=sys.stderr)
+stale_mark = re.compile(r" \*\*Stale: [^*]*\*\*")
+if not check:
+    pass
+elif unknown_history:
+    # No history to count changes in (a shallow clone): the stale marks are
+    # not checked.
+    print(f"no history for {', '.join(unknown_history)}: stale marks not checked", file=sys.stderr)
+    generated, text = stale_mark.sub("", generated), stale_mark.sub("", text)
+else:
+    # A figure marked stale stays marked however many commits follow; one
+    # that became stale must be marked (run this script and commit).
+    generated, text = stale_mark.sub(" **Stale**", generated), stale_mark.sub(" **Stale**", text)
 if check:
     if generated != text or stale_plots:
         sys.exit(f"docs/benchmarks.md or a plot ({', '.join(stale_plots)}) is stale: run bash scripts/docs-figures.sh")

@@ -229,8 +229,17 @@ pub fn write_figure(name: &str, figure: &serde_json::Value) -> Result<()> {
 }
 
 /// Writes a figure a benchmark program measured straight to
-/// `docs/figures/<name>.json` (see [`write_figure`]).
+/// `docs/figures/<name>.json` (see [`write_figure`]). Refused on an
+/// uncommitted tree (the figure would name no commit that has its code)
+/// unless `STREAMFLEET_FIGURES_DIRTY=1`.
 pub fn publish_figure(name: &str, figure: &serde_json::Value) -> Result<()> {
+    let commit = environment()["commit"].as_str().unwrap_or_default().to_string();
+    if commit.ends_with("-dirty") && std::env::var("STREAMFLEET_FIGURES_DIRTY").as_deref() != Ok("1") {
+        anyhow::bail!(
+            "not writing docs/figures/{name}.json: the tree has uncommitted changes ({commit}); commit, then \
+             measure (or STREAMFLEET_FIGURES_DIRTY=1 to write it marked -dirty)"
+        );
+    }
     write_figure_in(&tools::workspace_root().join("docs/figures"), name, figure)
 }
 
