@@ -65,7 +65,7 @@ use lifecycle::{
 use network::HOST_IP;
 use probes::sleep_until_opt;
 use serde_json::json;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -109,6 +109,9 @@ impl Kubelet {
         let mut supervisors: HashMap<String, watch::Sender<Option<Pod>>> = HashMap::new();
         let mut tasks = tokio::task::JoinSet::new();
         let mut events = watcher(pods, watcher::Config::default()).boxed();
+        // Pods seen by a (re)list in progress: a pod deleted while the watch
+        // was down has no Delete event, only its absence from the relist.
+        let mut relisted: Option<HashSet<String>> = None;
         loop {
             let event = match events.try_next().await {
                 Ok(Some(e)) => e,
@@ -120,9 +123,31 @@ impl Kubelet {
                 }
             };
             let (pod, gone) = match event {
-                watcher::Event::Apply(p) | watcher::Event::InitApply(p) => (p, false),
+                watcher::Event::Apply(p) => (p, false),
+                watcher::Event::InitApply(p) => {
+                    if let (Some(seen), Some(uid)) = (relisted.as_mut(), p.metadata.uid.as_ref()) {
+                        seen.insert(uid.clone());
+                    }
+                    (p, false)
+                }
                 watcher::Event::Delete(p) => (p, true),
-                watcher::Event::Init | watcher::Event::InitDone => continue,
+                watcher::Event::Init => {
+                    relisted = Some(HashSet::new());
+                    continue;
+                }
+                watcher::Event::InitDone => {
+                    // Gone while the watch was down (force-deleted, say).
+                    if let Some(seen) = relisted.take() {
+                        supervisors.retain(|uid, tx| {
+                            let kept = seen.contains(uid);
+                            if !kept {
+                                let _ = tx.send(None);
+                            }
+                            kept
+                        });
+                    }
+                    continue;
+                }
             };
             let Some(uid) = pod.metadata.uid.clone() else {
                 continue;
