@@ -278,7 +278,9 @@ async fn steady_arrivals_read_as_entries_in_and_out_per_second() -> Result<()> {
             seen.push(scgs.get("p").await?.status.and_then(|s| s.throughput));
         }
     }
-    let table = run_ok(f.bed, "kubectl", &["get", "scg", "p", "-n", &ns], None).await?;
+    // The rates are `-o wide` columns; the default view stays narrow.
+    let table = run_ok(f.bed, "kubectl", &["get", "scg", "p", "-n", &ns, "-o", "wide"], None).await?;
+    let narrow = run_ok(f.bed, "kubectl", &["get", "scg", "p", "-n", &ns], None).await?;
     let body = operator_http(&client, &ns, "/metrics").await?;
     let near = |x: f64| (rate * 0.75..=rate * 1.25).contains(&x);
     let last = seen.iter().rev().flatten().next().cloned().expect("rates in the status");
@@ -287,6 +289,8 @@ async fn steady_arrivals_read_as_entries_in_and_out_per_second() -> Result<()> {
     assert!(seen.iter().flatten().all(|t| near(t.in_per_second)), "{seen:?}");
     let header = table.lines().next().unwrap_or_default();
     assert!(header.contains("IN/S") && header.contains("OUT/S"), "{table}");
+    let narrow_header = narrow.lines().next().unwrap_or_default();
+    assert!(!narrow_header.contains("IN/S") && narrow_header.contains("DELAY"), "{narrow}");
     let arrival = metric(&body, "streamfleet_arrival_rate", &ns).and_then(|v| v.parse::<f64>().ok());
     assert!(arrival.is_some_and(near), "streamfleet_arrival_rate {arrival:?}");
     Ok(())
