@@ -41,17 +41,25 @@ import json, os, pathlib, re, subprocess, sys
 check = sys.argv[1] == "--check"
 allow_dirty = os.environ.get("STREAMFLEET_FIGURES_DIRTY") == "1"
 
-# The code each figure measures (git pathspecs); any other figure measures
-# everything but the docs.
-BENCH = ["tests/bench", "tests/testbed"]
+# The code each figure measures (git pathspecs): its source, not its tests
+# (a test changed is no code measured changed). The test command's own
+# timings measure everything but the docs.
+BENCH = ["tests/bench", "tests/testbed/src"]
+CODE = ["worker/src", "streams/src", "operator/src", "crd/src", "contract", "process", "charts", "images"]
 SOURCES = {
-    "worker": ["worker", "streams"] + BENCH,
-    "concurrency": ["worker", "streams"] + BENCH,
-    "shards": ["worker", "streams"] + BENCH,
-    "retry": ["worker", "streams"] + BENCH,
-    "sweep": ["streams"] + BENCH,
-    "health": ["streams"] + BENCH,
-    "fleet": ["operator", "streams", "crd", "charts"] + BENCH,
+    "worker": ["worker/src", "streams/src"] + BENCH,
+    "concurrency": ["worker/src", "streams/src"] + BENCH,
+    "shards": ["worker/src", "streams/src"] + BENCH,
+    "retry": ["worker/src", "streams/src"] + BENCH,
+    "sweep": ["streams/src"] + BENCH,
+    "health": ["streams/src"] + BENCH,
+    "fleet": ["operator/src", "streams/src", "crd/src", "charts"] + BENCH,
+    "drill": CODE + ["tests/e2e", "tests/testbed/src"],
+    "drill-noguard": CODE + ["tests/e2e", "tests/testbed/src"],
+    "drill-100000": CODE + ["tests/e2e", "tests/testbed/src"],
+    "reclaim": CODE + ["tests/e2e", "tests/testbed/src"],
+    "retries": CODE + ["tests/e2e", "tests/testbed/src"],
+    "delay-objective": CODE + ["tests/e2e", "tests/testbed/src"],
 }
 EVERYTHING = [".", ":(exclude)docs"]
 

@@ -776,6 +776,34 @@ struct BlocksItsThread {
     block: Duration,
 }
 
+impl BlocksItsThread {
+    /// Waits until its handler was first called.
+    async fn started_once(&self) -> Result<()> {
+        let calls = self.calls.clone();
+        let started = move || {
+            let calls = calls.clone();
+            async move { Ok((calls.load(std::sync::atomic::Ordering::SeqCst) == 1).then_some(())) }
+        };
+        eventually("the first consumer's handler started", T, started).await
+    }
+}
+
+/// Runs a worker on a thread of its own with a runtime of one thread (which
+/// a blocking handler blocks whole); the sender stops it.
+fn run_on_one_thread(
+    worker: Worker<BlocksItsThread>,
+) -> (tokio::sync::oneshot::Sender<()>, std::thread::JoinHandle<Result<()>>) {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        runtime.block_on(worker.run(async move {
+            let _ = stopped.await;
+        }))?;
+        anyhow::Ok(())
+    });
+    (stop, running)
+}
+
 impl streamfleet_worker::Handler for BlocksItsThread {
     fn handle(&self, _entry: &Entry) -> impl std::future::Future<Output = streamfleet_worker::Outcome> + Send {
         self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -800,20 +828,8 @@ async fn a_handler_blocking_its_thread_past_min_idle_keeps_its_entry() -> Result
     let blocking = BlocksItsThread { calls: Arc::default(), block: Duration::from_millis(1800) };
     // The first consumer on a runtime of one thread, which its handler blocks.
     let first = Worker::new(config(&server, "c1", 1000, 5), blocking.clone());
-    let (stop_first, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running_first = std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        runtime.block_on(first.run(async move {
-            let _ = stopped.await;
-        }))?;
-        anyhow::Ok(())
-    });
-    let calls = blocking.calls.clone();
-    let started = move || {
-        let calls = calls.clone();
-        async move { Ok((calls.load(std::sync::atomic::Ordering::SeqCst) == 1).then_some(())) }
-    };
-    eventually("the first consumer's handler started", T, started).await?;
+    let (stop_first, running_first) = run_on_one_thread(first);
+    blocking.started_once().await?;
     // The second claims entries idle past min-idle-time every 500 ms.
     let second = Worker::new(config(&server, "c2", 1000, 5), Scripted::default());
     let second_stats = second.stats();
@@ -844,20 +860,8 @@ async fn a_handler_hung_past_twice_min_idle_lets_its_batch_go() -> Result<()> {
     let mut one_at_a_time = config(&server, "c1", 300, 5);
     one_at_a_time.concurrency = 1;
     let first = Worker::new(one_at_a_time, hung.clone());
-    let (stop_first, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running_first = std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        runtime.block_on(first.run(async move {
-            let _ = stopped.await;
-        }))?;
-        anyhow::Ok(())
-    });
-    let calls = hung.calls.clone();
-    let started = move || {
-        let calls = calls.clone();
-        async move { Ok((calls.load(std::sync::atomic::Ordering::SeqCst) == 1).then_some(())) }
-    };
-    eventually("the first consumer's handler started", T, started).await?;
+    let (stop_first, running_first) = run_on_one_thread(first);
+    hung.started_once().await?;
     let since_start = std::time::Instant::now();
     let second = Worker::new(config(&server, "c2", 300, 5), Scripted::default());
     let second_stats = second.stats();
