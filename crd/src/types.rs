@@ -164,7 +164,7 @@ pub struct RedisTls {
 }
 
 /// The worker fleet.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Debug, JsonSchema)]
 #[serde(rename_all = "camelCase", try_from = "WorkerSpecWire")]
 pub struct WorkerSpec {
     /// The pod template of the worker Deployment (a core/v1 PodTemplateSpec;
@@ -195,6 +195,16 @@ pub struct WorkerSpec {
     #[serde(skip)]
     #[schemars(skip)]
     pub unknown_template_fields: Vec<String>,
+}
+
+/// Equal as resources: `unknown_template_fields` is what reading the
+/// resource found, not part of it (written back, the typos are gone).
+impl PartialEq for WorkerSpec {
+    fn eq(&self, other: &Self) -> bool {
+        self.template == other.template
+            && self.container_name == other.container_name
+            && self.concurrency == other.concurrency
+    }
 }
 
 /// [`WorkerSpec`] as written: its pod template kept as JSON until every
