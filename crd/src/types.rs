@@ -568,7 +568,7 @@ pub struct StreamConsumerGroupStatus {
     pub observed_generation: Option<i64>,
 
     /// `Ready`, `GroupReady`, `WorkersAvailable`, `Degraded`, `RetentionBlocked`, `Conflict`,
-    /// `DelayUnknown`, `EvictionPossible`, `DeadLetterCapReached`, `TemplateFieldsUnknown`.
+    /// `DelayUnknown`, `EvictionPossible`, `DeadLetterCapReached`, `TemplateFieldsUnknown`, `RecoveryFailing`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 16))]
     pub conditions: Vec<Condition>,

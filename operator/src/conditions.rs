@@ -15,6 +15,8 @@ pub const DELAY_UNKNOWN: &str = "DelayUnknown";
 pub const EVICTION_POSSIBLE: &str = "EvictionPossible";
 /// True while the worker template has fields a pod template does not have.
 pub const TEMPLATE_FIELDS_UNKNOWN: &str = "TemplateFieldsUnknown";
+/// True while the recovery CronJob's last finished run failed.
+pub const RECOVERY_FAILING: &str = "RecoveryFailing";
 
 /// Sets condition `type_` in `conditions`; its transition time changes only
 /// when its status does.

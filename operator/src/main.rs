@@ -170,6 +170,7 @@ async fn run(args: RunArgs) -> Result<()> {
         tracing::info!(%identity, "leading");
     }
     readiness.set(true);
+    metrics.leading(true);
 
     let sweep_resources = match &args.sweep_resources {
         Some(json) => {

@@ -44,8 +44,15 @@ impl ResourceLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ReasonLabels {
+pub struct ErrorLabels {
+    pub namespace: String,
+    pub name: String,
     pub reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildLabels {
+    pub version: String,
 }
 
 const HEALTHS: [Health; 10] = [
@@ -79,13 +86,17 @@ pub struct Metrics {
     /// when it goes (its spec is gone by then).
     labelled: Mutex<HashMap<(String, String), ResourceLabels>>,
     reconciles: Counter,
-    errors: Family<ReasonLabels, Counter>,
+    errors: Family<ErrorLabels, Counter>,
+    /// The error series each resource has, to drop them when it goes.
+    errored: Mutex<std::collections::HashSet<ErrorLabels>>,
     duration: Histogram,
+    /// 1 while this process leads (or runs without election).
+    leader: Gauge,
 }
 
 /// Per-resource gauges: (metric name, help, how to read it from the status).
 type Reader = fn(&StreamConsumerGroup, &StreamConsumerGroupStatus) -> Option<i64>;
-const GAUGES: [(&str, &str, Reader); 16] = [
+const GAUGES: [(&str, &str, Reader); 17] = [
     ("streamfleet_delay_objective_seconds", "spec.scaling.delayObjectiveSeconds (absent when unset)", |scg, _| {
         scg.spec.scaling.delay_objective_seconds.map(i64::from)
     }),
@@ -128,6 +139,16 @@ const GAUGES: [(&str, &str, Reader); 16] = [
     ("streamfleet_replicas_current", "Worker replicas available", |_, s| {
         s.replicas.as_ref().map(|r| i64::from(r.current))
     }),
+    (
+        "streamfleet_recovery_failing",
+        "1 while the recovery CronJob's last finished run failed, 0 once one succeeded (absent before any finished)",
+        |_, s| {
+            s.conditions
+                .iter()
+                .find(|c| c.type_ == crate::conditions::RECOVERY_FAILING)
+                .map(|c| i64::from(c.status == "True"))
+        },
+    ),
 ];
 
 /// A gauge of fractional values (entries per second).
@@ -180,12 +201,17 @@ impl Default for Metrics {
         registry.register("streamfleet_health", "1 for the resource's current health classification", health.clone());
         let reconciles = Counter::default();
         registry.register("streamfleet_reconciles", "Reconciles run", reconciles.clone());
-        let errors = Family::<ReasonLabels, Counter>::default();
-        registry.register("streamfleet_reconcile_errors", "Failed reconciles by reason", errors.clone());
+        let errors = Family::<ErrorLabels, Counter>::default();
+        registry.register("streamfleet_reconcile_errors", "Failed reconciles by resource and reason", errors.clone());
         let duration = Histogram::new([0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]);
         registry.register("streamfleet_reconcile_duration_seconds", "Reconcile duration", duration.clone());
         let writes = Family::<WriteLabels, Counter>::default();
         registry.register("streamfleet_api_writes", "Kubernetes API writes by field manager", writes.clone());
+        let leader = Gauge::default();
+        registry.register("streamfleet_leader", "1 while this operator process leads and reconciles", leader.clone());
+        let build = Family::<BuildLabels, Gauge>::default();
+        build.get_or_create(&BuildLabels { version: env!("CARGO_PKG_VERSION").into() }).set(1);
+        registry.register("streamfleet_build_info", "1, labelled with the operator's version", build);
         Self {
             registry,
             writes,
@@ -196,7 +222,9 @@ impl Default for Metrics {
             labelled: Mutex::default(),
             reconciles,
             errors,
+            errored: Mutex::default(),
             duration,
+            leader,
         }
     }
 }
@@ -211,8 +239,18 @@ impl Metrics {
         self.writes.get_or_create(&WriteLabels { manager: manager.to_string() }).inc();
     }
 
-    pub fn failed(&self, reason: &str) {
-        self.errors.get_or_create(&ReasonLabels { reason: reason.to_string() }).inc();
+    /// A failed reconcile of `namespace/name`.
+    pub fn failed(&self, namespace: &str, name: &str, reason: &str) {
+        let labels = ErrorLabels { namespace: namespace.into(), name: name.into(), reason: reason.into() };
+        self.errors.get_or_create(&labels).inc();
+        if let Ok(mut errored) = self.errored.lock() {
+            errored.insert(labels);
+        }
+    }
+
+    /// Whether this process leads.
+    pub fn leading(&self, leading: bool) {
+        self.leader.set(i64::from(leading));
     }
 
     /// Sets the resource's gauges from its status; a figure the status lacks
@@ -263,6 +301,15 @@ impl Metrics {
 
     /// Drops a deleted resource's series.
     pub fn forget(&self, namespace: &str, name: &str) {
+        if let Ok(mut errored) = self.errored.lock() {
+            errored.retain(|e| {
+                let theirs = e.namespace == namespace && e.name == name;
+                if theirs {
+                    self.errors.remove(e);
+                }
+                !theirs
+            });
+        }
         let labels = self.labelled.lock().ok().and_then(|mut l| l.remove(&(namespace.into(), name.into())));
         let Some(labels) = labels else { return };
         for (_, family) in &self.gauges {
@@ -317,7 +364,7 @@ mod tests {
         .unwrap();
         m.observe(&scg, &s);
         m.reconciled(Duration::from_millis(20));
-        m.failed("RedisUnreachable");
+        m.failed("shop", "orders", "RedisUnreachable");
         let text = m.render();
         let labels = r#"namespace="shop",name="orders",stream="orders",group="billing""#;
         assert!(text.contains(&format!("streamfleet_group_lag{{{labels}}} 42")), "{text}");
@@ -329,7 +376,16 @@ mod tests {
         assert!(text.contains(&format!(r#"streamfleet_health{{{labels},health="Lagging"}} 1"#)));
         assert!(text.contains(&format!(r#"streamfleet_health{{{labels},health="Healthy"}} 0"#)));
         assert!(!text.contains("_count{"), "no gauge named like a histogram's count: {text}");
-        assert!(text.contains(r#"streamfleet_reconcile_errors_total{reason="RedisUnreachable"} 1"#));
+        assert!(
+            text.contains(
+                r#"streamfleet_reconcile_errors_total{namespace="shop",name="orders",reason="RedisUnreachable"} 1"#
+            ),
+            "{text}"
+        );
+        assert!(text.contains(&format!("streamfleet_build_info{{version=\"{}\"}} 1", env!("CARGO_PKG_VERSION"))));
+        assert!(text.contains("streamfleet_leader 0"), "{text}");
+        m.leading(true);
+        assert!(m.render().contains("streamfleet_leader 1"));
         s.lag = None;
         m.observe(&scg, &s);
         assert!(!m.render().contains("streamfleet_group_lag{"), "unknown lag is not zero");
@@ -340,7 +396,71 @@ mod tests {
         assert!(m.render().contains(&format!("streamfleet_delay_seconds{{{labels}}} 12.345")), "{}", m.render());
         m.observe_delay(&scg, None);
         assert!(!m.render().contains("streamfleet_delay_seconds{"), "an unknown delay is not zero");
+        let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now());
+        crate::conditions::set(
+            &mut s.conditions,
+            crate::conditions::RECOVERY_FAILING,
+            true,
+            "LastRunFailed",
+            "",
+            None,
+            &now,
+        );
+        m.observe(&scg, &s);
+        assert!(m.render().contains(&format!("streamfleet_recovery_failing{{{labels}}} 1")), "{}", m.render());
         m.forget("shop", "orders");
-        assert!(!m.render().contains(r#"name="orders""#));
+        assert!(!m.render().contains(r#"name="orders""#), "{}", m.render());
+    }
+
+    /// `docs/metrics.md` lists every family the operator serves, with its
+    /// help text: the table is this render's, so it cannot drift.
+    #[test]
+    fn the_metrics_document_lists_every_family() {
+        // Every family with a series: a family without one renders nothing.
+        let m = Metrics::default();
+        let scg: StreamConsumerGroup = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "orders", "namespace": "shop"},
+            "spec": {"redis": {"urlSecretRef": {"name": "r", "key": "url"}}, "stream": "orders", "group": "billing",
+                     "scaling": {"delayObjectiveSeconds": 30},
+                     "worker": {"template": {"spec": {"containers": [{"name": "w", "image": "w"}]}}}}
+        }))
+        .unwrap();
+        let mut status: StreamConsumerGroupStatus = serde_json::from_value(serde_json::json!({
+            "lag": 1, "pending": 1, "oldestPendingIdleSeconds": 1, "maxDeliveryCount": 1, "consumers": 1,
+            "retrying": {"entries": 1, "onLastAttempt": 1, "atDelivery": []}, "deadLetterLength": 1, "streamLength": 1,
+            "payloadLost": {"total": 1, "unacknowledged": 1, "latestIds": []},
+            "replicas": {"desired": 1, "current": 1, "summary": "1/1"},
+            "throughput": {"inPerSecond": 1.0, "outPerSecond": 1.0}
+        }))
+        .unwrap();
+        let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now());
+        crate::conditions::set(&mut status.conditions, crate::conditions::RECOVERY_FAILING, false, "", "", None, &now);
+        m.observe(&scg, &status);
+        m.observe_delay(&scg, Some(Duration::from_secs(1)));
+        m.failed("shop", "orders", "RedisUnreachable");
+        m.api_write("streamfleet-status");
+        m.reconciled(Duration::from_millis(1));
+        let text = m.render();
+        let mut table = String::new();
+        let mut help = None;
+        for line in text.lines() {
+            if let Some(h) = line.strip_prefix("# HELP ") {
+                help = h.split_once(' ');
+            } else if let (Some(t), Some((name, help))) = (line.strip_prefix("# TYPE "), help.take()) {
+                let kind = t.split_once(' ').map_or("", |(_, k)| k);
+                let series = if kind == "counter" { format!("{name}_total") } else { name.to_string() };
+                let labels = text
+                    .lines()
+                    .find(|l| l.starts_with(&format!("{series}{{")))
+                    .and_then(|l| l.split_once('{'))
+                    .and_then(|(_, rest)| rest.split_once('}'))
+                    .map(|(labels, _)| labels.split(',').filter_map(|kv| kv.split_once('=')).map(|(k, _)| k).collect())
+                    .unwrap_or_else(Vec::<&str>::new)
+                    .join(", ");
+                table.push_str(&format!("| `{series}` | {kind} | {labels} | {help} |\n"));
+            }
+        }
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/metrics.md")).unwrap();
+        assert!(doc.contains(&table), "docs/metrics.md should carry this table:\n{table}");
     }
 }

@@ -4,6 +4,7 @@
 //! delete, the objects to apply and the Events to publish. No I/O.
 
 use super::observe::Observation;
+use super::recovery_runs::{self, LastRun};
 use super::validate::ValidSpec;
 use crate::error::Error;
 use crate::events::EventType;
@@ -46,6 +47,8 @@ pub struct PolicyMemory {
     pub eviction_announced: Option<bool>,
     /// The unknown template fields last announced (`TemplateFieldsUnknown`).
     pub template_announced: Option<String>,
+    /// The schedule time of the failed recovery run last announced.
+    pub recovery_failure_announced: Option<Time>,
 }
 
 /// What one reconcile will do.
@@ -113,6 +116,8 @@ pub struct Convergence {
     /// Fields of the worker template that were dropped (typos): the
     /// `TemplateFieldsUnknown` condition.
     pub unknown_template_fields: Vec<String>,
+    /// How the recovery CronJob's last run ended: the `RecoveryFailing` condition.
+    pub recovery_run: LastRun,
     /// A consumer without a pod may become releasable within seconds
     /// (`reaper::awaiting_silence`): look again soon.
     pub reap_soon: bool,
@@ -265,7 +270,10 @@ pub fn decide(
     events.extend(cap_events);
     events.extend(eviction_event(at.scg, &observed.eviction, &mut memory.eviction_announced));
     events.extend(template_event(at.scg, &spec.unknown_template_fields, &mut memory.template_announced));
+    let recovery_run = recovery_runs::last_run(observed.cronjob.as_deref());
+    events.extend(recovery_failure_event(at.scg, &recovery_run, &mut memory.recovery_failure_announced));
     Ok(Plan::Converge(Box::new(Convergence {
+        recovery_run,
         dead_letter_trims,
         dead_letter_cap_reached,
         eviction: observed.eviction.clone(),
@@ -375,6 +383,25 @@ fn template_event(
     }
     *announced = Some(note.clone());
     Some(PlannedEvent { type_: EventType::Warning, reason: "TemplateFieldsUnknown", action: "Validate", note })
+}
+
+/// A Warning once per failed recovery run (not again while the condition
+/// already names it).
+fn recovery_failure_event(
+    scg: &StreamConsumerGroup,
+    run: &LastRun,
+    announced: &mut Option<Time>,
+) -> Option<PlannedEvent> {
+    let LastRun::Failed { scheduled, last_success } = run else { return None };
+    let note = recovery_runs::failed_message(scheduled, last_success.as_ref(), &objects::recovery_cronjob_name(scg));
+    let shown = scg.status.as_ref().is_some_and(|s| {
+        s.conditions.iter().any(|c| c.type_ == crate::conditions::RECOVERY_FAILING && c.message == note)
+    });
+    if shown || announced.as_ref() == Some(scheduled) {
+        return None;
+    }
+    *announced = Some(scheduled.clone());
+    Some(PlannedEvent { type_: EventType::Warning, reason: "RecoveryRunFailed", action: "Recover", note })
 }
 
 /// Each pod's deletion cost: the entries its consumers hold (a consumer is
@@ -744,6 +771,63 @@ mod tests {
         let fixed = converge(run(&scg(), &observed(Some(snapshot(0, 0, &[])), Some(1))));
         let status = super::super::status::converged(&shown, &fixed, &Default::default(), &Time(Default::default()));
         assert!(status.conditions.iter().all(|c| c.type_ != crate::conditions::TEMPLATE_FIELDS_UNKNOWN));
+    }
+
+    #[test]
+    fn a_failed_recovery_run_is_a_condition_and_one_warning_until_a_run_succeeds() {
+        use k8s_openapi::api::batch::v1::CronJobStatus;
+        let t = |secs| Time(k8s_openapi::jiff::Timestamp::from_second(secs).unwrap());
+        let with_runs = |scheduled: i64, succeeded: Option<i64>| {
+            let mut seen = observed(Some(snapshot(0, 0, &[])), Some(1));
+            seen.cronjob = Some(std::sync::Arc::new(CronJob {
+                status: Some(CronJobStatus {
+                    active: None,
+                    last_schedule_time: Some(t(scheduled)),
+                    last_successful_time: succeeded.map(t),
+                }),
+                ..CronJob::default()
+            }));
+            seen
+        };
+        let now = Time(Default::default());
+        let plan = converge(run(&scg(), &with_runs(600, Some(300))));
+        let warnings: Vec<_> = plan.events.iter().filter(|e| e.reason == "RecoveryRunFailed").collect();
+        assert_eq!(warnings.len(), 1, "{:?}", plan.events);
+        assert!(warnings[0].note.contains("1970-01-01T00:10:00Z") && warnings[0].note.contains("00:05:00Z"));
+        let status = super::super::status::converged(&scg(), &plan, &Default::default(), &now);
+        let failing = |s: &StreamConsumerGroupStatus| {
+            s.conditions.iter().find(|c| c.type_ == crate::conditions::RECOVERY_FAILING).map(|c| c.status.clone())
+        };
+        assert_eq!(failing(&status).as_deref(), Some("True"));
+        // Shown: no second Warning for the same run; a later failed run is announced again.
+        let mut shown = scg();
+        shown.status = Some(status);
+        assert!(
+            converge(run(&shown, &with_runs(600, Some(300)))).events.iter().all(|e| e.reason != "RecoveryRunFailed")
+        );
+        assert!(
+            converge(run(&shown, &with_runs(900, Some(300)))).events.iter().any(|e| e.reason == "RecoveryRunFailed")
+        );
+        // A run in progress changes nothing; a success clears it.
+        let mut running = with_runs(900, Some(300));
+        running.cronjob = Some(std::sync::Arc::new(CronJob {
+            status: Some(CronJobStatus {
+                active: Some(vec![Default::default()]),
+                last_schedule_time: Some(t(900)),
+                last_successful_time: Some(t(300)),
+            }),
+            ..CronJob::default()
+        }));
+        let plan = converge(run(&shown, &running));
+        let status = super::super::status::converged(&shown, &plan, &Default::default(), &now);
+        assert_eq!(failing(&status).as_deref(), Some("True"), "still the last finished run's outcome");
+        let plan = converge(run(&shown, &with_runs(900, Some(905))));
+        let status = super::super::status::converged(&shown, &plan, &Default::default(), &now);
+        assert_eq!(failing(&status).as_deref(), Some("False"));
+        // Never run: no condition at all.
+        let plan = converge(run(&scg(), &observed(Some(snapshot(0, 0, &[])), Some(1))));
+        let status = super::super::status::converged(&scg(), &plan, &Default::default(), &now);
+        assert_eq!(failing(&status), None);
     }
 
     fn converge(plan: Plan) -> Convergence {

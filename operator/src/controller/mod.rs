@@ -17,6 +17,7 @@ pub mod finalizer;
 #[cfg(test)]
 mod fixtures;
 pub mod observe;
+pub mod recovery_runs;
 pub mod secrets;
 pub mod slim;
 pub mod status;
@@ -425,7 +426,7 @@ fn error_policy(obj: Arc<DeserializeGuard<StreamConsumerGroup>>, error: &Error, 
     let Ok(scg) = &obj.0 else {
         return Action::await_change();
     };
-    ctx.metrics.failed(error.reason());
+    ctx.metrics.failed(&scg.namespace().unwrap_or_default(), &scg.name_any(), error.reason());
     let mut backoff = ctx.next_backoff(&key(scg));
     if error.is_outage() {
         let poll = u64::try_from(scg.spec.scaling.poll_interval_seconds).unwrap_or(1).max(1);

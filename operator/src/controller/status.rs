@@ -5,8 +5,10 @@
 use super::Context;
 use super::act::Outcome;
 use super::decide::{Conflict, Convergence, Retrying};
+use super::recovery_runs::{LastRun, failed_message};
 use crate::conditions;
 use crate::error::Error;
+use crate::objects;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, ResourceExt as _};
@@ -107,6 +109,21 @@ pub fn converged(
     } else {
         let message = super::decide::template_message(&plan.unknown_template_fields);
         set(&mut status, conditions::TEMPLATE_FIELDS_UNKNOWN, true, "UnknownFields", &message);
+    }
+    match &plan.recovery_run {
+        LastRun::Failed { scheduled, last_success } => {
+            let message = failed_message(scheduled, last_success.as_ref(), &objects::recovery_cronjob_name(scg));
+            set(&mut status, conditions::RECOVERY_FAILING, true, "LastRunFailed", &message);
+        }
+        LastRun::Succeeded { at } => set(
+            &mut status,
+            conditions::RECOVERY_FAILING,
+            false,
+            "LastRunSucceeded",
+            &format!("the last recovery run succeeded, finished at {}", at.0),
+        ),
+        // Running, or none yet: the last finished run's outcome stands.
+        LastRun::Running | LastRun::NotYet => {}
     }
     status.health = Some(plan.health);
     if plan.last_recovery.is_some() {

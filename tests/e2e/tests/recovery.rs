@@ -170,3 +170,59 @@ async fn retention_trims_but_never_past_another_groups_pending_entries() -> Resu
     assert_eq!(len, 5);
     Ok(())
 }
+
+/// A recovery run that keeps failing writes no report; the CronJob's own
+/// status shows it: the `RecoveryFailing` condition, one Warning per failed
+/// run, the `streamfleet_recovery_failing` gauge; the next run that
+/// succeeds clears them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_recovery_run_is_a_condition_a_warning_and_a_metric_until_one_succeeds() -> Result<()> {
+    // A run still going after 15 s is stopped (the chart's deadline), so
+    // the crash-looping run below fails within a minute of its schedule.
+    let f = Fixture::start("e2e-recfail", &["--set", "sweep.activeDeadlineSeconds=15"]).await?;
+    let (client, ns) = (f.client.clone(), f.ns.name.clone());
+    // Worker mode, workers paused at zero: only the recovery Jobs run. Their
+    // handler's ledger is unreachable, so each run's worker exits with an error.
+    let spec = "  startId: \"0\"\n  scaling: {minReplicas: 0, maxReplicas: 1, paused: true}\n  recovery: {schedule: \"* * * * *\", mode: Worker, minIdleTimeMs: 1000}";
+    let broken = [("EXAMPLE_LEDGER_URL", "redis://127.0.0.1:1")];
+    f.apply(&manifest("p", "orders", "billing", "streamfleet/example-worker", &broken, spec)).await?;
+    let long = Duration::from_secs(200);
+    let scg = wait_condition(&client, &ns, "p", "RecoveryFailing", "True", Some("LastRunFailed"), long).await?;
+    let condition = scg.status.unwrap_or_default().conditions.into_iter().find(|c| c.type_ == "RecoveryFailing");
+    let message = condition.map(|c| c.message).unwrap_or_default();
+    assert!(message.contains("no run has succeeded yet") && message.contains("p-recovery-*"), "{message}");
+    // The failed Job, found the way the runbook looks for it.
+    let jobs: Api<Job> = Api::namespaced(client.clone(), &ns);
+    let selector = "streamfleet.io/consumer-group=p,app.kubernetes.io/component=recovery";
+    let listed = jobs.list(&kube::api::ListParams::default().labels(selector)).await?.items;
+    let failed = listed.iter().filter(|j| {
+        j.status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|c| c.iter().any(|c| c.type_ == "Failed" && c.status == "True"))
+    });
+    assert!(failed.count() >= 1, "a failed recovery Job under the runbook's selector: {listed:?}");
+    let warning = eventually("a RecoveryRunFailed Warning", T, || async {
+        let events = events_about(&client, &ns, "p").await?;
+        Ok(events.into_iter().find(|e| e.reason.as_deref() == Some("RecoveryRunFailed")))
+    })
+    .await?;
+    assert_eq!(warning.type_.as_deref(), Some("Warning"));
+    assert_eq!(warning.note.as_deref(), Some(message.as_str()), "the Warning says what the condition says");
+    let series =
+        format!(r#"streamfleet_recovery_failing{{namespace="{ns}",name="p",stream="orders",group="billing"}}"#);
+    let metrics = operator_http(&client, &ns, "/metrics").await?;
+    assert!(metrics.contains(&format!("{series} 1")), "{metrics}");
+    // Beside it, what the operator says of itself.
+    assert!(
+        metrics.contains("streamfleet_leader 1") && metrics.contains("streamfleet_build_info{version="),
+        "{metrics}"
+    );
+
+    // Fixed: the next run succeeds and clears the condition and the gauge.
+    f.apply(&manifest("p", "orders", "billing", "streamfleet/example-worker", &[], spec)).await?;
+    wait_condition(&client, &ns, "p", "RecoveryFailing", "False", Some("LastRunSucceeded"), long).await?;
+    let metrics = operator_http(&client, &ns, "/metrics").await?;
+    assert!(metrics.contains(&format!("{series} 0")), "{metrics}");
+    Ok(())
+}
