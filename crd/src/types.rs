@@ -432,6 +432,16 @@ pub struct RecoverySpec {
     #[schemars(range(min = 1))]
     pub dead_letter_max_length: Option<i64>,
 
+    /// Drops dead letters older than this many seconds (by their IDs, the
+    /// time they were dead-lettered, against the Redis server's clock):
+    /// every poll the operator trims them (`XTRIM MINID`) and publishes a
+    /// Normal Event `DeadLettersExpired` naming how many. At least 60. Unset
+    /// (default): kept whatever their age. Sidekiq keeps its dead set 6
+    /// months, asynq its archive 90 days: 7776000 is asynq's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 60))]
+    pub dead_letter_max_age_seconds: Option<i64>,
+
     /// `Sweep` runs the operator image, which claims and dead-letters
     /// without running handlers; `Worker` runs the worker template in
     /// recovery mode, which claims idle entries and re-runs the handlers.
@@ -519,6 +529,7 @@ impl Default for RecoverySpec {
             batch_size: default_batch_size(),
             dead_letter_stream: None,
             dead_letter_max_length: None,
+            dead_letter_max_age_seconds: None,
             mode: RecoveryMode::default(),
         }
     }

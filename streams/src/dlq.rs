@@ -210,6 +210,29 @@ pub async fn cap<C: ConnectionLike + Send>(conn: &mut C, stream: &str, cap: u64)
         .map_err(|e| StreamError::new("capping the dead-letter stream", e))
 }
 
+/// Drops the letters of `stream` dead-lettered more than `max_age` ago, by
+/// their IDs against the server's clock (`XTRIM MINID`, exact); returns how
+/// many were dropped.
+pub async fn expire<C: ConnectionLike + Send>(
+    conn: &mut C,
+    stream: &str,
+    max_age: std::time::Duration,
+) -> Result<u64, StreamError> {
+    redis::Script::new(
+        r"
+        local t = redis.call('TIME')
+        local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+        local before = now - tonumber(ARGV[1])
+        if before <= 0 then return 0 end
+        return redis.call('XTRIM', KEYS[1], 'MINID', string.format('%.0f', before))",
+    )
+    .key(stream)
+    .arg(u64::try_from(max_age.as_millis()).unwrap_or(u64::MAX))
+    .invoke_async(conn)
+    .await
+    .map_err(|e| StreamError::new("dropping expired dead letters", e))
+}
+
 /// Counts by reason and by hour.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stats {

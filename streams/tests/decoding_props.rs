@@ -278,6 +278,7 @@ const SHAPED: &[(&str, &[Shape])] = {
         ("consumers::pending_of", &[Pending]),
         ("consumers::delete_if_empty", &[Int]),
         ("dlq::cap", &[Int]),
+        ("dlq::expire", &[Int]),
         ("dlq::purge", &[Int]),
         ("destroy_group", &[Int, Int, Int, Int, Int, Int, Int, Int, Int, Int]),
     ]
@@ -445,6 +446,10 @@ async fn every_reader(replies: impl Fn(&str) -> Vec<Value>) -> Vec<(&'static str
     seen.push(("dlq::all", dlq::all(&mut conn("dlq::all"), "{s}:dead", &Filter::default()).await.is_ok()));
     seen.push(("dlq::show", dlq::show(&mut conn("dlq::show"), "{s}:dead", "1-0").await.is_ok()));
     seen.push(("dlq::cap", dlq::cap(&mut conn("dlq::cap"), "{s}:dead", 10).await.is_ok()));
+    seen.push((
+        "dlq::expire",
+        dlq::expire(&mut conn("dlq::expire"), "{s}:dead", Duration::from_secs(60)).await.is_ok(),
+    ));
     seen.push(("dlq::purge", dlq::purge(&mut conn("dlq::purge"), "{s}:dead", &ids).await.is_ok()));
     seen.push((
         "replay::replay, all",

@@ -107,3 +107,25 @@ async fn a_group_at_the_largest_sequence_number_does_not_wedge_trimming() -> Res
     assert_eq!(len, 0);
     Ok(())
 }
+
+/// Dead letters older than the age bound go, by their IDs against the
+/// server's clock; younger ones and a missing stream are left alone.
+#[tokio::test]
+async fn dead_letters_past_their_age_are_dropped_and_younger_ones_kept() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    let (secs, _micros): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await?;
+    let now_ms = secs * 1000;
+    for (i, age_s) in [(0, 300), (1, 120), (2, 61), (3, 30), (4, 1)] {
+        let _: String = conn.xadd("{s}:dead:g", format!("{}-{i}", now_ms - age_s * 1000), &[("i", i)]).await?;
+    }
+    let max_age = std::time::Duration::from_secs(60);
+    let dropped = streamfleet_streams::dlq::expire(&mut conn, "{s}:dead:g", max_age).await?;
+    assert_eq!(dropped, 3);
+    let kept: redis::streams::StreamRangeReply = conn.xrange_all("{s}:dead:g").await?;
+    let kept: Vec<String> = kept.ids.into_iter().map(|e| e.id).collect();
+    assert_eq!(kept, [format!("{}-3", now_ms - 30_000), format!("{}-4", now_ms - 1000)]);
+    assert_eq!(streamfleet_streams::dlq::expire(&mut conn, "{s}:dead:g", max_age).await?, 0, "nothing more is old");
+    assert_eq!(streamfleet_streams::dlq::expire(&mut conn, "{s}:dead:none", max_age).await?, 0);
+    Ok(())
+}

@@ -145,6 +145,21 @@ pub async fn converge(
             Err(e) => tracing::warn!(stream, error = %e, "trimming the dead-letter stream to its cap"),
         }
     }
+    for (stream, max_age) in &plan.dead_letter_expiry {
+        match streamfleet_streams::dlq::expire(conn, stream, *max_age).await {
+            Ok(0) => {}
+            Ok(n) => {
+                let note = format!(
+                    "dropped {n} letters of {stream} dead-lettered over {} s ago (spec.recovery.deadLetterMaxAgeSeconds)",
+                    max_age.as_secs()
+                );
+                let event =
+                    PlannedEvent { type_: EventType::Normal, reason: "DeadLettersExpired", action: "Trim", note };
+                publish(ctx, scg, &event).await;
+            }
+            Err(e) => tracing::warn!(stream, error = %e, "dropping expired dead letters"),
+        }
+    }
     // Before the Deployment shrinks: the pods holding least go first.
     for (pod, cost) in &plan.deletion_costs {
         price_pod(ctx, scg, pod, *cost).await;

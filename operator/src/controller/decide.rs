@@ -47,8 +47,8 @@ pub struct PolicyMemory {
     pub eviction_announced: Option<bool>,
     /// The unknown template fields last announced (`TemplateFieldsUnknown`).
     pub template_announced: Option<String>,
-    /// The schedule time of the failed recovery run last announced.
-    pub recovery_failure_announced: Option<Time>,
+    /// The failed recovery Job last announced.
+    pub recovery_failure_announced: Option<String>,
 }
 
 /// What one reconcile will do.
@@ -108,6 +108,9 @@ pub struct Convergence {
     pub throughput: Option<crate::throughput::Throughput>,
     /// Dead-letter streams over their cap: (stream, cap), trimmed to it.
     pub dead_letter_trims: Vec<(String, u64)>,
+    /// Dead-letter streams with letters, whose letters older than the age
+    /// bound (`spec.recovery.deadLetterMaxAgeSeconds`) are dropped.
+    pub dead_letter_expiry: Vec<(String, Duration)>,
     /// Whether a dead-letter stream is at its cap (`None`: no cap).
     pub dead_letter_cap_reached: Option<bool>,
     /// The server's eviction setting, for the `EvictionPossible` condition.
@@ -270,9 +273,10 @@ pub fn decide(
     events.extend(cap_events);
     events.extend(eviction_event(at.scg, &observed.eviction, &mut memory.eviction_announced));
     events.extend(template_event(at.scg, &spec.unknown_template_fields, &mut memory.template_announced));
-    let recovery_run = recovery_runs::last_run(observed.cronjob.as_deref());
+    let recovery_run = recovery_runs::last_run(&observed.recovery_jobs);
     events.extend(recovery_failure_event(at.scg, &recovery_run, &mut memory.recovery_failure_announced));
     Ok(Plan::Converge(Box::new(Convergence {
+        dead_letter_expiry: dead_letter_expiry(spec, observed),
         recovery_run,
         dead_letter_trims,
         dead_letter_cap_reached,
@@ -390,17 +394,20 @@ fn template_event(
 fn recovery_failure_event(
     scg: &StreamConsumerGroup,
     run: &LastRun,
-    announced: &mut Option<Time>,
+    announced: &mut Option<String>,
 ) -> Option<PlannedEvent> {
-    let LastRun::Failed { scheduled, last_success } = run else { return None };
-    let note = recovery_runs::failed_message(scheduled, last_success.as_ref(), &objects::recovery_cronjob_name(scg));
+    let (LastRun::Failed { job, .. }, Some(note)) = (run, recovery_runs::failed_message(run)) else { return None };
     let shown = scg.status.as_ref().is_some_and(|s| {
-        s.conditions.iter().any(|c| c.type_ == crate::conditions::RECOVERY_FAILING && c.message == note)
+        s.conditions.iter().any(|c| {
+            c.type_ == crate::conditions::RECOVERY_FAILING
+                && c.status == "True"
+                && c.message.contains(&format!("Job {job},"))
+        })
     });
-    if shown || announced.as_ref() == Some(scheduled) {
+    if shown || announced.as_ref() == Some(job) {
         return None;
     }
-    *announced = Some(scheduled.clone());
+    *announced = Some(job.clone());
     Some(PlannedEvent { type_: EventType::Warning, reason: "RecoveryRunFailed", action: "Recover", note })
 }
 
@@ -467,6 +474,17 @@ fn dead_letter_cap(spec: &ValidSpec, observed: &Observation) -> (Vec<(String, u6
         .collect();
     let trims = over.iter().map(|(stream, _)| (stream.clone(), cap)).collect();
     (trims, events, Some(lengths.iter().any(|(_, n)| *n >= cap)))
+}
+
+/// Each shard's dead-letter stream that has letters, with the age bound.
+fn dead_letter_expiry(spec: &ValidSpec, observed: &Observation) -> Vec<(String, Duration)> {
+    let Some(max_age) = spec.dead_letter_max_age else { return Vec::new() };
+    observed
+        .shards
+        .iter()
+        .filter(|(_, s)| s.as_ref().is_some_and(|s| s.dead_letter_length > 0))
+        .map(|(stream, _)| (spec.dead_letter_stream_of(stream), max_age))
+        .collect()
 }
 
 /// The missing group's start: never silently at `$` for a group seen before,
@@ -775,55 +793,70 @@ mod tests {
 
     #[test]
     fn a_failed_recovery_run_is_a_condition_and_one_warning_until_a_run_succeeds() {
-        use k8s_openapi::api::batch::v1::CronJobStatus;
+        use k8s_openapi::api::batch::v1::{Job, JobCondition, JobStatus};
         let t = |secs| Time(k8s_openapi::jiff::Timestamp::from_second(secs).unwrap());
-        let with_runs = |scheduled: i64, succeeded: Option<i64>| {
+        // Jobs (name, created, outcome: None running, Some(true) complete, Some(false) failed).
+        let with_jobs = |jobs: &[(&str, i64, Option<bool>)]| {
             let mut seen = observed(Some(snapshot(0, 0, &[])), Some(1));
-            seen.cronjob = Some(std::sync::Arc::new(CronJob {
-                status: Some(CronJobStatus {
-                    active: None,
-                    last_schedule_time: Some(t(scheduled)),
-                    last_successful_time: succeeded.map(t),
-                }),
-                ..CronJob::default()
-            }));
+            seen.recovery_jobs = jobs
+                .iter()
+                .map(|(name, created, outcome)| {
+                    let condition = |type_: &str| JobCondition {
+                        type_: type_.into(),
+                        status: "True".into(),
+                        reason: Some("BackoffLimitExceeded".into()).filter(|_| type_ == "Failed"),
+                        message: None,
+                        last_probe_time: None,
+                        last_transition_time: None,
+                    };
+                    std::sync::Arc::new(Job {
+                        metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                            name: Some(name.to_string()),
+                            creation_timestamp: Some(t(*created)),
+                            ..Default::default()
+                        },
+                        status: Some(JobStatus {
+                            conditions: outcome.map(|ok| vec![condition(if ok { "Complete" } else { "Failed" })]),
+                            completion_time: outcome.filter(|ok| *ok).map(|_| t(created + 5)),
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    })
+                })
+                .collect();
             seen
         };
         let now = Time(Default::default());
-        let plan = converge(run(&scg(), &with_runs(600, Some(300))));
-        let warnings: Vec<_> = plan.events.iter().filter(|e| e.reason == "RecoveryRunFailed").collect();
-        assert_eq!(warnings.len(), 1, "{:?}", plan.events);
-        assert!(warnings[0].note.contains("1970-01-01T00:10:00Z") && warnings[0].note.contains("00:05:00Z"));
-        let status = super::super::status::converged(&scg(), &plan, &Default::default(), &now);
         let failing = |s: &StreamConsumerGroupStatus| {
             s.conditions.iter().find(|c| c.type_ == crate::conditions::RECOVERY_FAILING).map(|c| c.status.clone())
         };
+        let plan = converge(run(&scg(), &with_jobs(&[("r-1", 300, Some(true)), ("r-2", 600, Some(false))])));
+        let warnings: Vec<_> = plan.events.iter().filter(|e| e.reason == "RecoveryRunFailed").collect();
+        assert_eq!(warnings.len(), 1, "{:?}", plan.events);
+        assert!(warnings[0].note.contains("Job r-2, started 1970-01-01T00:10:00Z failed: BackoffLimitExceeded"));
+        assert!(warnings[0].note.contains("finished at 1970-01-01T00:05:05Z"), "{}", warnings[0].note);
+        let status = super::super::status::converged(&scg(), &plan, &Default::default(), &now);
         assert_eq!(failing(&status).as_deref(), Some("True"));
         // Shown: no second Warning for the same run; a later failed run is announced again.
         let mut shown = scg();
         shown.status = Some(status);
-        assert!(
-            converge(run(&shown, &with_runs(600, Some(300)))).events.iter().all(|e| e.reason != "RecoveryRunFailed")
-        );
-        assert!(
-            converge(run(&shown, &with_runs(900, Some(300)))).events.iter().any(|e| e.reason == "RecoveryRunFailed")
-        );
+        let again = converge(run(&shown, &with_jobs(&[("r-2", 600, Some(false))])));
+        assert!(again.events.iter().all(|e| e.reason != "RecoveryRunFailed"));
+        let later = converge(run(&shown, &with_jobs(&[("r-2", 600, Some(false)), ("r-3", 900, Some(false))])));
+        assert!(later.events.iter().any(|e| e.reason == "RecoveryRunFailed"));
         // A run in progress changes nothing; a success clears it.
-        let mut running = with_runs(900, Some(300));
-        running.cronjob = Some(std::sync::Arc::new(CronJob {
-            status: Some(CronJobStatus {
-                active: Some(vec![Default::default()]),
-                last_schedule_time: Some(t(900)),
-                last_successful_time: Some(t(300)),
-            }),
-            ..CronJob::default()
-        }));
-        let plan = converge(run(&shown, &running));
+        let plan = converge(run(&shown, &with_jobs(&[("r-2", 600, Some(false)), ("r-3", 900, None)])));
         let status = super::super::status::converged(&shown, &plan, &Default::default(), &now);
         assert_eq!(failing(&status).as_deref(), Some("True"), "still the last finished run's outcome");
-        let plan = converge(run(&shown, &with_runs(900, Some(905))));
+        let plan = converge(run(&shown, &with_jobs(&[("r-2", 600, Some(false)), ("r-3", 900, Some(true))])));
         let status = super::super::status::converged(&shown, &plan, &Default::default(), &now);
         assert_eq!(failing(&status).as_deref(), Some("False"));
+        // Suspended: no run is due, the condition goes (and with it the gauge).
+        let mut suspended = shown.clone();
+        suspended.spec.suspend = true;
+        let plan = converge(run(&suspended, &with_jobs(&[("r-2", 600, Some(false))])));
+        let status = super::super::status::converged(&suspended, &plan, &Default::default(), &now);
+        assert_eq!(failing(&status), None);
         // Never run: no condition at all.
         let plan = converge(run(&scg(), &observed(Some(snapshot(0, 0, &[])), Some(1))));
         let status = super::super::status::converged(&scg(), &plan, &Default::default(), &now);

@@ -60,6 +60,7 @@ pub fn observed(group: Option<GroupSnapshot>, replicas: Option<i32>) -> Observat
             })
         }),
         cronjob: None,
+        recovery_jobs: Vec::new(),
         live_pods: HashSet::from(["orders-worker-a".to_string()]),
         pods: vec![("orders-worker-a".to_string(), None)],
         claimants: Vec::new(),

@@ -30,7 +30,7 @@ use crate::objects::{self, ObjectSettings};
 use decide::{Plan, PolicyMemory};
 use futures::StreamExt as _;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::batch::v1::CronJob;
+use k8s_openapi::api::batch::v1::{CronJob, Job};
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::core::DeserializeGuard;
@@ -67,6 +67,8 @@ pub struct Context {
     /// Watch caches of the objects this operator owns: no API reads per poll.
     deployments: Store<Deployment>,
     cronjobs: Store<CronJob>,
+    /// The recovery runs' Jobs: how each ended (`RecoveryFailing`).
+    jobs: Store<Job>,
     /// Pods of the workloads this operator owns, for reaping.
     pods: Store<Pod>,
     /// Every StreamConsumerGroup this operator serves (the controller's own
@@ -85,6 +87,7 @@ pub struct Context {
 struct Stores {
     deployments: Store<Deployment>,
     cronjobs: Store<CronJob>,
+    jobs: Store<Job>,
     pods: Store<Pod>,
     resources: Store<DeserializeGuard<StreamConsumerGroup>>,
     secrets: Store<secrets::SecretMeta>,
@@ -119,6 +122,7 @@ impl Context {
             metrics,
             deployments: stores.deployments,
             cronjobs: stores.cronjobs,
+            jobs: stores.jobs,
             pods: stores.pods,
             resources: stores.resources,
             secrets: secrets::SecretCache::new(stores.secrets),
@@ -137,6 +141,7 @@ impl Context {
         let stores = Stores {
             deployments: reflector::store().0,
             cronjobs: reflector::store().0,
+            jobs: reflector::store().0,
             pods: reflector::store().0,
             resources: reflector::store().0,
             secrets: reflector::store().0,
@@ -309,6 +314,9 @@ pub async fn run(
     let (deployments, deployment_events) =
         cached_watch::<Deployment>(&client, namespace.as_deref(), &owned, slim::deployment);
     let (cronjobs, cronjob_events) = cached_watch::<CronJob>(&client, namespace.as_deref(), &owned, slim::cronjob);
+    // The recovery runs' Jobs (the CronJob's, labelled like it): a run that
+    // ends is looked at at once.
+    let (jobs, job_events) = cached_watch::<Job>(&client, namespace.as_deref(), &owned, slim::job);
     // Pods: a worker's deletion is acted on at once (reaping).
     let (pods, pod_events) = cached_watch::<Pod>(&client, namespace.as_deref(), &owned, slim::pod);
     // Secrets: metadata only, to know when a referenced one changed.
@@ -329,7 +337,7 @@ pub async fn run(
     .default_backoff()
     .applied_objects();
     let controller = Controller::for_stream(resource_events, resources.clone());
-    let stores = Stores { deployments, cronjobs, pods, resources: resources.clone(), secrets: secret_metadata };
+    let stores = Stores { deployments, cronjobs, jobs, pods, resources: resources.clone(), secrets: secret_metadata };
     let ctx = Arc::new(Context::new(client, settings, metrics, instance, stores));
     tokio::spawn(mark_synced(ctx.clone()));
     tokio::spawn(prune_vanished(ctx.clone()));
@@ -339,6 +347,10 @@ pub async fn run(
         .watches_stream(pod_events, |pod: Pod| {
             let name = pod.labels().get(objects::GROUP_LABEL)?.clone();
             Some(ObjectRef::new(&name).within(&pod.namespace()?))
+        })
+        .watches_stream(job_events, |job: Job| {
+            let name = job.labels().get(objects::GROUP_LABEL)?.clone();
+            Some(ObjectRef::new(&name).within(&job.namespace()?))
         })
         // A changed Secret is re-read by the resources that reference it.
         .watches_stream(secret_events, move |secret| {
@@ -405,6 +417,7 @@ async fn mark_synced(ctx: Arc<Context>) {
     let ready = ctx.pods.wait_until_ready().await.is_ok()
         && ctx.deployments.wait_until_ready().await.is_ok()
         && ctx.cronjobs.wait_until_ready().await.is_ok()
+        && ctx.jobs.wait_until_ready().await.is_ok()
         && ctx.secrets.wait_until_ready().await;
     tracing::info!(ready, "owned-object caches synced");
     ctx.caches_synced.store(ready, Ordering::SeqCst);

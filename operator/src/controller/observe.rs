@@ -9,7 +9,7 @@ use super::validate::ValidSpec;
 use crate::error::Error;
 use crate::objects;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::batch::v1::CronJob;
+use k8s_openapi::api::batch::v1::{CronJob, Job};
 use kube::ResourceExt as _;
 use kube::runtime::reflector::ObjectRef;
 use std::collections::HashSet;
@@ -38,6 +38,8 @@ pub struct Observation {
     pub retention: Vec<(String, RetentionBounds)>,
     pub deployment: Option<Arc<Deployment>>,
     pub cronjob: Option<Arc<CronJob>>,
+    /// This resource's recovery Jobs, finished or not (from a cache).
+    pub recovery_jobs: Vec<Arc<Job>>,
     /// Identities of this resource's pods that exist (from a synced cache;
     /// only its workloads' pods, whose consumers it may reap).
     pub live_pods: HashSet<String>,
@@ -99,6 +101,7 @@ pub async fn observe(
         retention,
         deployment: ctx.deployments.get(&ObjectRef::new(&objects::worker_deployment_name(scg)).within(&ns)),
         cronjob: ctx.cronjobs.get(&ObjectRef::new(&objects::recovery_cronjob_name(scg)).within(&ns)),
+        recovery_jobs: recovery_jobs(ctx, scg, &ns),
         live_pods: pods.iter().flat_map(|(name, uid)| crate::reaper::identities(name, uid.as_deref())).collect(),
         pods,
         claimants: ctx.claimants(scg, &endpoint),
@@ -119,6 +122,23 @@ fn our_pods(ctx: &Context, scg: &StreamConsumerGroup, ns: &str) -> Vec<(String, 
         .filter(|p| p.metadata.namespace.as_deref() == Some(ns))
         .filter(|p| p.metadata.name.as_deref().is_some_and(ours))
         .map(|p| (p.name_any(), p.metadata.uid.clone()))
+        .collect()
+}
+
+/// This resource's recovery Jobs: its CronJob's runs and Jobs made from it
+/// (`kubectl create job --from`), which carry the template's labels.
+fn recovery_jobs(ctx: &Context, scg: &StreamConsumerGroup, ns: &str) -> Vec<Arc<Job>> {
+    let name = scg.name_any();
+    ctx.jobs
+        .state()
+        .into_iter()
+        .filter(|j| j.metadata.namespace.as_deref() == Some(ns))
+        .filter(|j| {
+            j.metadata.labels.as_ref().is_some_and(|l| {
+                l.get(objects::GROUP_LABEL) == Some(&name)
+                    && l.get(objects::COMPONENT_LABEL).map(String::as_str) == Some("recovery")
+            })
+        })
         .collect()
 }
 

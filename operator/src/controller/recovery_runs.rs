@@ -1,110 +1,157 @@
-//! The recovery CronJob's runs as the CronJob's own status tells them, for
-//! the `RecoveryFailing` condition: a run that cannot pull its image, crashes
-//! past its Job's back-off limit or hangs to its deadline writes no recovery
-//! report, so `status.lastRecovery` alone would only age.
+//! How the recovery runs end, from their Jobs (the operator's watch cache),
+//! for the `RecoveryFailing` condition: a run that cannot pull its image,
+//! crashes past its back-off limit or hangs to its deadline writes no
+//! recovery report, so `status.lastRecovery` alone would only age.
 //!
-//! The CronJob controller removes a finished Job from `status.active` and,
-//! in the same update, moves `lastSuccessfulTime` to its finish time when it
-//! succeeded. So with no run active, the last run (scheduled at
-//! `lastScheduleTime`) failed exactly when no success came after it. While
-//! a run is active its outcome is not known yet, and the CronJob no longer
-//! tells how the run before it ended: the condition stays as it was.
+//! The newest finished Job decides, by creation time: a Job still running
+//! says nothing yet, so the last finished run's outcome stands meanwhile.
+//! The CronJob's own status cannot tell: under `Forbid` a run that ends past
+//! the next schedule time is followed at once by the next, so `active` is
+//! never seen empty, and `lastSuccessfulTime` (a finish time) can be later
+//! than the schedule time of a run that failed after it.
 
-use k8s_openapi::api::batch::v1::CronJob;
+use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use std::sync::Arc;
 
-/// How the recovery CronJob's last run ended.
+/// How the newest finished recovery run ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LastRun {
-    /// No run scheduled yet (or no CronJob): nothing to say.
+    /// No run has finished (none ran, or the first is running).
     NotYet,
-    /// A run is active: the last finished run's outcome stands as shown.
-    Running,
-    /// The last run finished successfully at `at`.
-    Succeeded { at: Time },
-    /// The run scheduled at `scheduled` ended without success (its Job
-    /// failed: back-off limit, deadline, or deleted unfinished).
-    Failed { scheduled: Time, last_success: Option<Time> },
+    /// Its Job completed at `at`.
+    Succeeded { job: String, at: Option<Time> },
+    /// Its Job failed, for `reason` (`BackoffLimitExceeded`,
+    /// `DeadlineExceeded`, ...) as its `Failed` condition says.
+    Failed { job: String, created: Option<Time>, reason: String, detail: String, last_success: Option<Time> },
 }
 
-/// How the last run of `cronjob` ended, from its status.
-pub fn last_run(cronjob: Option<&CronJob>) -> LastRun {
-    let Some(status) = cronjob.and_then(|c| c.status.as_ref()) else { return LastRun::NotYet };
-    if status.active.as_ref().is_some_and(|a| !a.is_empty()) {
-        return LastRun::Running;
+/// Whether `job` finished, and how: `Some(true)` completed, `Some(false)` failed.
+fn finished(job: &Job) -> Option<(bool, &str, &str)> {
+    let conditions = job.status.as_ref()?.conditions.as_ref()?;
+    conditions.iter().filter(|c| c.status == "True").find_map(|c| match c.type_.as_str() {
+        "Complete" => Some((true, "", "")),
+        "Failed" => Some((false, c.reason.as_deref().unwrap_or(""), c.message.as_deref().unwrap_or(""))),
+        _ => None,
+    })
+}
+
+/// How the newest finished of `jobs` (one resource's recovery Jobs) ended.
+pub fn last_run(jobs: &[Arc<Job>]) -> LastRun {
+    let created = |j: &Job| j.metadata.creation_timestamp.as_ref().map(|t| t.0);
+    let newest = jobs
+        .iter()
+        .filter_map(|j| finished(j).map(|f| (j, f)))
+        .max_by_key(|(j, _)| (created(j), j.metadata.name.clone()));
+    let Some((job, (complete, reason, detail))) = newest else { return LastRun::NotYet };
+    let name = job.metadata.name.clone().unwrap_or_default();
+    let completed_at = |j: &Job| j.status.as_ref().and_then(|s| s.completion_time.clone());
+    if complete {
+        return LastRun::Succeeded { job: name, at: completed_at(job) };
     }
-    let success = &status.last_successful_time;
-    let Some(scheduled) = &status.last_schedule_time else {
-        return success.clone().map_or(LastRun::NotYet, |at| LastRun::Succeeded { at });
-    };
-    match success {
-        Some(at) if at.0 >= scheduled.0 => LastRun::Succeeded { at: at.clone() },
-        _ => LastRun::Failed { scheduled: scheduled.clone(), last_success: success.clone() },
+    let last_success = jobs
+        .iter()
+        .filter(|j| finished(j).is_some_and(|(complete, _, _)| complete))
+        .filter_map(|j| completed_at(j))
+        .max_by_key(|t| t.0);
+    LastRun::Failed {
+        job: name,
+        created: job.metadata.creation_timestamp.clone(),
+        reason: reason.to_string(),
+        detail: detail.to_string(),
+        last_success,
     }
 }
 
 /// What the condition and the Warning say of a failed run.
-pub fn failed_message(scheduled: &Time, last_success: Option<&Time>, job_prefix: &str) -> String {
+pub fn failed_message(run: &LastRun) -> Option<String> {
+    let LastRun::Failed { job, created, reason, detail, last_success } = run else { return None };
     let since = match last_success {
         Some(t) => format!("the last run that succeeded finished at {}", t.0),
-        None => "no run has succeeded yet".to_string(),
+        None => "no run on record succeeded".to_string(),
     };
-    format!(
-        "the recovery run scheduled at {} ended without success (its Job failed: a crash past its back-off limit, an \
-         image that cannot be pulled, or its deadline); {since}. Stuck entries are not claimed or dead-lettered \
-         meanwhile: see `kubectl get jobs` and the logs of the {job_prefix}-* pods",
-        scheduled.0
-    )
+    let started = created.as_ref().map(|t| format!(", started {}", t.0)).unwrap_or_default();
+    let why = match (reason.is_empty(), detail.is_empty()) {
+        (true, _) => String::new(),
+        (false, true) => format!(": {reason}"),
+        (false, false) => format!(": {reason} ({detail})"),
+    };
+    Some(format!(
+        "recovery Job {job}{started} failed{why}; {since}. Stuck entries are not claimed or dead-lettered meanwhile: \
+         see its pods' logs (kubectl logs job/{job})"
+    ))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::batch::v1::CronJobStatus;
-    use k8s_openapi::api::core::v1::ObjectReference;
+    use k8s_openapi::api::batch::v1::{JobCondition, JobStatus};
 
     fn at(secs: i64) -> Time {
         Time(k8s_openapi::jiff::Timestamp::from_second(secs).unwrap())
     }
 
-    fn cronjob(active: usize, scheduled: Option<i64>, succeeded: Option<i64>) -> CronJob {
-        CronJob {
-            status: Some(CronJobStatus {
-                active: Some(vec![ObjectReference::default(); active]),
-                last_schedule_time: scheduled.map(at),
-                last_successful_time: succeeded.map(at),
+    /// A Job created at `created`: running (`None`), or finished complete
+    /// (`Some(true)`) or failed at `created + 10`.
+    fn job(name: &str, created: i64, outcome: Option<bool>) -> Arc<Job> {
+        let condition = |type_: &str, reason: &str| JobCondition {
+            type_: type_.into(),
+            status: "True".into(),
+            reason: Some(reason.into()),
+            message: Some("Job was active longer than specified deadline".into()).filter(|_| type_ == "Failed"),
+            last_probe_time: None,
+            last_transition_time: None,
+        };
+        Arc::new(Job {
+            metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                name: Some(name.into()),
+                creation_timestamp: Some(at(created)),
+                ..Default::default()
+            },
+            status: Some(JobStatus {
+                conditions: outcome.map(|ok| match ok {
+                    true => vec![condition("Complete", "")],
+                    false => vec![condition("Failed", "DeadlineExceeded")],
+                }),
+                completion_time: outcome.filter(|ok| *ok).map(|_| at(created + 10)),
+                ..Default::default()
             }),
-            ..CronJob::default()
-        }
+            ..Default::default()
+        })
     }
 
     #[test]
-    fn a_run_is_failed_only_when_finished_with_no_success_after_its_schedule() {
-        assert_eq!(last_run(None), LastRun::NotYet);
-        assert_eq!(last_run(Some(&CronJob::default())), LastRun::NotYet);
-        assert_eq!(last_run(Some(&cronjob(0, None, None))), LastRun::NotYet);
-        // Scheduled and still running: not known yet, whatever came before.
-        assert_eq!(last_run(Some(&cronjob(1, Some(100), None))), LastRun::Running);
-        assert_eq!(last_run(Some(&cronjob(1, Some(100), Some(50)))), LastRun::Running);
-        // Finished, the success after the schedule (a Job finishes after it starts).
-        assert_eq!(last_run(Some(&cronjob(0, Some(100), Some(104)))), LastRun::Succeeded { at: at(104) });
-        // Finished with no success after it: failed, naming the last success.
-        assert_eq!(
-            last_run(Some(&cronjob(0, Some(100), Some(50)))),
-            LastRun::Failed { scheduled: at(100), last_success: Some(at(50)) }
-        );
-        assert_eq!(
-            last_run(Some(&cronjob(0, Some(100), None))),
-            LastRun::Failed { scheduled: at(100), last_success: None }
-        );
+    fn the_newest_finished_job_decides() {
+        assert_eq!(last_run(&[]), LastRun::NotYet);
+        assert_eq!(last_run(&[job("r-1", 100, None)]), LastRun::NotYet, "the first run is still going");
+        let failed = LastRun::Failed {
+            job: "r-2".into(),
+            created: Some(at(200)),
+            reason: "DeadlineExceeded".into(),
+            detail: "Job was active longer than specified deadline".into(),
+            last_success: Some(at(110)),
+        };
+        let jobs = [job("r-1", 100, Some(true)), job("r-2", 200, Some(false))];
+        assert_eq!(last_run(&jobs), failed);
+        // The next run running changes nothing: the failure stands.
+        let jobs = [job("r-1", 100, Some(true)), job("r-2", 200, Some(false)), job("r-3", 300, None)];
+        assert_eq!(last_run(&jobs), failed);
+        // It succeeds, whatever the order the cache lists them in.
+        let jobs = [job("r-3", 300, Some(true)), job("r-2", 200, Some(false))];
+        assert_eq!(last_run(&jobs), LastRun::Succeeded { job: "r-3".into(), at: Some(at(310)) });
+        // A success that finished after a later run was created does not hide that run's failure.
+        let late = job("r-4", 400, Some(true));
+        let jobs = [late, job("r-5", 405, Some(false))];
+        assert!(matches!(last_run(&jobs), LastRun::Failed { ref job, .. } if job == "r-5"));
     }
 
     #[test]
-    fn the_message_names_the_run_and_the_last_success() {
-        let m = failed_message(&at(100), None, "orders-recovery");
-        assert!(m.contains("1970-01-01T00:01:40Z") && m.contains("no run has succeeded yet"), "{m}");
-        assert!(m.contains("orders-recovery-*"), "{m}");
-        let m = failed_message(&at(100), Some(&at(50)), "orders-recovery");
-        assert!(m.contains("finished at 1970-01-01T00:00:50Z"), "{m}");
+    fn the_message_names_the_job_its_reason_and_the_last_success() {
+        let m = failed_message(&last_run(&[job("r-2", 200, Some(false))])).unwrap();
+        assert!(m.contains("recovery Job r-2, started 1970-01-01T00:03:20Z failed: DeadlineExceeded"), "{m}");
+        assert!(m.contains("no run on record succeeded") && m.contains("kubectl logs job/r-2"), "{m}");
+        let m = failed_message(&last_run(&[job("r-1", 100, Some(true)), job("r-2", 200, Some(false))])).unwrap();
+        assert!(m.contains("finished at 1970-01-01T00:01:50Z"), "{m}");
+        assert_eq!(failed_message(&LastRun::NotYet), None);
     }
 }

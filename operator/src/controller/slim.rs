@@ -5,10 +5,11 @@
 //!
 //! Read from the caches: metadata (name, namespace, uid, generation, labels,
 //! owner references) everywhere; a Deployment's `spec.replicas` and status;
-//! a CronJob's status; a pod's identity only; the resource's spec and status.
+//! a CronJob's status; a recovery Job's creation time and how it finished; a
+//! pod's identity only; the resource's spec and status.
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::batch::v1::CronJob;
+use k8s_openapi::api::batch::v1::{CronJob, Job};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::core::DeserializeGuard;
@@ -30,6 +31,23 @@ pub fn cronjob(c: &mut CronJob) {
     metadata(&mut c.metadata);
     if let Some(spec) = c.spec.as_mut() {
         spec.job_template = Default::default();
+    }
+}
+
+/// A recovery Job: its identity, when it was created, and how it finished.
+pub fn job(j: &mut Job) {
+    metadata(&mut j.metadata);
+    j.metadata.owner_references = None;
+    j.spec = None;
+    if let Some(status) = j.status.as_mut() {
+        *status = k8s_openapi::api::batch::v1::JobStatus {
+            conditions: status
+                .conditions
+                .take()
+                .map(|c| c.into_iter().filter(|c| c.type_ == "Complete" || c.type_ == "Failed").collect()),
+            completion_time: status.completion_time.take(),
+            ..Default::default()
+        };
     }
 }
 

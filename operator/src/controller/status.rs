@@ -5,10 +5,9 @@
 use super::Context;
 use super::act::Outcome;
 use super::decide::{Conflict, Convergence, Retrying};
-use super::recovery_runs::{LastRun, failed_message};
+use super::recovery_runs::{self, LastRun};
 use crate::conditions;
 use crate::error::Error;
-use crate::objects;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, ResourceExt as _};
@@ -111,19 +110,19 @@ pub fn converged(
         set(&mut status, conditions::TEMPLATE_FIELDS_UNKNOWN, true, "UnknownFields", &message);
     }
     match &plan.recovery_run {
-        LastRun::Failed { scheduled, last_success } => {
-            let message = failed_message(scheduled, last_success.as_ref(), &objects::recovery_cronjob_name(scg));
+        // Suspended, no run is due: a failure before it pages no one.
+        _ if scg.spec.suspend => status.conditions.retain(|c| c.type_ != conditions::RECOVERY_FAILING),
+        run @ LastRun::Failed { .. } => {
+            let message = recovery_runs::failed_message(run).unwrap_or_default();
             set(&mut status, conditions::RECOVERY_FAILING, true, "LastRunFailed", &message);
         }
-        LastRun::Succeeded { at } => set(
-            &mut status,
-            conditions::RECOVERY_FAILING,
-            false,
-            "LastRunSucceeded",
-            &format!("the last recovery run succeeded, finished at {}", at.0),
-        ),
-        // Running, or none yet: the last finished run's outcome stands.
-        LastRun::Running | LastRun::NotYet => {}
+        LastRun::Succeeded { job, at } => {
+            let at = at.as_ref().map(|t| format!(" at {}", t.0)).unwrap_or_default();
+            let message = format!("the last recovery run, Job {job}, completed{at}");
+            set(&mut status, conditions::RECOVERY_FAILING, false, "LastRunSucceeded", &message);
+        }
+        // None finished yet: nothing to say.
+        LastRun::NotYet => {}
     }
     status.health = Some(plan.health);
     if plan.last_recovery.is_some() {
@@ -268,6 +267,8 @@ pub fn conflicted(
     status.retrying = None;
     status.throughput = None;
     status.payload_lost = None;
+    // Its recovery is suspended: its past runs page no one.
+    status.conditions.retain(|c| c.type_ != conditions::RECOVERY_FAILING);
     status
 }
 

@@ -36,6 +36,8 @@ pub struct ValidSpec {
     pub suspend: bool,
     /// `spec.recovery.deadLetterMaxLength`.
     pub dead_letter_max_length: Option<u64>,
+    /// Dead letters older than this are dropped (`spec.recovery.deadLetterMaxAgeSeconds`).
+    pub dead_letter_max_age: Option<Duration>,
     /// Fields of `spec.worker.template` a pod template does not have (typos),
     /// dropped when read: the `TemplateFieldsUnknown` condition names them.
     pub unknown_template_fields: Vec<String>,
@@ -166,6 +168,10 @@ pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
         suspend: spec.suspend,
         dead_letter_max_length: match spec.recovery.dead_letter_max_length {
             Some(n) => Some(positive("spec.recovery.deadLetterMaxLength", n)?),
+            None => None,
+        },
+        dead_letter_max_age: match spec.recovery.dead_letter_max_age_seconds {
+            Some(s) => Some(Duration::from_secs(positive("spec.recovery.deadLetterMaxAgeSeconds", s)?)),
             None => None,
         },
         dead_letter_stream,

@@ -201,6 +201,8 @@ async fn invalid_specs_are_refused_at_admission_naming_the_field() -> Result<()>
         ("  recovery: {schedule: \"0 24 * * *\"}\n", "spec.recovery.schedule: the hour field takes 0-23"),
         ("  scaling: {maxReplicas: 0}\n", "spec.scaling.maxReplicas"),
         ("  deletionPolicy: Shred\n", "spec.deletionPolicy"),
+        // Letters dropped before anyone could read them.
+        ("  recovery: {deadLetterMaxAgeSeconds: 30}\n", "spec.recovery.deadLetterMaxAgeSeconds"),
         // A dead-letter stream that is the source would feed itself forever.
         ("  recovery: {deadLetterStream: s}\n", "spec.recovery.deadLetterStream must differ from spec.stream"),
     ];

@@ -171,37 +171,48 @@ async fn retention_trims_but_never_past_another_groups_pending_entries() -> Resu
     Ok(())
 }
 
-/// A recovery run that keeps failing writes no report; the CronJob's own
-/// status shows it: the `RecoveryFailing` condition, one Warning per failed
-/// run, the `streamfleet_recovery_failing` gauge; the next run that
-/// succeeds clears them.
+/// A recovery run that keeps failing writes no report; its Job says how it
+/// ended: the `RecoveryFailing` condition, one Warning per failed run, the
+/// `streamfleet_recovery_failing` gauge; the next run that succeeds clears
+/// them. The failing run outlasts the schedule's interval, so under
+/// `Forbid` the next run starts the moment it ends (the CronJob's own
+/// status then never shows a moment with no run active).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_recovery_run_is_a_condition_a_warning_and_a_metric_until_one_succeeds() -> Result<()> {
-    // A run still going after 15 s is stopped (the chart's deadline), so
-    // the crash-looping run below fails within a minute of its schedule.
-    let f = Fixture::start("e2e-recfail", &["--set", "sweep.activeDeadlineSeconds=15"]).await?;
-    let (client, ns) = (f.client.clone(), f.ns.name.clone());
-    // Worker mode, workers paused at zero: only the recovery Jobs run. Their
-    // handler's ledger is unreachable, so each run's worker exits with an error.
+    // A run ends by the chart's deadline at the latest: past the next minute.
+    let f = Fixture::start("e2e-recfail", &["--set", "sweep.activeDeadlineSeconds=65"]).await?;
+    let (bed, client, ns) = (f.bed, f.client.clone(), f.ns.name.clone());
+    // Worker mode, workers paused at zero: only the recovery Jobs run, from
+    // the worker template, whose image cannot be pulled: each run waits to
+    // its deadline and fails.
     let spec = "  startId: \"0\"\n  scaling: {minReplicas: 0, maxReplicas: 1, paused: true}\n  recovery: {schedule: \"* * * * *\", mode: Worker, minIdleTimeMs: 1000}";
-    let broken = [("EXAMPLE_LEDGER_URL", "redis://127.0.0.1:1")];
-    f.apply(&manifest("p", "orders", "billing", "streamfleet/example-worker", &broken, spec)).await?;
-    let long = Duration::from_secs(200);
+    f.apply(&manifest("p", "orders", "billing", "streamfleet/not-pulled", &[], spec)).await?;
+    let long = Duration::from_secs(240);
     let scg = wait_condition(&client, &ns, "p", "RecoveryFailing", "True", Some("LastRunFailed"), long).await?;
     let condition = scg.status.unwrap_or_default().conditions.into_iter().find(|c| c.type_ == "RecoveryFailing");
     let message = condition.map(|c| c.message).unwrap_or_default();
-    assert!(message.contains("no run has succeeded yet") && message.contains("p-recovery-*"), "{message}");
-    // The failed Job, found the way the runbook looks for it.
+    assert!(
+        message.contains("failed: DeadlineExceeded") && message.contains("no run on record succeeded"),
+        "{message}"
+    );
+    // The case the CronJob's status hides: the next run already going.
+    let cronjob =
+        Api::<k8s_openapi::api::batch::v1::CronJob>::namespaced(client.clone(), &ns).get("p-recovery").await?;
+    let active = cronjob.status.and_then(|s| s.active).unwrap_or_default();
+    assert!(!active.is_empty(), "the run after the failed one started at once");
+    // The failed Job, found the way the runbook looks for it, is the one named.
     let jobs: Api<Job> = Api::namespaced(client.clone(), &ns);
     let selector = "streamfleet.io/consumer-group=p,app.kubernetes.io/component=recovery";
     let listed = jobs.list(&kube::api::ListParams::default().labels(selector)).await?.items;
-    let failed = listed.iter().filter(|j| {
-        j.status
-            .as_ref()
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|c| c.iter().any(|c| c.type_ == "Failed" && c.status == "True"))
-    });
-    assert!(failed.count() >= 1, "a failed recovery Job under the runbook's selector: {listed:?}");
+    let failed: Vec<String> = listed
+        .iter()
+        .filter(|j| {
+            let conditions = j.status.as_ref().and_then(|s| s.conditions.as_ref());
+            conditions.is_some_and(|c| c.iter().any(|c| c.type_ == "Failed" && c.status == "True"))
+        })
+        .filter_map(|j| j.metadata.name.clone())
+        .collect();
+    assert!(failed.iter().any(|j| message.contains(&format!("Job {j},"))), "{message}: failed Jobs {failed:?}");
     let warning = eventually("a RecoveryRunFailed Warning", T, || async {
         let events = events_about(&client, &ns, "p").await?;
         Ok(events.into_iter().find(|e| e.reason.as_deref() == Some("RecoveryRunFailed")))
@@ -219,10 +230,60 @@ async fn a_failing_recovery_run_is_a_condition_a_warning_and_a_metric_until_one_
         "{metrics}"
     );
 
-    // Fixed: the next run succeeds and clears the condition and the gauge.
+    // Fixed, and the run made from the broken template removed: the next
+    // run succeeds and clears the condition and the gauge.
     f.apply(&manifest("p", "orders", "billing", "streamfleet/example-worker", &[], spec)).await?;
+    // One Warning per failed run: each failed Job named once, never repeated.
+    let events = events_about(&client, &ns, "p").await?;
+    let mut notes: Vec<String> = events
+        .iter()
+        .filter(|e| e.reason.as_deref() == Some("RecoveryRunFailed"))
+        .inspect(|e| assert_eq!(e.series.as_ref().map_or(1, |s| s.count), 1, "{e:?}"))
+        .filter_map(|e| e.note.clone())
+        .collect();
+    let all = notes.len();
+    notes.sort();
+    notes.dedup();
+    assert_eq!(notes.len(), all, "a failed run announced twice: {notes:?}");
+    run_ok(bed, "kubectl", &["delete", "jobs", "-n", &ns, "-l", selector], None).await?;
     wait_condition(&client, &ns, "p", "RecoveryFailing", "False", Some("LastRunSucceeded"), long).await?;
     let metrics = operator_http(&client, &ns, "/metrics").await?;
     assert!(metrics.contains(&format!("{series} 0")), "{metrics}");
+    Ok(())
+}
+
+/// `spec.recovery.deadLetterMaxAgeSeconds`: letters dead-lettered longer
+/// ago than that are dropped each poll, with a Normal Event saying how
+/// many; younger letters stay, and the status counts what is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_past_their_age_are_dropped_with_an_event() -> Result<()> {
+    let f = Fixture::start("e2e-dlage", &[]).await?;
+    let (client, ns, mut conn) = (f.client.clone(), f.ns.name.clone(), f.conn.clone());
+    streamfleet_streams::ensure_group(&mut conn, "orders", "billing", "0").await?;
+    let (secs, _micros): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await?;
+    let dead = streamfleet_streams::keys::dead_letter_stream("orders", "billing");
+    // Three letters from 10 minutes ago, two from the last few seconds.
+    for (i, age_s) in [(0, 600), (1, 600), (2, 600), (3, 5), (4, 1)] {
+        let _: String = conn.xadd(&dead, format!("{}-{i}", (secs - age_s) * 1000), &[("reason", "permanent")]).await?;
+    }
+    let records = tempfile::tempdir()?;
+    let spec = "  startId: \"0\"\n  scaling: {minReplicas: 1, maxReplicas: 1, pollIntervalSeconds: 2}\n  recovery: {schedule: \"0 0 1 1 *\", deadLetterMaxAgeSeconds: 300}";
+    f.apply(&recording_manifest("p", "orders", "billing", &records.path().display().to_string(), spec)).await?;
+    let event = eventually("a DeadLettersExpired Event", T, || async {
+        let events = events_about(&client, &ns, "p").await?;
+        Ok(events.into_iter().find(|e| e.reason.as_deref() == Some("DeadLettersExpired")))
+    })
+    .await?;
+    assert_eq!(event.type_.as_deref(), Some("Normal"));
+    let note = event.note.unwrap_or_default();
+    assert!(note.starts_with(&format!("dropped 3 letters of {dead} dead-lettered over 300 s ago")), "{note}");
+    let left: usize = conn.xlen(&dead).await?;
+    assert_eq!(left, 2, "the young letters stay");
+    let scgs: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), &ns);
+    eventually("deadLetterLength 2", T, || async {
+        Ok(scgs.get("p").await?.status.and_then(|s| s.dead_letter_length).filter(|n| *n == 2))
+    })
+    .await?;
+    assert_eq!(event_count(&client, &ns, "p", "DeadLettersExpired").await?, 1, "nothing more to drop, no more Events");
     Ok(())
 }
