@@ -9,7 +9,9 @@
 //! * Watermill's Redis Streams subscriber (Go, tests/bench/watermill), when
 //!   Go is installed.
 //!
-//! Writes `docs/figures/worker.json`.
+//! Writes `docs/figures/worker.json`. `BENCH_CONCURRENCY=N` runs the
+//! library rows at `STREAMFLEET_CONCURRENCY=N` (the figure's settings say so);
+//! `BENCH_ONLY=<row>` runs one row and writes no figure (for profiling).
 
 use anyhow::Result;
 use std::collections::{BTreeMap, HashMap};
@@ -61,6 +63,10 @@ async fn library(server: &RedisServer, stream: &str, n: usize, guard: bool) -> R
         (env::CONSUMER, "lib".into()),
         (env::BATCH_SIZE, BATCH.to_string()),
     ]);
+    let mut vars = vars;
+    if let Ok(c) = std::env::var("BENCH_CONCURRENCY") {
+        vars.insert(env::CONCURRENCY, c);
+    }
     let config = WorkerConfig::from_lookup(|k| vars.get(k).cloned())?;
     let mut worker = Worker::new(config, Trivial);
     if guard {
@@ -235,7 +241,7 @@ async fn main() -> Result<()> {
         "worker",
         &serde_json::json!({
             "what": "One consumer's throughput with a trivial handler against the ceiling (a library-free loop at the same batch size), same server, same entries, rows interleaved",
-            "settings": {"entries per run": n, "runs": RUNS, "handler": "returns Done", "concurrency": "library default (10)", "redis": redis_version(&mut conn).await?, "connection": "loopback"},
+            "settings": {"entries per run": n, "runs": RUNS, "handler": "returns Done", "concurrency": std::env::var("BENCH_CONCURRENCY").unwrap_or_else(|_| "library default (10)".into()), "redis": redis_version(&mut conn).await?, "connection": "loopback"},
             "columns": ["consumer", "batch", "acks", "entries/s (runs, sorted)", "median", "spread", "of the ceiling", "where the time goes: µs per 1,000 entries (Redis by command; a script includes the commands it calls)"],
             "rows": table,
             "summary": summary,
