@@ -11,6 +11,7 @@
 
 use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand, ValueEnum};
+use kube::CustomResourceExt as _;
 use std::sync::Arc;
 use std::time::Duration;
 use streamfleet_operator::controller;
@@ -42,7 +43,7 @@ enum LogFormat {
 enum Command {
     /// Run the controller.
     Run(RunArgs),
-    /// Print the StreamConsumerGroup CRD as YAML.
+    /// Print the StreamConsumerGroup CRD (JSON: `streamfleet crd | kubectl apply -f -`).
     Crd,
     /// One recovery sweep over the PEL (what the recovery CronJob runs):
     /// dead-letter entries past maxDeliveries, record lost payloads, leave the
@@ -114,7 +115,8 @@ async fn main() -> Result<()> {
     }
     match cli.command {
         Command::Crd => {
-            print!("{}", streamfleet_crd::crd_yaml()?);
+            // JSON, which `kubectl apply -f -` takes as it takes YAML.
+            println!("{}", serde_json::to_string_pretty(&streamfleet_crd::StreamConsumerGroup::crd())?);
             Ok(())
         }
         Command::Run(args) => run(args).await,

@@ -20,7 +20,16 @@
 {{- end -}}
 
 {{- define "streamfleet.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Where the pods listen: every address, or the pod IP only. */}}
+{{- define "streamfleet.listenHost" -}}
+{{- if eq .Values.listenOn "podIP" -}}$(POD_IP){{- else -}}0.0.0.0{{- end -}}
 {{- end -}}
 
 {{- define "streamfleet.selectorLabels" -}}

@@ -574,9 +574,31 @@ async fn the_chart_renders_what_a_production_install_sets() -> Result<()> {
             "prometheusRule.alerts.StreamfleetPendingRising.severity=page",
             "prometheusRule.alerts.StreamfleetDeadLettersGrowing.expr=streamfleet_dead_letter_length > 10",
             "dashboard.enabled=true",
+            "image.digest=sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+            "networkPolicy.enabled=true",
+            "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.name=monitoring",
         ],
     )
     .await?;
+    // By digest, for the operator and its sweep Jobs alike.
+    let pinned = "streamfleet/streamfleet@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+    let operator = operator_object(&docs, "Deployment");
+    let container = &operator["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(container["image"], pinned);
+    let env = container["env"].as_array().unwrap();
+    let sweep_image = env.iter().find(|e| e["name"] == "STREAMFLEET_OPERATOR_IMAGE").unwrap();
+    assert_eq!(sweep_image["value"], pinned);
+    // Listening on every address by default, so `kubectl port-forward` reaches /metrics.
+    let health = env.iter().find(|e| e["name"] == "STREAMFLEET_HEALTH_ADDR").unwrap();
+    assert_eq!(health["value"], "0.0.0.0:8080");
+    // The NetworkPolicy: the operator's pods take /metrics and probes from
+    // the namespaces named, and nothing else.
+    let policy = operator_object(&docs, "NetworkPolicy");
+    assert_eq!(policy["spec"]["podSelector"]["matchLabels"], operator["spec"]["selector"]["matchLabels"]);
+    assert_eq!(policy["spec"]["policyTypes"], serde_json::json!(["Ingress"]));
+    let ingress = &policy["spec"]["ingress"][0];
+    assert_eq!(ingress["ports"], serde_json::json!([{"port": 8080, "protocol": "TCP"}]));
+    assert_eq!(ingress["from"][0]["namespaceSelector"]["matchLabels"]["name"], "monitoring");
     let found = kinds(&docs);
     for kind in ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"] {
         assert!(!found.contains(&kind.to_string()), "{kind} with rbac.create/serviceAccount.create off: {found:?}");
