@@ -51,3 +51,7 @@ pub const DRAIN_TIMEOUT_MS: &str = "STREAMFLEET_DRAIN_TIMEOUT_MS";
 pub const BATCH_SIZE: &str = "STREAMFLEET_BATCH_SIZE";
 /// `consume` for the worker Deployment, `recovery` for the recovery Job.
 pub const MODE: &str = "STREAMFLEET_MODE";
+/// `host:port` where the Rust worker library serves `/metrics`, `/healthz`
+/// and `/readyz`. Never set by the operator: the pod template's env sets it
+/// (e.g. `0.0.0.0:9464`) to have them; absent, no server is started.
+pub const METRICS_ADDR: &str = "STREAMFLEET_METRICS_ADDR";

@@ -32,6 +32,9 @@ pub struct WorkerConfig {
     pub mode: RunMode,
     /// When a transiently failed entry is tried again (`retry`).
     pub retry: crate::retry::Schedule,
+    /// Where the library serves `/metrics`, `/healthz` and `/readyz`
+    /// ([`env::METRICS_ADDR`]); `None`: nowhere.
+    pub metrics_addr: Option<String>,
 }
 
 /// The default delivery bound: with the other defaults (first retry after
@@ -144,6 +147,7 @@ impl WorkerConfig {
             mode: run_mode,
             streams,
             retry,
+            metrics_addr: get(env::METRICS_ADDR).map(|a| a.trim().to_string()).filter(|a| !a.is_empty()),
         })
     }
 }

@@ -889,3 +889,51 @@ async fn a_handler_hung_past_twice_min_idle_lets_its_batch_go() -> Result<()> {
     assert!(Stats::get(&second_stats.claimed) >= 2, "both claimed from the hung handler's worker");
     Ok(())
 }
+
+/// GET `path` from `addr`: (status line, body).
+async fn http_get(addr: &str, path: &str) -> Result<(String, String)> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes()).await?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await?;
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    Ok((head.lines().next().unwrap_or_default().to_string(), body.to_string()))
+}
+
+/// `STREAMFLEET_METRICS_ADDR` set: the library itself serves `/metrics`,
+/// `/healthz` and `/readyz` while it runs, and nothing after; an address it
+/// cannot listen on stops it before it consumes anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_library_serves_its_metrics_and_probes_when_told_where() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    let id = add(&mut conn, &[("kind", "ok"), ("key", "o1")]).await?;
+    let addr = format!("127.0.0.1:{}", streamfleet_testbed::process::free_port()?);
+    let mut cfg = config(&server, "c1", 60_000, 5);
+    cfg.metrics_addr = Some(addr.clone());
+    let handler = Scripted::default();
+    let (stop, run) = spawn(Worker::new(cfg.clone(), handler.clone()));
+    eventually("handled", T, || async { Ok((handler.calls(&id) == 1).then_some(())) }).await?;
+    let metrics = eventually("/metrics counts it", T, || async {
+        let (status, body) = http_get(&addr, "/metrics").await?;
+        Ok((status.contains("200") && body.contains(r#"streamfleet_worker_processed_total{group="g"} 1"#))
+            .then_some(body))
+    })
+    .await?;
+    assert!(metrics.ends_with("# EOF\n"), "{metrics}");
+    for probe in ["/healthz", "/readyz"] {
+        let (status, _) = http_get(&addr, probe).await?;
+        assert!(status.contains("200"), "{probe}: {status}");
+    }
+    let _ = stop.send(());
+    run.await??;
+    assert!(http_get(&addr, "/metrics").await.is_err(), "nothing served once it stopped");
+
+    // Taken: the second worker does not start.
+    let taken = tokio::net::TcpListener::bind(&addr).await?;
+    let (_stop, run) = spawn(Worker::new(cfg, handler.clone()));
+    let refused = run.await?;
+    assert!(matches!(&refused, Err(streamfleet_worker::WorkerError::Admin(a)) if a.starts_with(&addr)), "{refused:?}");
+    drop(taken);
+    Ok(())
+}

@@ -262,23 +262,9 @@ async fn main() -> std::process::ExitCode {
         worker = worker.with_idempotency_guard(ttl.max(Duration::from_secs(3600)));
     }
     let stats = worker.stats();
-    // Ready while the consumer loop runs; /healthz and /metrics beside it.
-    let readiness = streamfleet_process::Readiness::new(true);
-    if let Ok(addr) = std::env::var("STREAMFLEET_METRICS_ADDR") {
-        match tokio::net::TcpListener::bind(&addr).await {
-            Ok(listener) => {
-                let admin = stats.clone().serve(listener, readiness.clone());
-                tokio::spawn(async move {
-                    if let Err(e) = admin.await {
-                        tracing::warn!("metrics server: {e}");
-                    }
-                });
-            }
-            Err(e) => tracing::warn!("metrics on {addr}: {e}"),
-        }
-    }
+    // /metrics, /healthz and /readyz: the library serves them when the pod
+    // template sets STREAMFLEET_METRICS_ADDR.
     let result = worker.run(streamfleet_worker::shutdown_signal()).await;
-    readiness.set(false);
     tracing::info!(?stats, "exiting");
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

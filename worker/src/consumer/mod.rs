@@ -163,6 +163,9 @@ pub enum WorkerError {
     /// not happen (and is not retried).
     #[error("stopped: {0}")]
     Stopped(&'static str),
+    /// `STREAMFLEET_METRICS_ADDR` cannot be listened on.
+    #[error("serving /metrics on {0}")]
+    Admin(String),
     /// A failpoint (tests only) stopped the worker where it stood, as a crash would.
     #[error("stopped at failpoint {0}")]
     Failpoint(&'static str),
@@ -192,6 +195,8 @@ pub struct Worker<H> {
     breaker: Option<Arc<std::sync::Mutex<Breaker>>>,
     /// Holds batches in hand from a thread of its own (started with the first batch).
     holder: std::sync::OnceLock<hold::Holder>,
+    /// What `/readyz` says: Redis answered the last step.
+    readiness: streamfleet_process::Readiness,
 }
 
 impl<H: Handler> Worker<H> {
@@ -207,6 +212,7 @@ impl<H: Handler> Worker<H> {
             at_most_once: false,
             stop: Arc::new(AtomicBool::new(false)),
             holder: std::sync::OnceLock::new(),
+            readiness: streamfleet_process::Readiness::new(false),
         }
     }
 
@@ -265,15 +271,36 @@ impl<H: Handler> Worker<H> {
             shutdown.await;
             flag.store(true, Ordering::SeqCst);
         });
+        let admin = self.serve_admin().await?;
         let mut conn = StreamConnection::connect(&self.config.endpoint).await?;
+        self.readiness.set(true);
         // Beats from now on, from a thread of its own.
         let _ = self.holder();
         let result = match self.config.mode {
             RunMode::Recovery => self.recover(&mut conn, &stop).await,
             RunMode::Consume => self.consume(&mut conn, &stop).await,
         };
+        self.readiness.set(false);
         watcher.abort();
+        if let Some(admin) = admin {
+            admin.abort();
+        }
         result
+    }
+
+    /// `/metrics`, `/healthz` and `/readyz` on `STREAMFLEET_METRICS_ADDR`,
+    /// when the pod template sets it. A worker told to serve them that
+    /// cannot does not start: its probes would fail with no reason given.
+    async fn serve_admin(&self) -> Result<Option<tokio::task::JoinHandle<()>>, WorkerError> {
+        let Some(addr) = &self.config.metrics_addr else { return Ok(None) };
+        let listener =
+            tokio::net::TcpListener::bind(addr).await.map_err(|e| WorkerError::Admin(format!("{addr}: {e}")))?;
+        let serving = self.stats.clone().serve(listener, self.readiness.clone());
+        Ok(Some(tokio::spawn(async move {
+            if let Err(e) = serving.await {
+                tracing::warn!(error = %e, "metrics server");
+            }
+        })))
     }
 
     /// The consume loop. A failing step (Redis unreachable, the group gone
@@ -285,7 +312,9 @@ impl<H: Handler> Worker<H> {
         let mut state = ConsumeState { server_checked: false, taken_back: self.at_most_once, next_claim: now };
         let mut delay = RETRY_FIRST;
         while !stopping(stop) {
-            match self.consume_step(conn, &mut readers, stop, &mut state).await {
+            let step = self.consume_step(conn, &mut readers, stop, &mut state).await;
+            self.readiness.set(step.is_ok());
+            match step {
                 Ok(()) => delay = RETRY_FIRST,
                 Err(e @ WorkerError::Failpoint(_)) => return Err(e),
                 Err(e) => {
