@@ -220,6 +220,21 @@ pub async fn events_about(
         .collect())
 }
 
+/// The first Event about `name` with `reason`, once there is one.
+pub async fn wait_event(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    reason: &str,
+    timeout: Duration,
+) -> Result<k8s_openapi::api::events::v1::Event> {
+    streamfleet_testbed::eventually(&format!("a {reason} Event about {name}"), timeout, || async {
+        let events = events_about(client, namespace, name).await?;
+        Ok(events.into_iter().find(|e| e.reason.as_deref() == Some(reason)))
+    })
+    .await
+}
+
 /// How many times Events about `name` with `reason` occurred (the recorder
 /// folds repeats of one reason into a series on one Event).
 pub async fn event_count(client: &Client, namespace: &str, name: &str, reason: &str) -> Result<i32> {

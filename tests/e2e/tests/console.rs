@@ -298,11 +298,7 @@ async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_ser
     assert!(ok, "{err}");
     let replayed = &json_lines(&out)[0];
     assert_eq!((replayed["done"].as_u64(), replayed["requeued"].as_array().map(Vec::len)), (Some(2), Some(2)), "{out}");
-    let event = eventually("the replay recorded as an Event", T, || async {
-        let events = events_about(&client, &ns, "p").await?;
-        Ok(events.into_iter().find(|e| e.reason.as_deref() == Some("DeadLettersReplayed")))
-    })
-    .await?;
+    let event = wait_event(&client, &ns, "p", "DeadLettersReplayed", T).await?;
     let note = event.note.unwrap_or_default();
     assert!(note.contains("alice") && note.contains("replayed 2 of 2"), "{note}");
     let length_after: usize = f.conn.xlen("orders").await?;
@@ -398,11 +394,7 @@ async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_ser
     let kept: redis::streams::StreamRangeReply = f.conn.xrange_all("{orders}:dead:billing").await?;
     let kept: Vec<String> = kept.ids.into_iter().map(|e| e.id).collect();
     assert_eq!(kept, vec![newest.clone()], "the newest letter stays");
-    let warning = eventually("a DeadLetterCapReached Warning", T, || async {
-        let events = events_about(&client, &ns, "p").await?;
-        Ok(events.into_iter().find(|e| e.reason.as_deref() == Some("DeadLetterCapReached")))
-    })
-    .await?;
+    let warning = wait_event(&client, &ns, "p", "DeadLetterCapReached", T).await?;
     assert_eq!(warning.type_.as_deref(), Some("Warning"));
     let note = warning.note.unwrap_or_default();
     assert!(note.contains("holds 2") && note.contains("oldest 1"), "{note}");
@@ -446,11 +438,7 @@ async fn dead_letters_are_listed_counted_replayed_and_purged_through_the_api_ser
     // Pause and resume (the documents' last two lines, as alice): each set
     // spec.suspend and left an Event naming her; bob may do neither.
     for (reason, word) in [("PipelinePaused", "paused"), ("PipelineResumed", "resumed")] {
-        let event = eventually(reason, T, || async {
-            let events = events_about(&client, &ns, "p").await?;
-            Ok(events.into_iter().find(|e| e.reason.as_deref() == Some(reason)))
-        })
-        .await?;
+        let event = wait_event(&client, &ns, "p", reason, T).await?;
         let note = event.note.unwrap_or_default();
         assert!(note.contains(&format!("alice {word} the pipeline")), "{note}");
     }

@@ -435,11 +435,7 @@ async fn a_suspended_pipeline_runs_no_workers_nor_recovery_and_still_reports_the
     assert_eq!(degraded.status, "False", "suspended on purpose is not degraded: {degraded:?}");
     let table = run_ok(bed, "kubectl", &["get", "scg", "p", "-n", &ns], None).await?;
     assert!(table.contains("Suspended"), "{table}");
-    let announced = eventually("a Suspended Event", T, || async {
-        let events = events_about(&client, &ns, "p").await?;
-        Ok(events.into_iter().find(|e| e.reason.as_deref() == Some("Suspended")))
-    })
-    .await?;
+    let announced = wait_event(&client, &ns, "p", "Suspended", T).await?;
     assert_eq!(announced.type_.as_deref(), Some("Normal"));
 
     run_ok(

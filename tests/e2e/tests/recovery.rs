@@ -213,11 +213,7 @@ async fn a_failing_recovery_run_is_a_condition_a_warning_and_a_metric_until_one_
         .filter_map(|j| j.metadata.name.clone())
         .collect();
     assert!(failed.iter().any(|j| message.contains(&format!("Job {j},"))), "{message}: failed Jobs {failed:?}");
-    let warning = eventually("a RecoveryRunFailed Warning", T, || async {
-        let events = events_about(&client, &ns, "p").await?;
-        Ok(events.into_iter().find(|e| e.reason.as_deref() == Some("RecoveryRunFailed")))
-    })
-    .await?;
+    let warning = wait_event(&client, &ns, "p", "RecoveryRunFailed", T).await?;
     assert_eq!(warning.type_.as_deref(), Some("Warning"));
     assert_eq!(warning.note.as_deref(), Some(message.as_str()), "the Warning says what the condition says");
     let series =
@@ -269,11 +265,7 @@ async fn dead_letters_past_their_age_are_dropped_with_an_event() -> Result<()> {
     let records = tempfile::tempdir()?;
     let spec = "  startId: \"0\"\n  scaling: {minReplicas: 1, maxReplicas: 1, pollIntervalSeconds: 2}\n  recovery: {schedule: \"0 0 1 1 *\", deadLetterMaxAgeSeconds: 300}";
     f.apply(&recording_manifest("p", "orders", "billing", &records.path().display().to_string(), spec)).await?;
-    let event = eventually("a DeadLettersExpired Event", T, || async {
-        let events = events_about(&client, &ns, "p").await?;
-        Ok(events.into_iter().find(|e| e.reason.as_deref() == Some("DeadLettersExpired")))
-    })
-    .await?;
+    let event = wait_event(&client, &ns, "p", "DeadLettersExpired", T).await?;
     assert_eq!(event.type_.as_deref(), Some("Normal"));
     let note = event.note.unwrap_or_default();
     assert!(note.starts_with(&format!("dropped 3 letters of {dead} dead-lettered over 300 s ago")), "{note}");

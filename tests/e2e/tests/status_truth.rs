@@ -210,11 +210,7 @@ async fn a_refused_cronjob_is_a_condition_with_the_api_message_and_health_is_sti
     assert!(status.conditions.iter().any(|c| c.type_ == "GroupReady" && c.status == "True"));
     assert_eq!((status.health, status.lag, status.pending), (Some(Health::Healthy), Some(0), Some(0)));
     // The status is written before the Event is published: wait for it.
-    let refused = eventually("a CronJobRefused Event", T, || async {
-        let events = events_about(&client, &ns, "p").await?;
-        Ok(events.into_iter().find(|e| e.reason.as_deref() == Some("CronJobRefused")))
-    })
-    .await?;
+    let refused = wait_event(&client, &ns, "p", "CronJobRefused", T).await?;
     assert_eq!(refused.type_.as_deref(), Some("Warning"));
     Ok(())
 }
