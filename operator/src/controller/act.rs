@@ -247,12 +247,20 @@ async fn reap_consumer(
         )
         .await
         .map(|r| {
+            // No pod in the cache, silent in `XINFO`, yet it told Redis it
+            // lives (a force-deleted pod's process, a partitioned node):
+            // looked at every half second, said once.
+            let resource = super::key(scg);
             if r.alive {
-                // No pod in the cache, silent in `XINFO`, yet it told Redis it
-                // lives (a force-deleted pod's process, a partitioned node).
-                tracing::info!(consumer = %name, stream, "a consumer without a pod is still alive: not released");
+                let first = ctx.with_policy(&resource, |m| m.alive_without_pod.insert(name.clone())).unwrap_or(true);
+                if first {
+                    tracing::info!(consumer = %name, stream, "a consumer without a pod is still alive: not released");
+                } else {
+                    tracing::debug!(consumer = %name, stream, "still alive without a pod");
+                }
                 return None;
             }
+            let _ = ctx.with_policy(&resource, |m| m.alive_without_pod.remove(name));
             let lost = if r.payload_lost > 0 {
                 format!("; {} had lost their payload (recorded)", r.payload_lost)
             } else {
