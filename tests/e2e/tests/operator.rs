@@ -153,19 +153,28 @@ async fn redis_and_secret_failures_become_conditions_and_heal() -> Result<()> {
     let closed = streamfleet_testbed::process::free_port()?;
     create_redis_secret(&client, &ns.name, "redis", &format!("redis://127.0.0.1:{closed}/")).await?;
     wait_condition(&client, &ns.name, "p", "GroupReady", "False", Some("RedisUnreachable"), T).await?;
-    // 3. The password is wrong; it must not leak into the status.
+    // 3. A Redis older than 7.0 (6.2.14): refused, naming its version.
+    let old = RedisServer::start_binary(&streamfleet_testbed::redis_server::old_server_binary()?).await?;
+    create_redis_secret(&client, &ns.name, "redis", &old.url()).await?;
+    let scg = wait_condition(&client, &ns.name, "p", "GroupReady", "False", Some("RedisUnsupported"), T).await?;
+    let conditions = scg.status.unwrap_or_default().conditions;
+    let ready = conditions.iter().find(|c| c.type_ == "Ready").map(|c| c.message.clone()).unwrap_or_default();
+    assert!(ready.contains("version 6.2.14") && ready.contains("7.0 or later"), "{ready}");
+    let group: i64 = redis::cmd("EXISTS").arg("s").query_async(&mut old.connection().await?).await?;
+    assert_eq!(group, 0, "nothing was created on the old server");
+    // 4. The password is wrong; it must not leak into the status.
     let dir = tempfile::tempdir()?;
     let redis = RedisServer::start_in(dir.path(), &["--requirepass", "s3cret"]).await?;
     create_redis_secret(&client, &ns.name, "redis", &format!("redis://:wrong-pw@127.0.0.1:{}/", redis.port)).await?;
     let scg = wait_condition(&client, &ns.name, "p", "GroupReady", "False", Some("RedisAuthFailed"), T).await?;
     let status_text = serde_json::to_string(&scg.status)?;
     assert!(!status_text.contains("wrong-pw"), "password in status: {status_text}");
-    // 4. Fixed: it heals on its own.
+    // 5. Fixed: it heals on its own.
     create_redis_secret(&client, &ns.name, "redis", &format!("redis://:s3cret@127.0.0.1:{}/", redis.port)).await?;
     wait_condition(&client, &ns.name, "p", "Ready", "True", None, T).await?;
 
     let reasons = event_reasons(&client, &ns.name, "p").await?;
-    for r in ["SecretNotFound", "RedisUnreachable", "RedisAuthFailed"] {
+    for r in ["SecretNotFound", "RedisUnreachable", "RedisUnsupported", "RedisAuthFailed"] {
         assert!(reasons.iter().any(|x| x == r), "no {r} Event in {reasons:?}");
     }
     let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), &ns.name);

