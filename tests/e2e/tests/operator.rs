@@ -403,6 +403,39 @@ spec:
     Ok(())
 }
 
+/// No `/scale` on the resource: its replicas are the scaling policy's. By
+/// hand, as the README says: pause the policy, then `kubectl scale` the
+/// worker Deployment; the operator holds that count, and takes over again
+/// once unpaused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_pipeline_keeps_the_replicas_scaled_by_hand() -> Result<()> {
+    let f = Fixture::start("e2e-handscale", &[]).await?;
+    let (bed, client, ns) = (f.bed, f.client.clone(), f.ns.name.clone());
+    let records = tempfile::tempdir()?;
+    let dir = records.path().display().to_string();
+    let spec = "  scaling: {minReplicas: 1, maxReplicas: 3, pollIntervalSeconds: 1, paused: true}";
+    f.apply(&recording_manifest("p", "orders", "billing", &dir, spec)).await?;
+    wait_condition(&client, &ns, "p", "Ready", "True", None, T).await?;
+    run_ok(bed, "kubectl", &["scale", "-n", &ns, "deployment/p-worker", "--replicas", "2"], None).await?;
+    let scgs: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), &ns);
+    let desired =
+        || async { Ok::<_, anyhow::Error>(scgs.get("p").await?.status.and_then(|s| s.replicas).map(|r| r.desired)) };
+    eventually("desired 2 in the status", T, || async { Ok(desired().await?.filter(|d| *d == 2)) }).await?;
+    // Several polls later, still the count set by hand.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    assert_eq!(deployments.get("p-worker").await?.spec.and_then(|s| s.replicas), Some(2));
+    // Unpaused: the policy decides again (no lag: down to minReplicas).
+    let unpaused = "  scaling: {minReplicas: 1, maxReplicas: 3, pollIntervalSeconds: 1}";
+    f.apply(&recording_manifest("p", "orders", "billing", &dir, unpaused)).await?;
+    eventually("back to the policy's 1", T, || async {
+        let replicas = deployments.get("p-worker").await?.spec.and_then(|s| s.replicas);
+        Ok((replicas == Some(1)).then_some(()))
+    })
+    .await?;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_suspended_pipeline_runs_no_workers_nor_recovery_and_still_reports_then_resumes() -> Result<()> {
     let mut f = Fixture::start("e2e-suspend", &[]).await?;
