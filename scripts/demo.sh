@@ -46,7 +46,7 @@ kubectl get nodes
 
 say "helm install streamfleet (the operator runs as a pod, with the chart's ServiceAccount and RBAC)"
 helm install streamfleet charts/streamfleet --namespace streamfleet-system --create-namespace \
-  --set log.format=text --wait --timeout 180s
+  --set log.format=text --set listenOn=podIP --wait --timeout 180s
 kubectl -n streamfleet-system get deploy,pods
 
 say "Applying the example pipeline (deploy/examples/order-pipeline.yaml)"

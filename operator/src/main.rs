@@ -1,7 +1,7 @@
 //! `streamfleet`: the operator binary.
 //!
 //! * `streamfleet run`: the controller (leader-elected).
-//! * `streamfleet crd`: prints the CRD YAML.
+//! * `streamfleet crd`: prints the CRD (JSON).
 //! * `streamfleet sweep`: the recovery sweep (run by the recovery CronJob).
 //! * `streamfleet dead-letters list|show|stats|replay|purge`: dead-letter
 //!   tools (`kubectl streamfleet dlq …` as a kubectl plugin).
@@ -43,7 +43,7 @@ enum LogFormat {
 enum Command {
     /// Run the controller.
     Run(RunArgs),
-    /// Print the StreamConsumerGroup CRD (JSON: `streamfleet crd | kubectl apply -f -`).
+    /// Print the StreamConsumerGroup CRD (JSON: `streamfleet crd | kubectl apply --server-side -f -`).
     Crd,
     /// One recovery sweep over the PEL (what the recovery CronJob runs):
     /// dead-letter entries past maxDeliveries, record lost payloads, leave the

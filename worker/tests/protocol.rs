@@ -939,27 +939,27 @@ async fn the_library_serves_its_metrics_and_probes_when_told_where() -> Result<(
 }
 
 /// A Redis older than 7.0 (6.2.14, the one `scripts/install-deps.sh`
-/// builds): the worker consumes nothing, says why, and is not ready.
+/// builds): the worker stops at once, naming the version, having read and
+/// written nothing (no heartbeat, no start record) and never been ready.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_older_than_7_is_refused_and_nothing_is_consumed() -> Result<()> {
-    let server =
-        streamfleet_testbed::RedisServer::start_binary(&streamfleet_testbed::redis_server::old_server_binary()?)
-            .await?;
+    let old = streamfleet_testbed::redis_server::old_server_binary()?;
+    let server = streamfleet_testbed::RedisServer::start_binary(&old).await?;
     let mut conn = server.connection().await?;
     streamfleet_streams::ensure_group(&mut conn, "orders", "g", "0").await?;
     let id = add(&mut conn, &[("kind", "ok"), ("key", "o1")]).await?;
-    let addr = format!("127.0.0.1:{}", streamfleet_testbed::process::free_port()?);
     let mut cfg = config(&server, "c1", 60_000, 5);
-    cfg.metrics_addr = Some(addr.clone());
+    cfg.metrics_addr = Some(format!("127.0.0.1:{}", streamfleet_testbed::process::free_port()?));
     let handler = Scripted::default();
-    let (stop, run) = spawn(Worker::new(cfg, handler.clone()));
-    let (status, _) = eventually("/readyz answers", T, || async { Ok(http_get(&addr, "/readyz").await.ok()) }).await?;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let (status_after, _) = http_get(&addr, "/readyz").await?;
-    assert!(!status_after.contains("200"), "not ready on Redis 6.2: {status} then {status_after}");
+    let (_stop, run) = spawn(Worker::new(cfg, handler.clone()).with_idempotency_guard(Duration::from_secs(60)));
+    let refused = tokio::time::timeout(T, run).await??;
+    assert!(
+        matches!(&refused, Err(streamfleet_worker::WorkerError::Unsupported(m)) if m.contains("6.2.14")),
+        "{refused:?}"
+    );
     assert_eq!(handler.calls(&id), 0, "nothing handled");
     assert_eq!(pending(&mut conn).await?, 0, "nothing even read");
-    let _ = stop.send(());
-    let _ = run.await?;
+    let keys: Vec<String> = redis::cmd("KEYS").arg("*").query_async(&mut conn).await?;
+    assert_eq!(keys, ["orders"], "nothing written beside the stream");
     Ok(())
 }

@@ -252,7 +252,8 @@ async fn reap_consumer(
             // looked at every half second, said once.
             let resource = super::key(scg);
             if r.alive {
-                let first = ctx.with_policy(&resource, |m| m.alive_without_pod.insert(name.clone())).unwrap_or(true);
+                let first = ctx.with_policy(&resource, |m| m.alive_without_pod.insert(format!("{stream}/{name}")));
+                let first = first.unwrap_or(true);
                 if first {
                     tracing::info!(consumer = %name, stream, "a consumer without a pod is still alive: not released");
                 } else {
@@ -260,7 +261,7 @@ async fn reap_consumer(
                 }
                 return None;
             }
-            let _ = ctx.with_policy(&resource, |m| m.alive_without_pod.remove(name));
+            let _ = ctx.with_policy(&resource, |m| m.alive_without_pod.remove(&format!("{stream}/{name}")));
             let lost = if r.payload_lost > 0 {
                 format!("; {} had lost their payload (recorded)", r.payload_lost)
             } else {

@@ -49,8 +49,9 @@ pub struct PolicyMemory {
     pub template_announced: Option<String>,
     /// The failed recovery Job last announced.
     pub recovery_failure_announced: Option<String>,
-    /// Consumers without a pod found still alive, logged once each (they
-    /// are looked at every half second until they fall silent).
+    /// Consumers without a pod found still alive (`<stream>/<consumer>`,
+    /// per shard), logged once each: they are looked at every half second
+    /// until they fall silent.
     pub alive_without_pod: std::collections::HashSet<String>,
 }
 

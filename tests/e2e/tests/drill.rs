@@ -709,7 +709,7 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
          charger that then died; trimmed by length in a live worker's hands and completed by it: {}) settled in {:?}; \
          worker SIGKILLs: {} random + {} aimed between effect and ack (shown: charged and still held by the dead \
          process; {} aimed missed, the ack came first); Redis crash-restarts from AOF: {}; kube-apiserver restarts: {}; \
-         leading operator SIGKILLed: {}; last fault injected at {faults_done:?}; transient failures: {}; charged by the slow worker: {slow_charges}; duplicate \
+         leading operator SIGKILLed: {}; fault phase ended at {faults_done:?}; transient failures: {}; charged by the slow worker: {slow_charges}; duplicate \
          deliveries absorbed: {absorbed} (guard suppressed {}, ledger refused {}, of which by the first charger's own consumer \
          name, a retry after a lost reply or its restarted process: {}; of charges in flight at the Redis crash: {crash_repeats}); \
          deaths caused by the killer order before its crashed-worker letter: {}; duplicate effects: {}",
@@ -787,7 +787,10 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
         row("duplicate deliveries absorbed (guard or ledger)", absorbed.to_string()),
         row("repeats of charges in flight at the Redis crash", crash_repeats.to_string()),
         row("duplicate effects", duplicate_effects.len().to_string()),
-        row("seconds from the first order to the last fault injected", format!("{:.1}", faults_done.as_secs_f64())),
+        row(
+            "seconds from the first order to the end of the fault phase (the last fault and its recovery waits)",
+            format!("{:.1}", faults_done.as_secs_f64()),
+        ),
         row("seconds from the first order to every order settled", format!("{:.1}", settled_in.as_secs_f64())),
     ];
     streamfleet_testbed::write_figure(

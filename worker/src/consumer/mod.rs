@@ -53,8 +53,6 @@ const RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// What the consume loop has learned so far.
 struct ConsumeState {
-    /// Whether the server's version was checked (7.0 or later).
-    server_checked: bool,
     /// Whether this consumer's own pending entries were taken back.
     taken_back: bool,
     next_claim: Instant,
@@ -171,6 +169,23 @@ pub enum WorkerError {
     Failpoint(&'static str),
 }
 
+/// The worker's metrics and probes server, stopped when dropped.
+struct AdminServer(tokio::task::JoinHandle<()>);
+
+impl AdminServer {
+    /// Stops it and waits until its port is closed.
+    async fn stop(mut self) {
+        self.0.abort();
+        let _ = (&mut self.0).await;
+    }
+}
+
+impl Drop for AdminServer {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 fn store_error(e: Box<dyn std::error::Error + Send + Sync>) -> WorkerError {
     WorkerError::Store(e.to_string())
 }
@@ -271,8 +286,20 @@ impl<H: Handler> Worker<H> {
             shutdown.await;
             flag.store(true, Ordering::SeqCst);
         });
+        // Stopped however `run` ends (dropped on an early return).
         let admin = self.serve_admin().await?;
         let mut conn = StreamConnection::connect(&self.config.endpoint).await?;
+        // Before anything is written or reported ready: a server too old is
+        // refused, and the worker stops saying why.
+        let version = streamfleet_streams::version::server_version(&mut conn).await?;
+        if let Some(v) = version.filter(|v| !v.is_supported()) {
+            watcher.abort();
+            return Err(WorkerError::Unsupported(format!(
+                "Redis {}.{}.{} is older than 7.0, which streamfleet needs",
+                v.major, v.minor, v.patch
+            )));
+        }
+        tracing::info!(?version, mode = ?self.config.mode, at_most_once = self.at_most_once, "running");
         self.readiness.set(true);
         // Beats from now on, from a thread of its own.
         let _ = self.holder();
@@ -283,7 +310,7 @@ impl<H: Handler> Worker<H> {
         self.readiness.set(false);
         watcher.abort();
         if let Some(admin) = admin {
-            admin.abort();
+            admin.stop().await;
         }
         result
     }
@@ -291,16 +318,16 @@ impl<H: Handler> Worker<H> {
     /// `/metrics`, `/healthz` and `/readyz` on `STREAMFLEET_METRICS_ADDR`,
     /// when the pod template sets it. A worker told to serve them that
     /// cannot does not start: its probes would fail with no reason given.
-    async fn serve_admin(&self) -> Result<Option<tokio::task::JoinHandle<()>>, WorkerError> {
+    async fn serve_admin(&self) -> Result<Option<AdminServer>, WorkerError> {
         let Some(addr) = &self.config.metrics_addr else { return Ok(None) };
         let listener =
             tokio::net::TcpListener::bind(addr).await.map_err(|e| WorkerError::Admin(format!("{addr}: {e}")))?;
         let serving = self.stats.clone().serve(listener, self.readiness.clone());
-        Ok(Some(tokio::spawn(async move {
+        Ok(Some(AdminServer(tokio::spawn(async move {
             if let Err(e) = serving.await {
                 tracing::warn!(error = %e, "metrics server");
             }
-        })))
+        }))))
     }
 
     /// The consume loop. A failing step (Redis unreachable, the group gone
@@ -309,7 +336,7 @@ impl<H: Handler> Worker<H> {
     async fn consume(&self, conn: &mut StreamConnection, stop: &AtomicBool) -> Result<(), WorkerError> {
         let mut readers = self.readers().await?;
         let now = Instant::now();
-        let mut state = ConsumeState { server_checked: false, taken_back: self.at_most_once, next_claim: now };
+        let mut state = ConsumeState { taken_back: self.at_most_once, next_claim: now };
         let mut delay = RETRY_FIRST;
         while !stopping(stop) {
             let step = self.consume_step(conn, &mut readers, stop, &mut state).await;
@@ -339,17 +366,6 @@ impl<H: Handler> Worker<H> {
         stop: &AtomicBool,
         state: &mut ConsumeState,
     ) -> Result<(), WorkerError> {
-        if !state.server_checked {
-            let version = streamfleet_streams::version::server_version(conn).await?;
-            if let Some(v) = version.filter(|v| !v.is_supported()) {
-                return Err(WorkerError::Unsupported(format!(
-                    "Redis {}.{}.{} is older than 7.0, which streamfleet needs",
-                    v.major, v.minor, v.patch
-                )));
-            }
-            tracing::info!(?version, at_most_once = self.at_most_once, "consuming");
-            state.server_checked = true;
-        }
         if !state.taken_back {
             // A restart under the same name (same pod): what this consumer read
             // before and never settled is handled first, at once.
