@@ -19,8 +19,8 @@ use std::sync::Arc;
 pub enum LastRun {
     /// No run has finished (none ran, or the first is running).
     NotYet,
-    /// Its Job completed at `at`.
-    Succeeded { job: String, at: Option<Time> },
+    /// Its Job completed.
+    Succeeded,
     /// Its Job failed, for `reason` (`BackoffLimitExceeded`,
     /// `DeadlineExceeded`, ...) as its `Failed` condition says.
     Failed { job: String, created: Option<Time>, reason: String, detail: String, last_success: Option<Time> },
@@ -44,11 +44,11 @@ pub fn last_run(jobs: &[Arc<Job>]) -> LastRun {
         .filter_map(|j| finished(j).map(|f| (j, f)))
         .max_by_key(|(j, _)| (created(j), j.metadata.name.clone()));
     let Some((job, (complete, reason, detail))) = newest else { return LastRun::NotYet };
+    if complete {
+        return LastRun::Succeeded;
+    }
     let name = job.metadata.name.clone().unwrap_or_default();
     let completed_at = |j: &Job| j.status.as_ref().and_then(|s| s.completion_time.clone());
-    if complete {
-        return LastRun::Succeeded { job: name, at: completed_at(job) };
-    }
     let last_success = jobs
         .iter()
         .filter(|j| finished(j).is_some_and(|(complete, _, _)| complete))
@@ -138,7 +138,7 @@ mod tests {
         assert_eq!(last_run(&jobs), failed);
         // It succeeds, whatever the order the cache lists them in.
         let jobs = [job("r-3", 300, Some(true)), job("r-2", 200, Some(false))];
-        assert_eq!(last_run(&jobs), LastRun::Succeeded { job: "r-3".into(), at: Some(at(310)) });
+        assert_eq!(last_run(&jobs), LastRun::Succeeded);
         // A success that finished after a later run was created does not hide that run's failure.
         let late = job("r-4", 400, Some(true));
         let jobs = [late, job("r-5", 405, Some(false))];
