@@ -36,7 +36,9 @@ async fn a_backlog_scales_workers_up_then_down_then_to_zero_and_wakes_them() -> 
     let f = Fixture::start("e2e-scale", &[]).await?;
     let (client, ns, mut conn) = (f.client.clone(), &f.ns, f.conn.clone());
     produce(&mut conn, 0, 300).await?;
-    let spec = "  startId: \"0\"\n  scaling: {minReplicas: 0, maxReplicas: 4, targetPerReplica: 100, scaleDownStabilizationSeconds: 6, cooldownSeconds: 8, pollIntervalSeconds: 1}\n  recovery: {minIdleTimeMs: 10000, batchSize: 20}";
+    // No scheduled recovery run (it writes the status): the at-rest window
+    // below must see only the scaling policy's polls.
+    let spec = "  startId: \"0\"\n  scaling: {minReplicas: 0, maxReplicas: 4, targetPerReplica: 100, scaleDownStabilizationSeconds: 6, cooldownSeconds: 8, pollIntervalSeconds: 1}\n  recovery: {schedule: \"0 0 1 1 *\", minIdleTimeMs: 10000, batchSize: 20}";
     f.apply(&manifest(
         "orders",
         "orders",
