@@ -250,10 +250,9 @@ async fn reap_consumer(
             // No pod in the cache, silent in `XINFO`, yet it told Redis it
             // lives (a force-deleted pod's process, a partitioned node):
             // looked at every half second, said once.
-            let resource = super::key(scg);
+            let (resource, seen) = (super::key(scg), format!("{stream}/{name}"));
             if r.alive {
-                let first = ctx.with_policy(&resource, |m| m.alive_without_pod.insert(format!("{stream}/{name}")));
-                let first = first.unwrap_or(true);
+                let first = ctx.with_policy(&resource, |m| m.alive_without_pod.insert(seen)).unwrap_or(true);
                 if first {
                     tracing::info!(consumer = %name, stream, "a consumer without a pod is still alive: not released");
                 } else {
@@ -261,7 +260,7 @@ async fn reap_consumer(
                 }
                 return None;
             }
-            let _ = ctx.with_policy(&resource, |m| m.alive_without_pod.remove(&format!("{stream}/{name}")));
+            let _ = ctx.with_policy(&resource, |m| m.alive_without_pod.remove(&seen));
             let lost = if r.payload_lost > 0 {
                 format!("; {} had lost their payload (recorded)", r.payload_lost)
             } else {

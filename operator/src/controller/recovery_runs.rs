@@ -26,7 +26,8 @@ pub enum LastRun {
     Failed { job: String, created: Option<Time>, reason: String, detail: String, last_success: Option<Time> },
 }
 
-/// Whether `job` finished, and how: `Some(true)` completed, `Some(false)` failed.
+/// Whether `job` finished, and how: `(true, "", "")` completed, `(false,
+/// reason, message)` failed as its `Failed` condition says; `None` running.
 fn finished(job: &Job) -> Option<(bool, &str, &str)> {
     let conditions = job.status.as_ref()?.conditions.as_ref()?;
     conditions.iter().filter(|c| c.status == "True").find_map(|c| match c.type_.as_str() {
