@@ -5,6 +5,7 @@
 # (65532), no shell, CA roots for rediss://, every timestamp at
 # SOURCE_DATE_EPOCH (default: the last commit's time), so the same binaries
 # give the same digests. Prints each image's reference and manifest digest.
+# Then packs the CLI for workstations (scripts/package-cli.sh: target/dist/).
 #
 #   STREAMFLEET_IMAGE_REGISTRY=ghcr.io/acme bash scripts/build-images.sh
 #   target/tools/bin/crane push target/images/streamfleet ghcr.io/acme/streamfleet:0.1.0
@@ -50,3 +51,5 @@ for bin in streamfleet example-worker; do
   fi
   echo "$built"
 done
+# The same static binary, packed for workstations (and krew).
+bash "$root/scripts/package-cli.sh" "$root/target/$target/release/streamfleet"

@@ -9,6 +9,9 @@
 #   crane                                             (github.com/google/go-containerregistry, go install):
 #                                                     pushes the OCI images scripts/build-images.sh
 #                                                     writes; an e2e test validates them in its registry
+#   krew                                              (sigs.k8s.io/krew, go install): an e2e test installs
+#                                                     the CLI archive with the krew manifest
+#                                                     scripts/package-cli.sh writes
 # Each build is cached under $STREAMFLEET_CACHE (default ~/.cache/streamfleet),
 # keyed by a hash of the Go module that produces it, so a rerun builds nothing.
 set -euo pipefail
@@ -20,6 +23,7 @@ helm_version=v3.20.2
 # Prometheus 3.x is published as Go module versions v0.3xx.
 prometheus_module_version=v0.316.0
 crane_version=v0.22.1
+krew_version=v0.4.3
 mkdir -p "$cache/tools" "$out"
 export GOFLAGS="-mod=mod -buildvcs=false"
 
@@ -83,6 +87,17 @@ build_crane() {
   ln -sf "$dest/crane" "$out/crane"
 }
 
+build_krew() {
+  local dest=$cache/tools/krew-$krew_version
+  if [ ! -x "$dest/krew" ]; then
+    log "building krew $krew_version (cold; cached afterwards in $dest)"
+    rm -rf "$dest.tmp" && mkdir -p "$dest.tmp"
+    GOBIN=$dest.tmp go install -trimpath -ldflags="-s -w" "sigs.k8s.io/krew/cmd/krew@$krew_version"
+    rm -rf "$dest" && mv "$dest.tmp" "$dest"
+  fi
+  ln -sf "$dest/krew" "$out/krew"
+}
+
 build_module "$root/tests/testbed/tools/etcd"
 # Stamp the release into the binaries, as upstream's build does, so discovery
 # (kubectl version, helm's kubeVersion checks) reports the real version.
@@ -96,4 +111,5 @@ build_module "$root/tests/testbed/tools/k8s" "$stamp"
 build_helm
 build_prometheus
 build_crane
+build_krew
 log "tools ready in $out"

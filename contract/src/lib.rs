@@ -2,12 +2,23 @@
 //! worker container (and the recovery Job), so workers in any language can
 //! take part. `docs/env-contract.md` documents them for worker authors.
 
-/// Redis URL, from the Secret named in `spec.redis.urlSecretRef`.
+/// Redis URL: `spec.redis.url`, or from the Secret key named in
+/// `spec.redis.urlSecretRef`.
 pub const REDIS_URL: &str = "STREAMFLEET_REDIS_URL";
+/// The ACL user, `spec.redis.username` (absent otherwise).
+pub const REDIS_USERNAME: &str = "STREAMFLEET_REDIS_USERNAME";
+/// The password as it is (not percent-encoded), from the Secret key named in
+/// `spec.redis.passwordSecretRef` (absent otherwise; the URL then carries
+/// none).
+pub const REDIS_PASSWORD: &str = "STREAMFLEET_REDIS_PASSWORD";
 /// `Standalone` or `Cluster`.
 pub const REDIS_MODE: &str = "STREAMFLEET_REDIS_MODE";
 /// PEM CA bundle for TLS, from `spec.redis.tls.caSecretRef` (absent otherwise).
 pub const REDIS_CA_PEM: &str = "STREAMFLEET_REDIS_CA_PEM";
+/// PEM client certificate and key (`tls.crt`, `tls.key` of the Secret named
+/// in `spec.redis.tls.clientCertSecretRef`; absent otherwise).
+pub const REDIS_CLIENT_CERT_PEM: &str = "STREAMFLEET_REDIS_CLIENT_CERT_PEM";
+pub const REDIS_CLIENT_KEY_PEM: &str = "STREAMFLEET_REDIS_CLIENT_KEY_PEM";
 /// Comma-separated stream keys the worker consumes.
 pub const STREAMS: &str = "STREAMFLEET_STREAMS";
 /// Consumer group name.

@@ -40,8 +40,9 @@ use serde::{Deserialize, Serialize};
 #[x_kube(validation = Rule::new("!has(self.shards) || self.shards <= 1 || !self.stream.contains('{')").message("spec.stream must carry no hash tag when spec.shards > 1: every shard would share one slot"))]
 #[serde(rename_all = "camelCase")]
 pub struct StreamConsumerGroupSpec {
-    /// How to reach Redis. The URL comes from a Secret; it never appears in
-    /// this resource, its status, logs or Events.
+    /// How to reach Redis. Secrets hold what is secret (the password, a URL
+    /// with credentials, a client key); none of it appears in this resource,
+    /// its status, logs or Events.
     pub redis: RedisConnection,
 
     /// The stream key the group consumes. Immutable: a new stream is a new
@@ -115,12 +116,39 @@ fn default_start_id() -> String {
 }
 
 /// Connection to a standalone Redis server or a Redis Cluster.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[x_kube(validation = Rule::new("has(self.url) != has(self.urlSecretRef)").message("spec.redis: set exactly one of url and urlSecretRef"))]
+#[x_kube(validation = Rule::new("!has(self.username) || has(self.passwordSecretRef)").message("spec.redis.username needs spec.redis.passwordSecretRef: Redis authenticates a user by its password"))]
 #[serde(rename_all = "camelCase")]
 pub struct RedisConnection {
     /// The Secret key holding the Redis URL (`redis://` or `rediss://`,
-    /// credentials included). In `Cluster` mode, any node of the cluster.
-    pub url_secret_ref: SecretKeyRef,
+    /// credentials percent-encoded in it, or kept apart in `username` and
+    /// `passwordSecretRef`). In `Cluster` mode, any node of the cluster.
+    /// One of `url` and `urlSecretRef`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url_secret_ref: Option<SecretKeyRef>,
+
+    /// The Redis URL, without credentials (`redis://redis-master.db:6379`;
+    /// `rediss://` for TLS): the password comes from `passwordSecretRef`.
+    /// In `Cluster` mode, any node of the cluster. One of `url` and
+    /// `urlSecretRef`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 2048))]
+    #[x_kube(validation = Rule::new("self.startsWith('redis://') || self.startsWith('rediss://')").message("spec.redis.url must start with redis:// or rediss://"))]
+    #[x_kube(validation = Rule::new("!self.contains('@')").message("spec.redis.url must carry no credentials: put the password in a Secret named by spec.redis.passwordSecretRef"))]
+    pub url: Option<String>,
+
+    /// The ACL user to authenticate as (`AUTH <username> <password>`).
+    /// Omit for the `default` user. Needs `passwordSecretRef`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 256))]
+    pub username: Option<String>,
+
+    /// A Secret key holding the password alone, as it is (no percent-encoding):
+    /// e.g. the `redis-password` key of the Secret the Bitnami Redis chart
+    /// creates. The URL must then carry no password of its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password_secret_ref: Option<SecretKeyRef>,
 
     /// `Standalone` (default) for one server, `Cluster` for Redis Cluster.
     #[serde(default)]
@@ -143,6 +171,15 @@ pub struct SecretKeyRef {
     pub key: String,
 }
 
+/// A Secret in the resource's own namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SecretRef {
+    /// The Secret's name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+}
+
 /// Whether the URL names one server or a cluster.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
 pub enum RedisMode {
@@ -161,7 +198,33 @@ pub struct RedisTls {
     /// certificate. Omit to trust the system roots.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_secret_ref: Option<SecretKeyRef>,
+
+    /// A `kubernetes.io/tls` Secret (keys `tls.crt` and `tls.key`, as
+    /// cert-manager writes them) holding the client certificate and key
+    /// presented to a server that requires one (`tls-auth-clients yes`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_cert_secret_ref: Option<SecretRef>,
 }
+
+impl RedisConnection {
+    /// Every Secret key this connection reads: the URL's, the password's,
+    /// the CA's and the client certificate's and key's.
+    pub fn secret_refs(&self) -> Vec<SecretKeyRef> {
+        let tls = self.tls.as_ref();
+        let client = tls.and_then(|t| t.client_cert_secret_ref.as_ref());
+        [self.url_secret_ref.clone(), self.password_secret_ref.clone(), tls.and_then(|t| t.ca_secret_ref.clone())]
+            .into_iter()
+            .flatten()
+            .chain(client.into_iter().flat_map(|c| {
+                [TLS_CERT_KEY, TLS_PRIVATE_KEY_KEY].map(|key| SecretKeyRef { name: c.name.clone(), key: key.into() })
+            }))
+            .collect()
+    }
+}
+
+/// The keys of a `kubernetes.io/tls` Secret.
+pub const TLS_CERT_KEY: &str = "tls.crt";
+pub const TLS_PRIVATE_KEY_KEY: &str = "tls.key";
 
 /// The worker fleet.
 #[derive(Serialize, Deserialize, Clone, Debug, JsonSchema)]

@@ -226,6 +226,30 @@ return 1
 """
 
 
+def connect(env):
+    """A connection as the contract describes it: the URL, and the username,
+    password, CA and client certificate beside it when set. The password is
+    used as it is (never percent-encoded into the URL)."""
+    options = {}
+    password = env.get("STREAMFLEET_REDIS_PASSWORD")
+    if password:
+        options["password"] = password
+        if env.get("STREAMFLEET_REDIS_USERNAME"):
+            options["username"] = env["STREAMFLEET_REDIS_USERNAME"]
+    if env.get("STREAMFLEET_REDIS_CA_PEM"):
+        options["ssl_ca_data"] = env["STREAMFLEET_REDIS_CA_PEM"]
+    if env.get("STREAMFLEET_REDIS_CLIENT_CERT_PEM"):
+        # redis-py reads client certificates from files: private ones.
+        import tempfile
+        folder = tempfile.mkdtemp(prefix="streamfleet-tls-")
+        for name, var in (("tls.crt", "STREAMFLEET_REDIS_CLIENT_CERT_PEM"), ("tls.key", "STREAMFLEET_REDIS_CLIENT_KEY_PEM")):
+            with open(os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+                f.write(env[var])
+        options["ssl_certfile"] = os.path.join(folder, "tls.crt")
+        options["ssl_keyfile"] = os.path.join(folder, "tls.key")
+    return redis.Redis.from_url(env["STREAMFLEET_REDIS_URL"].strip(), **options)
+
+
 def companion(stream, suffix):
     """A key in the stream's Redis Cluster slot (docs/env-contract.md)."""
     open_ = stream.find("{")
@@ -281,10 +305,9 @@ class Worker:
                                    for s in self.streams}
         self.ledger = env.get("EXAMPLE_LEDGER", "ledger")
         self.handler_s = int(env.get("EXAMPLE_HANDLER_MS", "0")) / 1000
-        url = env["STREAMFLEET_REDIS_URL"]
-        self.redis = redis.Redis.from_url(url)
+        self.redis = connect(env)
         # Rule 1: the blocking read on a connection of its own.
-        self.reader = redis.Redis.from_url(url)
+        self.reader = connect(env)
         self.dead_letter = self.redis.register_script(DEAD_LETTER)
         self.ack_if_ours = self.redis.register_script(ACK_IF_OURS)
         self.claim = self.redis.register_script(CLAIM)

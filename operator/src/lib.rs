@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod objects;
 pub mod probes;
 pub mod reaper;
+pub mod redis_endpoint;
 pub mod scaling;
 pub mod sweep_command;
 pub mod throughput;

@@ -1,7 +1,7 @@
 //! The objects the operator owns, built from a `StreamConsumerGroup` by pure
 //! functions: the worker Deployment and the recovery CronJob.
 
-use crate::controller::validate::ValidSpec;
+use crate::controller::validate::{UrlSource, ValidSpec};
 use crate::error::Error;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::batch::v1::{CronJob, CronJobSpec, JobSpec, JobTemplateSpec};
@@ -13,7 +13,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, 
 use kube::{Resource as _, ResourceExt as _};
 use std::collections::BTreeMap;
 use streamfleet_contract as env;
-use streamfleet_crd::{Backoff, RecoveryMode, RedisMode, StreamConsumerGroup};
+use streamfleet_crd::{Backoff, RecoveryMode, StreamConsumerGroup};
+use streamfleet_streams::Mode;
 
 /// Label carrying the owning resource's name on every object and pod.
 pub const GROUP_LABEL: &str = "streamfleet.io/consumer-group";
@@ -110,13 +111,18 @@ pub fn contract_env(scg: &StreamConsumerGroup, valid: &ValidSpec, mode: &str) ->
             ..EnvVarSource::default()
         }),
     };
+    let redis = &valid.redis;
     let mut out = vec![
-        secret(env::REDIS_URL, &spec.redis.url_secret_ref),
+        match &redis.url {
+            // No credentials in it (validated): a plain value.
+            UrlSource::Spec(url) => value(env::REDIS_URL, url.clone()),
+            UrlSource::Secret(r) => secret(env::REDIS_URL, r),
+        },
         value(
             env::REDIS_MODE,
-            match spec.redis.mode {
-                RedisMode::Standalone => "Standalone",
-                RedisMode::Cluster => "Cluster",
+            match redis.mode {
+                Mode::Standalone => "Standalone",
+                Mode::Cluster => "Cluster",
             }
             .into(),
         ),
@@ -154,8 +160,19 @@ pub fn contract_env(scg: &StreamConsumerGroup, valid: &ValidSpec, mode: &str) ->
     if valid.streams.len() == 1 {
         out.push(value(env::DEAD_LETTER_STREAM, valid.dead_letter_stream.clone()));
     }
-    if let Some(ca) = spec.redis.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
+    if let Some(username) = &redis.username {
+        out.push(value(env::REDIS_USERNAME, username.clone()));
+    }
+    if let Some(password) = &redis.password {
+        out.push(secret(env::REDIS_PASSWORD, password));
+    }
+    if let Some(ca) = &redis.ca {
         out.push(secret(env::REDIS_CA_PEM, ca));
+    }
+    if let Some(name) = &redis.client_cert {
+        let key = |key: &str| streamfleet_crd::SecretKeyRef { name: name.clone(), key: key.into() };
+        out.push(secret(env::REDIS_CLIENT_CERT_PEM, &key(streamfleet_crd::TLS_CERT_KEY)));
+        out.push(secret(env::REDIS_CLIENT_KEY_PEM, &key(streamfleet_crd::TLS_PRIVATE_KEY_KEY)));
     }
     if let Some(n) = spec.worker.concurrency {
         out.push(value(env::CONCURRENCY, n.to_string()));
@@ -353,6 +370,12 @@ mod tests {
         c.env.iter().flatten().map(|e| (e.name.clone(), e.clone())).collect()
     }
 
+    /// What the test's Secrets hold: a URL under `url`, else text a URL
+    /// would need percent-encoded.
+    fn secret_value(name: &str, key: &str) -> String {
+        if key == "url" { format!("redis://{name}-{key}.example:6379") } else { format!("{name}/{key}: p@ss w%rd\n") }
+    }
+
     /// A container's environment as its process sees it: values with
     /// `$(NAME)` expanded from the entries before them, Secret keys and the
     /// pod's name and UID filled in, as a kubelet does.
@@ -366,7 +389,7 @@ mod tests {
                     (Some(v), _, _) => out
                         .iter()
                         .fold(v.clone(), |v, (k, known): (&String, &String)| v.replace(&format!("$({k})"), known)),
-                    (None, Some(secret), _) => format!("redis://{}-{}.example:6379", secret.name, secret.key),
+                    (None, Some(secret), _) => secret_value(&secret.name, &secret.key),
                     (None, None, Some(field)) if field.field_path == "metadata.name" => {
                         "orders-worker-7f9-abcde".into()
                     }
@@ -393,6 +416,9 @@ mod tests {
             json!({"recovery": recovery("Sweep"), "redis": {"urlSecretRef": {"name": "redis", "key": "url"}, "mode": "Cluster",
                    "tls": {"caSecretRef": {"name": "redis-ca", "key": "ca.crt"}}}}),
             json!({"worker": {"concurrency": 4, "template": scg(json!({})).spec.worker.template, "containerName": "app"}}),
+            json!({"redis": {"url": "rediss://redis-master.db:6379", "username": "streamfleet",
+                   "passwordSecretRef": {"name": "redis", "key": "redis-password"},
+                   "tls": {"caSecretRef": {"name": "redis-ca", "key": "ca.crt"}, "clientCertSecretRef": {"name": "client"}}}}),
         ];
         let settings =
             ObjectSettings { operator_image: "streamfleet/streamfleet:1".into(), ..ObjectSettings::default() };
@@ -425,7 +451,18 @@ mod tests {
                         "{what}: {stream}"
                     );
                 }
-                let cluster = matches!(s.spec.redis.mode, RedisMode::Cluster);
+                // The workers connect as the operator does: URL, mode,
+                // credentials and TLS material alike.
+                let values: Vec<_> = crate::redis_endpoint::secret_keys(&valid.redis)
+                    .into_iter()
+                    .map(|r| {
+                        let value = secret_value(&r.name, &r.key).into_bytes();
+                        (r, value)
+                    })
+                    .collect();
+                let operators = crate::redis_endpoint::endpoint(&valid.redis, &values).unwrap();
+                assert_eq!(config.endpoint, operators, "{what}");
+                let cluster = matches!(s.spec.redis.mode, streamfleet_crd::RedisMode::Cluster);
                 assert_eq!(config.endpoint.mode == streamfleet_streams::Mode::Cluster, cluster, "{what}");
                 assert_eq!(config.endpoint.ca_pem.is_some(), s.spec.redis.tls.is_some(), "{what}");
                 let concurrency = s

@@ -16,8 +16,7 @@ use streamfleet_testbed::RedisServer;
 const ID: &str = "5-0";
 
 async fn letters(server: &RedisServer, streams: &[String]) -> Result<Letters> {
-    let endpoint =
-        streamfleet_streams::Endpoint { url: server.url(), mode: streamfleet_streams::Mode::Standalone, ca_pem: None };
+    let endpoint = streamfleet_streams::Endpoint::new(server.url(), streamfleet_streams::Mode::Standalone);
     let conn = streamfleet_streams::StreamConnection::connect(&endpoint).await?;
     Ok(Letters { conn, streams: streams.to_vec() })
 }

@@ -19,9 +19,8 @@ async fn dead_letters_are_read_over_tls_with_the_ca_file_and_refused_without_it(
 
     // One dead letter, written over TLS with the CA.
     let endpoint = streamfleet_streams::Endpoint {
-        url: url.clone(),
-        mode: streamfleet_streams::Mode::Standalone,
         ca_pem: Some(pki.ca_pem.clone().into_bytes()),
+        ..streamfleet_streams::Endpoint::new(url.clone(), streamfleet_streams::Mode::Standalone)
     };
     let mut conn = streamfleet_streams::StreamConnection::connect(&endpoint).await?;
     let letter = [

@@ -1,7 +1,7 @@
 //! The env contract (`streamfleet_contract`), parsed and checked: what a
 //! worker, the recovery sweep and the dead-letter tools are told by the operator.
 
-use crate::{Endpoint, Mode};
+use crate::{ClientTls, Endpoint, Mode};
 use std::time::Duration;
 use streamfleet_contract as env;
 
@@ -127,11 +127,28 @@ impl WorkerConfig {
             });
         }
         let retry = retry_schedule(&get, min_idle)?;
+        // The password as it is: only an empty value means none.
+        let password = get(env::REDIS_PASSWORD).filter(|p| !p.is_empty());
+        if get(env::REDIS_USERNAME).is_some_and(|u| !u.is_empty()) && password.is_none() {
+            return Err(ConfigError::Invalid {
+                name: env::REDIS_USERNAME,
+                why: format!("set without {}: Redis authenticates a user by its password", env::REDIS_PASSWORD),
+            });
+        }
+        let client_tls = match (get(env::REDIS_CLIENT_CERT_PEM), get(env::REDIS_CLIENT_KEY_PEM)) {
+            (None, None) => None,
+            (Some(cert), Some(key)) => Some(ClientTls { cert_pem: cert.into_bytes(), key_pem: key.into_bytes() }),
+            (Some(_), None) => return Err(ConfigError::Missing(env::REDIS_CLIENT_KEY_PEM)),
+            (None, Some(_)) => return Err(ConfigError::Missing(env::REDIS_CLIENT_CERT_PEM)),
+        };
         Ok(Self {
             endpoint: Endpoint {
-                url: required(env::REDIS_URL)?,
+                url: required(env::REDIS_URL)?.trim().to_string(),
                 mode,
                 ca_pem: get(env::REDIS_CA_PEM).map(String::into_bytes),
+                username: get(env::REDIS_USERNAME).filter(|u| !u.is_empty()),
+                password,
+                client_tls,
             },
             group,
             consumer: required(env::CONSUMER)?,
@@ -252,6 +269,16 @@ mod tests {
         pairs.push((env::DEAD_LETTER_STREAM, "refunds"));
         let err = WorkerConfig::from_lookup(lookup(&pairs)).unwrap_err().to_string();
         assert!(err.starts_with(env::DEAD_LETTER_STREAM) && err.contains("also a stream"), "{err}");
+        let mut pairs = base();
+        pairs.push((env::REDIS_USERNAME, "streamfleet"));
+        let err = WorkerConfig::from_lookup(lookup(&pairs)).unwrap_err().to_string();
+        assert!(err.starts_with(env::REDIS_USERNAME) && err.contains(env::REDIS_PASSWORD), "{err}");
+        let mut pairs = base();
+        pairs.push((env::REDIS_CLIENT_CERT_PEM, "CERT"));
+        assert_eq!(
+            WorkerConfig::from_lookup(lookup(&pairs)).unwrap_err(),
+            ConfigError::Missing(env::REDIS_CLIENT_KEY_PEM)
+        );
         for (name, value) in [
             (env::RETRY_BACKOFF, "Linear"),
             (env::RETRY_INITIAL_DELAY_MS, "1000"),

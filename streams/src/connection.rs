@@ -6,7 +6,7 @@ use crate::error::StreamError;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
-use redis::{Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, ServerErrorKind, Value};
+use redis::{Cmd, ErrorKind, IntoConnectionInfo as _, Pipeline, RedisError, RedisFuture, ServerErrorKind, Value};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,13 +28,74 @@ pub enum Mode {
     Cluster,
 }
 
-/// Where and how to connect. `url` may carry credentials: it is never logged.
+/// Where and how to connect. `url` may carry credentials, `password` and
+/// the client key are secrets: none is ever logged.
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Endpoint {
     pub url: String,
     pub mode: Mode,
     /// PEM CA bundle for `rediss://` servers signed by a private CA.
     pub ca_pem: Option<Vec<u8>>,
+    /// The ACL user, kept apart from the URL (`AUTH <username> <password>`).
+    pub username: Option<String>,
+    /// The password, kept apart from the URL so that it needs no
+    /// percent-encoding. The URL must then carry none of its own.
+    pub password: Option<String>,
+    /// PEM client certificate and key, for servers that require one.
+    pub client_tls: Option<ClientTls>,
+}
+
+/// A client certificate and its key, both PEM.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct ClientTls {
+    pub cert_pem: Vec<u8>,
+    pub key_pem: Vec<u8>,
+}
+
+impl Endpoint {
+    /// `url` in `mode`, with no credentials or TLS material beside the URL.
+    pub fn new(url: impl Into<String>, mode: Mode) -> Self {
+        Self { url: url.into(), mode, ca_pem: None, username: None, password: None, client_tls: None }
+    }
+
+    /// What redis-rs connects with: the URL, and the credentials kept apart
+    /// from it. A password both in the URL and apart is refused: which one
+    /// is meant cannot be told.
+    fn connection_info(&self) -> Result<redis::ConnectionInfo, RedisError> {
+        let info = self.url.as_str().into_connection_info()?;
+        let mut settings = info.redis_settings().clone();
+        if let Some(password) = &self.password {
+            if settings.password().is_some() {
+                return Err(RedisError::from((
+                    ErrorKind::InvalidClientConfig,
+                    "the URL carries a password and a password is given apart from it: keep one",
+                )));
+            }
+            settings = settings.set_password(password);
+            if let Some(username) = &self.username {
+                settings = settings.set_username(username);
+            }
+        } else if self.username.is_some() {
+            return Err(RedisError::from((ErrorKind::InvalidClientConfig, "a username is given without a password")));
+        }
+        Ok(info.set_redis_settings(settings))
+    }
+
+    fn certificates(&self) -> Option<redis::TlsCertificates> {
+        (self.ca_pem.is_some() || self.client_tls.is_some()).then(|| redis::TlsCertificates {
+            client_tls: self
+                .client_tls
+                .as_ref()
+                .map(|c| redis::ClientTlsConfig { client_cert: c.cert_pem.clone(), client_key: c.key_pem.clone() }),
+            root_cert: self.ca_pem.clone(),
+        })
+    }
+}
+
+impl std::fmt::Debug for ClientTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClientTls(<pem>)")
+    }
 }
 
 impl std::fmt::Debug for Endpoint {
@@ -43,6 +104,9 @@ impl std::fmt::Debug for Endpoint {
             .field("url", &crate::error::redact(&self.url))
             .field("mode", &self.mode)
             .field("ca_pem", &self.ca_pem.as_ref().map(|_| "<pem>"))
+            .field("username", &self.username)
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("client_tls", &self.client_tls.as_ref().map(|_| "<pem>"))
             .finish()
     }
 }
@@ -70,12 +134,12 @@ impl StreamConnection {
 
     async fn connect_with(endpoint: &Endpoint, response_timeout: Duration) -> Result<Self, StreamError> {
         let err = |e| StreamError::new("connecting to Redis", e);
-        let certs = || redis::TlsCertificates { client_tls: None, root_cert: endpoint.ca_pem.clone() };
+        let info = endpoint.connection_info().map_err(err)?;
         match endpoint.mode {
             Mode::Standalone => {
-                let client = match endpoint.ca_pem {
-                    Some(_) => redis::Client::build_with_tls(endpoint.url.as_str(), certs()),
-                    None => redis::Client::open(endpoint.url.as_str()),
+                let client = match endpoint.certificates() {
+                    Some(certs) => redis::Client::build_with_tls(info, certs),
+                    None => redis::Client::open(info),
                 }
                 .map_err(err)?;
                 let config = ConnectionManagerConfig::new()
@@ -95,12 +159,12 @@ impl StreamConnection {
                 // run, and a read, a claim or a fence counter run twice is
                 // not the same as once. [`refused_unrun`] says what is
                 // sent again, and how (`cluster_command`).
-                let mut builder = redis::cluster::ClusterClientBuilder::new(vec![endpoint.url.as_str()])
+                let mut builder = redis::cluster::ClusterClientBuilder::new(vec![info])
                     .connection_timeout(CONNECT_TIMEOUT)
                     .response_timeout(response_timeout)
                     .retries(0);
-                if endpoint.ca_pem.is_some() {
-                    builder = builder.certs(certs());
+                if let Some(certs) = endpoint.certificates() {
+                    builder = builder.certs(certs);
                 }
                 let client = builder.build().map_err(err)?;
                 let conn = tokio::time::timeout(CONNECT_TIMEOUT * 3, client.get_async_connection())

@@ -24,7 +24,7 @@ pub mod sweep;
 pub mod version;
 
 pub use config::{ConfigError, RunMode, WorkerConfig};
-pub use connection::{Connections, Endpoint, Mode, StreamConnection};
+pub use connection::{ClientTls, Connections, Endpoint, Mode, StreamConnection};
 pub use entry::Entry;
 pub use error::{ErrorClass, StreamError};
 pub use group::{GroupCreation, destroy_group, ensure_group};

@@ -101,7 +101,7 @@ async fn node_id(cluster: &RedisCluster, port: u16) -> Result<String> {
 }
 
 async fn cluster_connection(cluster: &RedisCluster) -> Result<StreamConnection> {
-    let endpoint = Endpoint { url: cluster.nodes[0].url(), mode: Mode::Cluster, ca_pem: None };
+    let endpoint = Endpoint::new(cluster.nodes[0].url(), Mode::Cluster);
     Ok(StreamConnection::connect(&endpoint).await?)
 }
 

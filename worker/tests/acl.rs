@@ -413,8 +413,7 @@ async fn run_as_acl_user(keys: Option<&[&str]>) -> Result<()> {
     let before = command_calls(&mut admin).await?;
 
     let url = format!("redis://streamfleet:{PASSWORD}@127.0.0.1:{}/", server.port);
-    let endpoint =
-        streamfleet_streams::Endpoint { url: url.clone(), mode: streamfleet_streams::Mode::Standalone, ca_pem: None };
+    let endpoint = streamfleet_streams::Endpoint::new(url.clone(), streamfleet_streams::Mode::Standalone);
     let conn = StreamConnection::connect(&endpoint).await?;
     let mut flows = Flows { url, conn };
     let started = std::time::Instant::now();
@@ -507,11 +506,7 @@ async fn on_a_redis_cluster_the_acl_user_runs_a_pipeline_and_follows_a_slot_migr
         admins.push((node.port, admin));
     }
     let url = |user: &str| format!("redis://{user}:{PASSWORD}@127.0.0.1:{}/", cluster.nodes[0].port);
-    let endpoint = |user: &str| streamfleet_streams::Endpoint {
-        url: url(user),
-        mode: streamfleet_streams::Mode::Cluster,
-        ca_pem: None,
-    };
+    let endpoint = |user: &str| streamfleet_streams::Endpoint::new(url(user), streamfleet_streams::Mode::Cluster);
     let mut conn = StreamConnection::connect(&endpoint("streamfleet")).await?;
 
     // A pipeline: the group, entries, a guarded worker with a dead letter,

@@ -743,8 +743,7 @@ async fn a_commit_sent_twice_acks_once_and_never_acks_what_another_holds() -> Re
         lock: Some((lock(k), mark(k))),
     };
     let settled = [(ours.as_str(), Some(completion(&ours, "k0"))), (taken.as_str(), Some(completion(&taken, "k1")))];
-    let endpoint =
-        streamfleet_streams::Endpoint { url: server.url(), mode: streamfleet_streams::Mode::Standalone, ca_pem: None };
+    let endpoint = streamfleet_streams::Endpoint::new(server.url(), streamfleet_streams::Mode::Standalone);
     let mut stream_conn = streamfleet_streams::StreamConnection::connect(&endpoint).await?;
     let lease = Lease { stream: "orders", group: "g", consumer: "w" };
     let state = |mut c: redis::aio::MultiplexedConnection| async move {

@@ -429,8 +429,7 @@ async fn a_delivery_that_died_before_recording_anything_counts_and_one_handed_ba
     assert_eq!(fifth.entries.iter().map(|e| e.deliveries).collect::<Vec<_>>(), vec![5]);
     let lease = streamfleet_worker::lease::Lease { stream: "orders", group: "g", consumer: "w5" };
     let held = streamfleet_worker::lease::Held { id: &huge, mark: None };
-    let endpoint =
-        streamfleet_streams::Endpoint { url: server.url(), mode: streamfleet_streams::Mode::Standalone, ca_pem: None };
+    let endpoint = streamfleet_streams::Endpoint::new(server.url(), streamfleet_streams::Mode::Standalone);
     let mut w5 = streamfleet_streams::StreamConnection::connect(&endpoint).await?;
     assert!(lease.hand_back(&mut w5, &held, 10, 5, false).await?);
     let sweep_at = |max_deliveries| SweepSettings {

@@ -23,6 +23,13 @@ pub struct DeadLetterArgs {
     /// Break-glass: this Redis URL (credentials included) instead of the console.
     #[arg(long, global = true, env = "STREAMFLEET_REDIS_URL", hide_env_values = true)]
     redis_url: Option<String>,
+    /// Break-glass: the ACL user, when the URL carries no credentials.
+    #[arg(long, global = true, env = "STREAMFLEET_REDIS_USERNAME")]
+    redis_username: Option<String>,
+    /// Break-glass: the password, as it is (no percent-encoding), from this
+    /// environment variable only: a flag would put it in the shell's history.
+    #[arg(skip = std::env::var("STREAMFLEET_REDIS_PASSWORD").ok().filter(|p| !p.is_empty()))]
+    redis_password: Option<String>,
     /// Break-glass: treat the URL as a Redis Cluster node.
     #[arg(long, global = true)]
     cluster: bool,
@@ -186,7 +193,13 @@ impl Backend {
             None => None,
         };
         let mode = if args.cluster { Mode::Cluster } else { Mode::Standalone };
-        let conn = StreamConnection::connect(&Endpoint { url, mode, ca_pem }).await?;
+        let endpoint = Endpoint {
+            ca_pem,
+            username: args.redis_username.clone(),
+            password: args.redis_password.clone(),
+            ..Endpoint::new(url, mode)
+        };
+        let conn = StreamConnection::connect(&endpoint).await?;
         Ok(Self::Redis(Letters { conn, streams: vec![stream] }))
     }
 

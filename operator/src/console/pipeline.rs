@@ -5,8 +5,8 @@ use crate::controller::validate::{ValidSpec, validate};
 use anyhow::{Context as _, Result};
 use k8s_openapi::api::core::v1::Secret;
 use kube::{Api, Client, ResourceExt as _};
-use streamfleet_crd::{RedisMode, SecretKeyRef, StreamConsumerGroup};
-use streamfleet_streams::{Endpoint, Mode};
+use streamfleet_crd::{SecretKeyRef, StreamConsumerGroup};
+use streamfleet_streams::Endpoint;
 
 pub struct Target {
     pub endpoint: Endpoint,
@@ -30,14 +30,11 @@ pub async fn redis_of(client: &Client, scg: &StreamConsumerGroup) -> Result<Targ
         let value = secret.data.and_then(|mut d| d.remove(&r.key));
         Ok(value.with_context(|| format!("Secret {namespace}/{} has no key {:?}", r.name, r.key))?.0)
     };
-    let url = String::from_utf8(read(&scg.spec.redis.url_secret_ref).await?).context("the Redis URL is not UTF-8")?;
-    let ca_pem = match scg.spec.redis.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
-        Some(r) => Some(read(r).await?),
-        None => None,
-    };
-    let mode = match scg.spec.redis.mode {
-        RedisMode::Standalone => Mode::Standalone,
-        RedisMode::Cluster => Mode::Cluster,
-    };
-    Ok(Target { endpoint: Endpoint { url: url.trim().to_string(), mode, ca_pem }, spec })
+    let mut values = Vec::new();
+    for r in crate::redis_endpoint::secret_keys(&spec.redis) {
+        let value = read(&r).await?;
+        values.push((r, value));
+    }
+    let endpoint = crate::redis_endpoint::endpoint(&spec.redis, &values)?;
+    Ok(Target { endpoint, spec })
 }

@@ -5,7 +5,7 @@
 
 use super::Context;
 use super::decide::Claimant;
-use super::validate::ValidSpec;
+use super::validate::{ValidRedis, ValidSpec};
 use crate::error::Error;
 use crate::objects;
 use k8s_openapi::api::apps::v1::Deployment;
@@ -14,13 +14,13 @@ use kube::ResourceExt as _;
 use kube::runtime::reflector::ObjectRef;
 use std::collections::HashSet;
 use std::sync::Arc;
-use streamfleet_crd::{RedisMode, StreamConsumerGroup};
+use streamfleet_crd::StreamConsumerGroup;
 use streamfleet_streams::health::GroupSnapshot;
 use streamfleet_streams::payload_loss::{self, PayloadLoss};
 use streamfleet_streams::recovery::RecoveryReport;
 use streamfleet_streams::retention::{self, StreamId};
 use streamfleet_streams::version::Eviction;
-use streamfleet_streams::{Endpoint, Mode, StreamConnection};
+use streamfleet_streams::{Endpoint, StreamConnection};
 
 /// Everything one reconcile knows about the world.
 pub struct Observation {
@@ -65,7 +65,7 @@ pub async fn observe(
     scg: &StreamConsumerGroup,
     spec: &ValidSpec,
 ) -> Result<(StreamConnection, Observation), Error> {
-    let endpoint = resolve_endpoint(ctx, scg).await?;
+    let endpoint = resolve_endpoint(ctx, scg, &spec.redis).await?;
     ctx.remember_endpoint(scg, &endpoint);
     let (conn, eviction) = ctx.connections.get_checked(&endpoint).await?;
     // Every shard at once: the requests share the multiplexed connection,
@@ -212,26 +212,21 @@ async fn read_retention_bounds(
     bounds.await.inspect_err(|e| tracing::warn!(resource = %super::key(scg), error = %e, "retention bounds")).ok()
 }
 
-/// Reads the Redis URL (and CA) the spec references, through the Secret cache.
-async fn resolve_endpoint(ctx: &Context, scg: &StreamConsumerGroup) -> Result<Endpoint, Error> {
+/// The endpoint `redis` names, its Secrets read through the Secret cache.
+async fn resolve_endpoint(ctx: &Context, scg: &StreamConsumerGroup, redis: &ValidRedis) -> Result<Endpoint, Error> {
     let namespace = scg.namespace().unwrap_or_default();
-    let redis = &scg.spec.redis;
-    let url = String::from_utf8(ctx.secrets.read(&ctx.client, &namespace, &redis.url_secret_ref).await?)
-        .map_err(|_| Error::InvalidSpec("spec.redis.urlSecretRef: the URL is not UTF-8".into()))?;
-    let ca_pem = match redis.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
-        Some(r) => Some(ctx.secrets.read(&ctx.client, &namespace, r).await?),
-        None => None,
-    };
-    let mode = match redis.mode {
-        RedisMode::Standalone => Mode::Standalone,
-        RedisMode::Cluster => Mode::Cluster,
-    };
-    Ok(Endpoint { url: url.trim().to_string(), mode, ca_pem })
+    let mut values = Vec::new();
+    for r in crate::redis_endpoint::secret_keys(redis) {
+        let value = ctx.secrets.read(&ctx.client, &namespace, &r).await?;
+        values.push((r, value));
+    }
+    crate::redis_endpoint::endpoint(redis, &values)
 }
 
 /// The endpoint and a connection to it, for deletion (which needs no snapshot).
 pub async fn endpoint(ctx: &Context, scg: &StreamConsumerGroup) -> Result<(Endpoint, StreamConnection), Error> {
-    let endpoint = resolve_endpoint(ctx, scg).await?;
+    let redis = super::validate::validate_redis(&scg.spec.redis)?;
+    let endpoint = resolve_endpoint(ctx, scg, &redis).await?;
     let conn = ctx.connections.get(&endpoint).await?;
     Ok((endpoint, conn))
 }

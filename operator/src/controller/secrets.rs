@@ -71,11 +71,10 @@ impl SecretCache {
     }
 }
 
-/// Whether `scg` references the Secret `name` (its URL or its CA).
+/// Whether `scg` references the Secret `name` (its URL, password, CA or
+/// client certificate).
 pub fn references(scg: &StreamConsumerGroup, name: &str) -> bool {
-    let redis = &scg.spec.redis;
-    redis.url_secret_ref.name == name
-        || redis.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()).is_some_and(|r| r.name == name)
+    scg.spec.redis.secret_refs().iter().any(|r| r.name == name)
 }
 
 /// Drops what the cache must not hold: annotations (see [`SecretMeta`]) and

@@ -5,7 +5,9 @@
 
 use crate::error::Error;
 use std::time::Duration;
-use streamfleet_crd::{Backoff, DeletionPolicy, RedisMode, RetrySpec, ScalingSpec, StreamConsumerGroup};
+use streamfleet_crd::{
+    Backoff, DeletionPolicy, RedisConnection, RedisMode, RetrySpec, ScalingSpec, SecretKeyRef, StreamConsumerGroup,
+};
 use streamfleet_streams::keys;
 use streamfleet_streams::retry::{self, Schedule};
 
@@ -41,6 +43,67 @@ pub struct ValidSpec {
     /// Fields of `spec.worker.template` a pod template does not have (typos),
     /// dropped when read: the `TemplateFieldsUnknown` condition names them.
     pub unknown_template_fields: Vec<String>,
+    pub redis: ValidRedis,
+}
+
+/// `spec.redis`, checked: one source of the URL, a password wherever a
+/// username is named.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValidRedis {
+    pub url: UrlSource,
+    pub username: Option<String>,
+    /// The password's Secret key; `None` when the URL carries credentials or
+    /// none are needed.
+    pub password: Option<SecretKeyRef>,
+    pub mode: streamfleet_streams::Mode,
+    pub ca: Option<SecretKeyRef>,
+    /// The `kubernetes.io/tls` Secret of the client certificate.
+    pub client_cert: Option<String>,
+}
+
+/// Where the Redis URL is written.
+#[derive(Clone, Debug, PartialEq)]
+pub enum UrlSource {
+    /// In the spec (`spec.redis.url`): no credentials in it.
+    Spec(String),
+    /// In a Secret key (`spec.redis.urlSecretRef`): credentials may be.
+    Secret(SecretKeyRef),
+}
+
+/// `spec.redis` checked as admission does.
+pub fn validate_redis(redis: &RedisConnection) -> Result<ValidRedis, Error> {
+    let url = match (&redis.url, &redis.url_secret_ref) {
+        (Some(url), None) => {
+            if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+                return Err(Error::InvalidSpec("spec.redis.url must start with redis:// or rediss://".into()));
+            }
+            if url.contains('@') {
+                return Err(Error::InvalidSpec(
+                    "spec.redis.url must carry no credentials: put the password in a Secret named by \
+                     spec.redis.passwordSecretRef"
+                        .into(),
+                ));
+            }
+            UrlSource::Spec(url.clone())
+        }
+        (None, Some(r)) => UrlSource::Secret(r.clone()),
+        _ => return Err(Error::InvalidSpec("spec.redis: set exactly one of url and urlSecretRef".into())),
+    };
+    if redis.username.is_some() && redis.password_secret_ref.is_none() {
+        return Err(Error::InvalidSpec("spec.redis.username needs spec.redis.passwordSecretRef".into()));
+    }
+    let tls = redis.tls.as_ref();
+    Ok(ValidRedis {
+        url,
+        username: redis.username.clone(),
+        password: redis.password_secret_ref.clone(),
+        mode: match redis.mode {
+            RedisMode::Standalone => streamfleet_streams::Mode::Standalone,
+            RedisMode::Cluster => streamfleet_streams::Mode::Cluster,
+        },
+        ca: tls.and_then(|t| t.ca_secret_ref.clone()),
+        client_cert: tls.and_then(|t| t.client_cert_secret_ref.as_ref()).map(|c| c.name.clone()),
+    })
 }
 
 /// `spec.retention`, in the units the stream protocol takes.
@@ -102,6 +165,7 @@ fn retry_schedule(spec: &RetrySpec, min_idle: Duration) -> Result<Schedule, Erro
 
 pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
     let spec = &scg.spec;
+    let redis = validate_redis(&spec.redis)?;
     let dead_letter_stream =
         spec.recovery.dead_letter_stream.clone().unwrap_or_else(|| keys::dead_letter_stream(&spec.stream, &spec.group));
     if dead_letter_stream == spec.stream {
@@ -176,6 +240,7 @@ pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
         },
         dead_letter_stream,
         unknown_template_fields: spec.worker.unknown_template_fields.clone(),
+        redis,
     })
 }
 
@@ -183,6 +248,26 @@ pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn the_redis_url_has_one_source_and_a_username_needs_a_password() {
+        let redis = |r: serde_json::Value| {
+            let mut s = scg(json!({}));
+            s.spec.redis = serde_json::from_value(r).unwrap();
+            validate(&s).map(|v| v.redis).map_err(|e| e.to_string())
+        };
+        let plain =
+            redis(json!({"url": "redis://db:6379", "username": "u", "passwordSecretRef": {"name": "r", "key": "p"}}));
+        assert_eq!(plain.unwrap().url, UrlSource::Spec("redis://db:6379".into()));
+        let both = redis(json!({"url": "redis://db:6379", "urlSecretRef": {"name": "r", "key": "url"}}));
+        assert!(both.unwrap_err().contains("set exactly one of url and urlSecretRef"));
+        assert!(redis(json!({"mode": "Cluster"})).unwrap_err().contains("set exactly one"));
+        let credentials = redis(json!({"url": "redis://u:pw@db:6379"})).unwrap_err();
+        assert!(credentials.contains("spec.redis.url must carry no credentials"), "{credentials}");
+        assert!(redis(json!({"url": "http://db"})).unwrap_err().contains("redis:// or rediss://"));
+        let alone = redis(json!({"urlSecretRef": {"name": "r", "key": "url"}, "username": "u"})).unwrap_err();
+        assert!(alone.contains("spec.redis.username needs spec.redis.passwordSecretRef"), "{alone}");
+    }
 
     #[test]
     fn shards_are_keys_of_their_own_and_refuse_a_shared_dead_letter_stream_or_hash_tag() {

@@ -112,6 +112,19 @@ pub async fn create_redis_secret(client: &Client, namespace: &str, name: &str, u
 /// the Redis URL from the `redis` Secret; its workers run `image` with `env`;
 /// `spec` adds lines under `spec:` (two-space indented YAML).
 pub fn manifest(name: &str, stream: &str, group: &str, image: &str, env: &[(&str, &str)], spec: &str) -> String {
+    manifest_with_redis(name, stream, group, image, env, spec, "    urlSecretRef: {name: redis, key: url}")
+}
+
+/// [`manifest`] with `redis` (four-space indented YAML) under `spec.redis`.
+pub fn manifest_with_redis(
+    name: &str,
+    stream: &str,
+    group: &str,
+    image: &str,
+    env: &[(&str, &str)],
+    spec: &str,
+    redis: &str,
+) -> String {
     let env: String = env.iter().map(|(k, v)| format!("              - {{name: {k}, value: \"{v}\"}}\n")).collect();
     format!(
         r#"apiVersion: streamfleet.io/v1alpha1
@@ -120,7 +133,7 @@ metadata:
   name: {name}
 spec:
   redis:
-    urlSecretRef: {{name: redis, key: url}}
+{redis}
   stream: {stream}
   group: {group}
 {spec}

@@ -235,3 +235,70 @@ async fn a_static_binary_in_its_image_resolves_a_cluster_dns_name() -> Result<()
     assert_eq!(charged?, "from-the-image");
     Ok(())
 }
+
+/// The CLI for workstations, as `scripts/package-cli.sh` packs it (the test
+/// command runs it inside `build-images.sh`): a static binary and LICENSE in
+/// a reproducible archive, whose checksum the krew manifest carries; krew
+/// installs it from that manifest exactly as `docs/dead-letters.md` shows,
+/// and kubectl then finds and runs it as the `streamfleet` plugin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_archive_installs_with_krew_and_runs_as_a_kubectl_plugin() -> Result<()> {
+    let dist = repo_path("target/dist");
+    let name = format!("streamfleet_{}_linux_amd64.tar.gz", env!("CARGO_PKG_VERSION"));
+    let archive = dist.join(&name);
+    let bytes =
+        std::fs::read(&archive).with_context(|| format!("{}: run scripts/build-images.sh", archive.display()))?;
+    let sha = {
+        use sha2::Digest as _;
+        format!("{:x}", sha2::Sha256::digest(&bytes))
+    };
+    let manifest = std::fs::read_to_string(dist.join("streamfleet.krew.yaml"))?;
+    assert!(manifest.contains(&format!("sha256: {sha}")), "the manifest's checksum is the archive's:\n{manifest}");
+    assert!(manifest.contains(&format!("/v{}/{name}", env!("CARGO_PKG_VERSION"))), "{manifest}");
+    assert_eq!(std::fs::read_to_string(dist.join(format!("{name}.sha256")))?, format!("{sha}  {name}\n"));
+
+    // What is in it: LICENSE and a binary that runs on any linux/amd64.
+    let unpacked = tempfile::tempdir()?;
+    let out = std::process::Command::new("tar").arg("-xzf").arg(&archive).arg("-C").arg(unpacked.path()).output()?;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut files: Vec<String> =
+        std::fs::read_dir(unpacked.path())?.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    files.sort();
+    assert_eq!(files, ["LICENSE", "streamfleet"]);
+    assert!(is_static_elf(&std::fs::read(unpacked.path().join("streamfleet"))?), "the CLI needs a dynamic loader");
+
+    // Packed again from the same binary: the same bytes.
+    let out = std::process::Command::new("bash").arg(repo_path("scripts/package-cli.sh")).output()?;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::read(&archive)?, bytes, "the archive is not reproducible");
+
+    // The documented install, with kubectl's plugin discovery after it.
+    let home = tempfile::tempdir()?;
+    let bin = home.path().join("bin");
+    std::fs::create_dir(&bin)?;
+    std::os::unix::fs::symlink(tools::tool("krew")?, bin.join("kubectl-krew"))?;
+    std::os::unix::fs::symlink(tools::tool("kubectl")?, bin.join("kubectl"))?;
+    let krew_root = home.path().join("krew");
+    let path = format!("{}:{}:/usr/bin:/bin", krew_root.join("bin").display(), bin.display());
+    let kubectl = |args: &[&str]| {
+        let out = std::process::Command::new(bin.join("kubectl"))
+            .args(args)
+            .current_dir(repo_path("."))
+            .env_clear()
+            .env("PATH", &path)
+            .env("HOME", home.path())
+            .env("KREW_ROOT", &krew_root)
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "kubectl {args:?}: {text}");
+        text
+    };
+    let archive_arg = format!("--archive=target/dist/{name}");
+    kubectl(&["krew", "install", "--manifest=target/dist/streamfleet.krew.yaml", &archive_arg]);
+    assert!(kubectl(&["plugin", "list"]).contains("kubectl-streamfleet"));
+    assert!(kubectl(&["streamfleet", "dlq", "--help"]).contains("Usage: kubectl-streamfleet dead-letters"));
+    let crd: serde_json::Value = serde_json::from_str(&kubectl(&["streamfleet", "crd"]))?;
+    assert_eq!(crd["metadata"]["name"], "streamconsumergroups.streamfleet.io");
+    Ok(())
+}

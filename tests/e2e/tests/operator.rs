@@ -222,6 +222,24 @@ async fn invalid_specs_are_refused_at_admission_naming_the_field() -> Result<()>
     }
     let (ok, stderr) = apply("", "", "g").await?;
     assert!(!ok && stderr.contains("spec.stream"), "{stderr}");
+    // Where Redis is and how to authenticate, refused naming the field.
+    let redis_cases = [
+        (
+            "    url: redis://db:6379\n    urlSecretRef: {name: redis, key: url}",
+            "spec.redis: set exactly one of url and urlSecretRef",
+        ),
+        ("    mode: Standalone", "spec.redis: set exactly one of url and urlSecretRef"),
+        ("    url: redis://u:pw@db:6379", "spec.redis.url must carry no credentials"),
+        ("    url: http://db:6379", "spec.redis.url must start with redis:// or rediss://"),
+        ("    url: redis://db:6379\n    username: u", "spec.redis.username needs spec.redis.passwordSecretRef"),
+    ];
+    for (redis, expected) in redis_cases {
+        let manifest = manifest_with_redis("x", "s", "g", "streamfleet/testproc", &[], "", redis);
+        let out = run_tool(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&manifest)).await?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "accepted: {redis}");
+        assert!(stderr.contains(expected), "for {redis:?} expected {expected:?} in: {stderr}");
+    }
 
     // Valid, then an attempt to rename the group or stream.
     let (ok, stderr) = apply("", "s", "g").await?;

@@ -394,11 +394,34 @@ async fn sigterm_under_load_finishes_what_it_started_releases_the_rest_and_loses
 /// which follows the env contract without the Rust library, run by the
 /// operator: 300 orders and 5 poison ones, one of two worker pods killed
 /// mid-run. Every order is charged exactly once, the poison is dead-lettered
-/// with its business key, and nothing stays pending.
+/// with its business key, and nothing stays pending. The pipeline reaches
+/// Redis as the ACL user `py`, its password (one a URL would need
+/// percent-encoded) in a Bitnami-style `redis-password` Secret key beside a
+/// URL in the spec; the default user may not read the group.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_python_worker_runs_under_the_operator_and_survives_a_killed_pod() -> Result<()> {
     let f = Fixture::start("e2e-python", &[]).await?;
     let (client, ns, mut conn) = (f.client.clone(), f.ns.name.clone(), f.conn.clone());
+    let password = "p@ss/w:rd%2F?#";
+    let () = redis::cmd("ACL")
+        .arg(&["SETUSER", "py", "on", &format!(">{password}"), "~*", "&*", "+@all"])
+        .query_async(&mut conn)
+        .await?;
+    // Workers that fell back to the default user would read nothing, an
+    // operator that did would see no group.
+    let () =
+        redis::cmd("ACL").arg(&["SETUSER", "default", "-xreadgroup", "-xinfo|groups"]).query_async(&mut conn).await?;
+    let secret: k8s_openapi::api::core::v1::Secret = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "redis-auth"},
+        "stringData": {"redis-password": password}
+    }))?;
+    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), &ns)
+        .create(&Default::default(), &secret)
+        .await?;
+    let redis_block = format!(
+        "    url: redis://127.0.0.1:{}/\n    username: py\n    passwordSecretRef: {{name: redis-auth, key: redis-password}}",
+        f.redis.port
+    );
     streamfleet_streams::ensure_group(&mut conn, "orders", "billing", "0").await?;
     produce(&mut conn, 0, 300).await?;
     for i in 0..5 {
@@ -406,8 +429,16 @@ async fn the_python_worker_runs_under_the_operator_and_survives_a_killed_pod() -
         let _: String = conn.xadd("orders", "*", &fields).await?;
     }
     let spec = "  scaling: {minReplicas: 2, maxReplicas: 2, pollIntervalSeconds: 1}\n  recovery: {minIdleTimeMs: 5000, batchSize: 10}";
-    f.apply(&manifest("py", "orders", "billing", "streamfleet/python-worker", &[("EXAMPLE_HANDLER_MS", "20")], spec))
-        .await?;
+    f.apply(&manifest_with_redis(
+        "py",
+        "orders",
+        "billing",
+        "streamfleet/python-worker",
+        &[("EXAMPLE_HANDLER_MS", "20")],
+        spec,
+        &redis_block,
+    ))
+    .await?;
     let charged = || async {
         let n: usize = f.redis.connection().await?.hlen("ledger").await?;
         Ok::<_, anyhow::Error>(n)

@@ -24,6 +24,10 @@ pub struct Pki {
     /// (CN [`FRONT_PROXY_CLIENT`]).
     pub proxy_client_cert: PathBuf,
     pub proxy_client_key: PathBuf,
+    /// A client certificate and key (PEM) signed by the CA, for servers
+    /// that require one (`tls-auth-clients yes`).
+    pub client_cert_pem: String,
+    pub client_key_pem: String,
 }
 
 /// The CN aggregated API servers accept the user headers from.
@@ -65,6 +69,12 @@ impl Pki {
         proxy_client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
         let proxy_client_cert = proxy_client.signed_by(&proxy_client_key, &front_proxy_issuer)?;
 
+        let client_key = KeyPair::generate()?;
+        let mut client = CertificateParams::new(Vec::<String>::new())?;
+        client.distinguished_name.push(DnType::CommonName, "streamfleet-client");
+        client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        let client_cert = client.signed_by(&client_key, &issuer)?;
+
         let write = |name: &str, body: &str| -> Result<PathBuf> {
             let path = dir.join(name);
             std::fs::write(&path, body)?;
@@ -80,6 +90,8 @@ impl Pki {
             front_proxy_ca: write("front-proxy-ca.crt", &front_proxy_ca.pem())?,
             proxy_client_cert: write("front-proxy-client.crt", &proxy_client_cert.pem())?,
             proxy_client_key: write("front-proxy-client.key", &proxy_client_key.serialize_pem())?,
+            client_cert_pem: client_cert.pem(),
+            client_key_pem: client_key.serialize_pem(),
         })
     }
 }

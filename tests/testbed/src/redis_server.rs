@@ -66,6 +66,12 @@ impl RedisServer {
     /// A TLS-only server (`rediss://`), serving `cert`/`key`; clients need not
     /// present certificates.
     pub async fn start_tls(dir: &Path, cert: &Path, key: &Path, ca: &Path) -> Result<Self> {
+        Self::start_tls_with(dir, cert, key, ca, false).await
+    }
+
+    /// Like [`RedisServer::start_tls`]; with `client_certs`, clients must
+    /// present a certificate signed by `ca` (`tls-auth-clients yes`).
+    pub async fn start_tls_with(dir: &Path, cert: &Path, key: &Path, ca: &Path, client_certs: bool) -> Result<Self> {
         let tls = |port: u16| {
             owned(&[
                 "--port",
@@ -79,7 +85,7 @@ impl RedisServer {
                 "--tls-ca-cert-file",
                 &ca.display().to_string(),
                 "--tls-auth-clients",
-                "no",
+                if client_certs { "yes" } else { "no" },
             ])
         };
         Self::spawn(dir, &[], tls).await

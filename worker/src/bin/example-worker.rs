@@ -232,7 +232,8 @@ async fn main() -> std::process::ExitCode {
         }
     };
     let ledger_endpoint = match std::env::var("EXAMPLE_LEDGER_URL") {
-        Ok(url) => Endpoint { url, ..config.endpoint.clone() },
+        // The ledger's own URL, credentials included: none of the stream's.
+        Ok(url) => Endpoint { url, username: None, password: None, ..config.endpoint.clone() },
         Err(_) => config.endpoint.clone(),
     };
     let ledger = match StreamConnection::connect(&ledger_endpoint).await {

@@ -1,0 +1,99 @@
+//! The Redis endpoint a validated `spec.redis` names, from the values of
+//! the Secret keys it references: one resolver for the controller and the
+//! console, so both connect the way the workers do.
+
+use crate::controller::validate::{UrlSource, ValidRedis};
+use crate::error::Error;
+use streamfleet_crd::{SecretKeyRef, TLS_CERT_KEY, TLS_PRIVATE_KEY_KEY};
+use streamfleet_streams::{ClientTls, Endpoint};
+
+/// The Secret keys `redis` reads: the URL's, the password's, the CA's, the
+/// client certificate's and key's.
+pub fn secret_keys(redis: &ValidRedis) -> Vec<SecretKeyRef> {
+    let url = match &redis.url {
+        UrlSource::Secret(r) => Some(r.clone()),
+        UrlSource::Spec(_) => None,
+    };
+    let client = redis.client_cert.iter().flat_map(|name| {
+        [TLS_CERT_KEY, TLS_PRIVATE_KEY_KEY].map(|key| SecretKeyRef { name: name.clone(), key: key.into() })
+    });
+    url.into_iter().chain(redis.password.clone()).chain(redis.ca.clone()).chain(client).collect()
+}
+
+/// `redis`'s endpoint from `values`, the value of each of its
+/// [`secret_keys`]. The password is taken as it is, byte for byte, as the
+/// workers take it from their environment.
+pub fn endpoint(redis: &ValidRedis, values: &[(SecretKeyRef, Vec<u8>)]) -> Result<Endpoint, Error> {
+    let value = |r: &SecretKeyRef| {
+        values
+            .iter()
+            .find(|(k, _)| k == r)
+            .map(|(_, v)| v.clone())
+            .ok_or_else(|| Error::SecretKeyNotFound { name: r.name.clone(), key: r.key.clone() })
+    };
+    let text = |r: &SecretKeyRef, field: &str| {
+        String::from_utf8(value(r)?)
+            .map_err(|_| Error::InvalidSpec(format!("{field}: the Secret's value is not UTF-8")))
+    };
+    let url = match &redis.url {
+        UrlSource::Spec(url) => url.clone(),
+        UrlSource::Secret(r) => text(r, "spec.redis.urlSecretRef")?.trim().to_string(),
+    };
+    let password = redis.password.as_ref().map(|r| text(r, "spec.redis.passwordSecretRef")).transpose()?;
+    let ca_pem = redis.ca.as_ref().map(value).transpose()?;
+    let client_tls = match &redis.client_cert {
+        Some(name) => {
+            let key = |key: &str| SecretKeyRef { name: name.clone(), key: key.into() };
+            Some(ClientTls { cert_pem: value(&key(TLS_CERT_KEY))?, key_pem: value(&key(TLS_PRIVATE_KEY_KEY))? })
+        }
+        None => None,
+    };
+    Ok(Endpoint { ca_pem, username: redis.username.clone(), password, client_tls, ..Endpoint::new(url, redis.mode) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::controller::validate::validate_redis;
+    use streamfleet_crd::RedisConnection;
+
+    fn redis(spec: serde_json::Value) -> ValidRedis {
+        validate_redis(&serde_json::from_value::<RedisConnection>(spec).unwrap()).unwrap()
+    }
+
+    fn r(name: &str, key: &str) -> SecretKeyRef {
+        SecretKeyRef { name: name.into(), key: key.into() }
+    }
+
+    #[test]
+    fn a_url_in_the_spec_and_a_password_apart_are_read_as_they_are() {
+        let v = redis(serde_json::json!({
+            "url": "redis://redis-master.db:6379", "username": "streamfleet",
+            "passwordSecretRef": {"name": "redis", "key": "redis-password"},
+            "tls": {"clientCertSecretRef": {"name": "client"}}
+        }));
+        let keys = secret_keys(&v);
+        assert_eq!(keys, vec![r("redis", "redis-password"), r("client", "tls.crt"), r("client", "tls.key")]);
+        // A password a URL would need percent-encoded, and a trailing
+        // newline, kept: the workers get the same bytes from their env.
+        let values: Vec<_> = keys.into_iter().zip([b"p@ss/w:rd%\n".to_vec(), b"CERT".into(), b"KEY".into()]).collect();
+        let e = endpoint(&v, &values).unwrap();
+        assert_eq!(e.url, "redis://redis-master.db:6379");
+        assert_eq!((e.username.as_deref(), e.password.as_deref()), (Some("streamfleet"), Some("p@ss/w:rd%\n")));
+        assert_eq!(e.client_tls, Some(ClientTls { cert_pem: b"CERT".to_vec(), key_pem: b"KEY".to_vec() }));
+        // A key not read is an error naming it, not an endpoint without it.
+        let missing = endpoint(&v, &values[..1]).unwrap_err();
+        assert_eq!(missing.to_string(), "secret \"client\" has no key \"tls.crt\"");
+    }
+
+    #[test]
+    fn a_url_from_a_secret_is_trimmed_and_keeps_its_credentials() {
+        let v = redis(serde_json::json!({"urlSecretRef": {"name": "redis", "key": "url"},
+            "tls": {"caSecretRef": {"name": "ca", "key": "ca.crt"}}}));
+        let values = vec![(r("redis", "url"), b"redis://u:p@h:6379/\n".to_vec()), (r("ca", "ca.crt"), b"CA".to_vec())];
+        let e = endpoint(&v, &values).unwrap();
+        assert_eq!((e.url.as_str(), e.password, e.ca_pem), ("redis://u:p@h:6379/", None, Some(b"CA".to_vec())));
+        let not_text = vec![(r("redis", "url"), vec![0xff]), (r("ca", "ca.crt"), vec![])];
+        assert!(endpoint(&v, &not_text).unwrap_err().to_string().contains("spec.redis.urlSecretRef"));
+    }
+}
