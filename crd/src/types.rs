@@ -135,7 +135,7 @@ pub struct RedisConnection {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 2048))]
     #[x_kube(validation = Rule::new("self.startsWith('redis://') || self.startsWith('rediss://')").message("spec.redis.url must start with redis:// or rediss://"))]
-    #[x_kube(validation = Rule::new("!self.contains('@')").message("spec.redis.url must carry no credentials: put the password in a Secret named by spec.redis.passwordSecretRef"))]
+    #[x_kube(validation = Rule::new("!self.contains('@') && !self.contains('?')").message("spec.redis.url must carry no credentials or query: put the password in a Secret named by spec.redis.passwordSecretRef"))]
     pub url: Option<String>,
 
     /// The ACL user to authenticate as (`AUTH <username> <password>`).

@@ -21,7 +21,9 @@ import os
 import random
 import signal
 import sys
+import tempfile
 import time
+import urllib.parse
 
 import redis
 
@@ -226,28 +228,48 @@ return 1
 """
 
 
+_CLIENT_CERT_FILES = None
+
+
 def connect(env):
     """A connection as the contract describes it: the URL, and the username,
-    password, CA and client certificate beside it when set. The password is
-    used as it is (never percent-encoded into the URL)."""
+    password, CA and client certificate beside it when set, with the Rust
+    library's rules: the password is used as it is (never percent-encoded
+    into the URL), an empty one is none, a password both in the URL and
+    apart is refused, and a username given apart wins over the URL's."""
+    global _CLIENT_CERT_FILES
+    url = env["STREAMFLEET_REDIS_URL"].strip()
     options = {}
-    password = env.get("STREAMFLEET_REDIS_PASSWORD")
+    password = env.get("STREAMFLEET_REDIS_PASSWORD") or None
+    username = env.get("STREAMFLEET_REDIS_USERNAME") or None
+    if username and not password:
+        sys.exit("STREAMFLEET_REDIS_USERNAME is set without STREAMFLEET_REDIS_PASSWORD")
     if password:
+        parts = urllib.parse.urlsplit(url)
+        if parts.password is not None:
+            sys.exit("the URL carries a password and STREAMFLEET_REDIS_PASSWORD is set: keep one")
+        # redis-py lets the URL's credentials win over keyword arguments:
+        # the URL goes without them.
         options["password"] = password
-        if env.get("STREAMFLEET_REDIS_USERNAME"):
-            options["username"] = env["STREAMFLEET_REDIS_USERNAME"]
+        if username or parts.username:
+            options["username"] = username or urllib.parse.unquote(parts.username)
+        url = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1]))
     if env.get("STREAMFLEET_REDIS_CA_PEM"):
         options["ssl_ca_data"] = env["STREAMFLEET_REDIS_CA_PEM"]
     if env.get("STREAMFLEET_REDIS_CLIENT_CERT_PEM"):
-        # redis-py reads client certificates from files: private ones.
-        import tempfile
-        folder = tempfile.mkdtemp(prefix="streamfleet-tls-")
-        for name, var in (("tls.crt", "STREAMFLEET_REDIS_CLIENT_CERT_PEM"), ("tls.key", "STREAMFLEET_REDIS_CLIENT_KEY_PEM")):
-            with open(os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
-                f.write(env[var])
-        options["ssl_certfile"] = os.path.join(folder, "tls.crt")
-        options["ssl_keyfile"] = os.path.join(folder, "tls.key")
-    return redis.Redis.from_url(env["STREAMFLEET_REDIS_URL"].strip(), **options)
+        # redis-py reads client certificates from files: private ones, once
+        # per process, under TMPDIR (an emptyDir with a read-only root).
+        if _CLIENT_CERT_FILES is None:
+            folder = tempfile.mkdtemp(prefix="streamfleet-tls-")
+            files = []
+            for name, var in (("tls.crt", "STREAMFLEET_REDIS_CLIENT_CERT_PEM"), ("tls.key", "STREAMFLEET_REDIS_CLIENT_KEY_PEM")):
+                path = os.path.join(folder, name)
+                with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+                    f.write(env[var])
+                files.append(path)
+            _CLIENT_CERT_FILES = tuple(files)
+        options["ssl_certfile"], options["ssl_keyfile"] = _CLIENT_CERT_FILES
+    return redis.Redis.from_url(url, **options)
 
 
 def companion(stream, suffix):

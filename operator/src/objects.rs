@@ -180,6 +180,10 @@ pub fn contract_env(scg: &StreamConsumerGroup, valid: &ValidSpec, mode: &str) ->
     out
 }
 
+/// The contract's Redis connection variables (`STREAMFLEET_REDIS_URL`,
+/// `_USERNAME`, `_PASSWORD`, `_MODE`, `_CA_PEM`, `_CLIENT_*`): the spec's only.
+const REDIS_ENV_PREFIX: &str = "STREAMFLEET_REDIS_";
+
 /// What a worker keeps of its grace period for acks and hand-backs after
 /// abandoning its handlers.
 const DRAIN_MARGIN_MS: i64 = 3_000;
@@ -226,7 +230,10 @@ fn worker_pod_template(
         value_from: None,
     });
     let env = container.env.get_or_insert_with(Vec::new);
-    env.retain(|e| !contract.iter().any(|c| c.name == e.name));
+    // The contract wins, and how to reach Redis is the spec's alone: a
+    // password or client key the template sets would reach the workers and
+    // not the operator.
+    env.retain(|e| !contract.iter().any(|c| c.name == e.name) && !e.name.starts_with(REDIS_ENV_PREFIX));
     env.extend(contract);
     Ok(template)
 }
@@ -354,7 +361,7 @@ mod tests {
                 "stream": "orders", "group": "billing",
                 "worker": {"template": {"metadata": {"labels": {"team": "pay"}}, "spec": {"containers": [
                     {"name": "sidecar", "image": "proxy"},
-                    {"name": "app", "image": "worker:1", "env": [{"name": "OWN", "value": "1"}, {"name": "STREAMFLEET_GROUP", "value": "spoofed"}]}
+                    {"name": "app", "image": "worker:1", "env": [{"name": "OWN", "value": "1"}, {"name": "STREAMFLEET_GROUP", "value": "spoofed"}, {"name": "STREAMFLEET_REDIS_PASSWORD", "value": "not the spec's"}]}
                 ]}}}
             }
         });
@@ -520,6 +527,7 @@ mod tests {
         assert!(pod.containers[0].env.is_none(), "the sidecar is untouched");
         let env = env_of(&pod.containers[1]);
         assert_eq!(env["OWN"].value.as_deref(), Some("1"));
+        assert!(!env.contains_key(env::REDIS_PASSWORD), "how to reach Redis is the spec's alone");
         assert_eq!(env[env::GROUP].value.as_deref(), Some("billing"), "the contract wins over the user's value");
         assert_eq!(env[env::STREAMS].value.as_deref(), Some("orders"));
         assert_eq!(env[env::DEAD_LETTER_STREAM].value.as_deref(), Some("{orders}:dead:billing"));
@@ -539,6 +547,22 @@ mod tests {
         );
         assert_eq!(env[env::DRAIN_TIMEOUT_MS].value.as_deref(), Some("27000"), "30 s grace less the margin");
         assert!(!env.contains_key(env::REDIS_CA_PEM));
+    }
+
+    /// The chart's worker PodMonitor selects labels every worker pod has.
+    #[test]
+    fn the_charts_worker_pod_monitor_selects_the_worker_pods() {
+        let template = include_str!("../../charts/streamfleet/templates/podmonitor.yaml");
+        let selector = template.split("matchLabels:").nth(1).unwrap().split("podMetricsEndpoints:").next().unwrap();
+        let wanted: Vec<(&str, &str)> =
+            selector.lines().filter_map(|l| l.trim().split_once(": ")).map(|(k, v)| (k, v.trim())).collect();
+        assert_eq!(wanted.len(), 2, "{selector}");
+        let s = scg(json!({}));
+        let d = worker_deployment(&s, &valid(&s), 1).unwrap();
+        let labels = d.spec.unwrap().template.metadata.unwrap().labels.unwrap();
+        for (label, value) in wanted {
+            assert_eq!(labels.get(label).map(String::as_str), Some(value), "{label}");
+        }
     }
 
     #[test]

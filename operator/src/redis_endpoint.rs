@@ -21,8 +21,8 @@ pub fn secret_keys(redis: &ValidRedis) -> Vec<SecretKeyRef> {
 }
 
 /// `redis`'s endpoint from `values`, the value of each of its
-/// [`secret_keys`]. The password is taken as it is, byte for byte, as the
-/// workers take it from their environment.
+/// [`secret_keys`]. The password is taken as it is, byte for byte (an empty
+/// one is none), as the workers take it from their environment.
 pub fn endpoint(redis: &ValidRedis, values: &[(SecretKeyRef, Vec<u8>)]) -> Result<Endpoint, Error> {
     let value = |r: &SecretKeyRef| {
         values
@@ -39,7 +39,9 @@ pub fn endpoint(redis: &ValidRedis, values: &[(SecretKeyRef, Vec<u8>)]) -> Resul
         UrlSource::Spec(url) => url.clone(),
         UrlSource::Secret(r) => text(r, "spec.redis.urlSecretRef")?.trim().to_string(),
     };
-    let password = redis.password.as_ref().map(|r| text(r, "spec.redis.passwordSecretRef")).transpose()?;
+    // An empty value is no password, as the workers read it.
+    let password =
+        redis.password.as_ref().map(|r| text(r, "spec.redis.passwordSecretRef")).transpose()?.filter(|p| !p.is_empty());
     let ca_pem = redis.ca.as_ref().map(value).transpose()?;
     let client_tls = match &redis.client_cert {
         Some(name) => {

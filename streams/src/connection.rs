@@ -81,6 +81,20 @@ impl Endpoint {
         Ok(info.set_redis_settings(settings))
     }
 
+    /// Whether `self` and `other` name the same server (host, port and
+    /// database, in the same mode), whoever authenticates to it and however
+    /// the URL is spelt. URLs that do not parse are compared as written.
+    pub fn same_server(&self, other: &Endpoint) -> bool {
+        let server = |e: &Endpoint| {
+            e.url.as_str().into_connection_info().ok().map(|i| (i.addr().to_string(), i.redis_settings().db()))
+        };
+        self.mode == other.mode
+            && match (server(self), server(other)) {
+                (Some(a), Some(b)) => a == b,
+                _ => self.url == other.url,
+            }
+    }
+
     fn certificates(&self) -> Option<redis::TlsCertificates> {
         (self.ca_pem.is_some() || self.client_tls.is_some()).then(|| redis::TlsCertificates {
             client_tls: self
@@ -405,6 +419,17 @@ impl Connections {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_same_server_whoever_authenticates_and_however_spelt() {
+        let e = |url: &str| Endpoint::new(url, Mode::Standalone);
+        let apart = Endpoint { username: Some("u".into()), password: Some("p".into()), ..e("redis://h:6379") };
+        assert!(e("redis://u:p@h:6379/0").same_server(&apart));
+        assert!(e("redis://h").same_server(&e("redis://other:x@h:6379/")), "the default port");
+        assert!(!e("redis://h:6379/1").same_server(&e("redis://h:6379/0")), "another database");
+        assert!(!e("redis://h:6380").same_server(&e("redis://h:6379")));
+        assert!(!Endpoint::new("redis://h:6379", Mode::Cluster).same_server(&e("redis://h:6379")));
+    }
 
     fn error(reply: &str) -> RedisError {
         redis::parse_redis_value(reply.as_bytes()).and_then(Value::extract_error).expect_err("an error reply")

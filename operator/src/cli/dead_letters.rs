@@ -20,7 +20,7 @@ pub struct DeadLetterArgs {
     /// the break-glass flags and their environment variables.
     #[arg(long, global = true)]
     pipeline: Option<String>,
-    /// Break-glass: this Redis URL (credentials included) instead of the console.
+    /// Break-glass: this Redis URL (credentials in it, or given apart) instead of the console.
     #[arg(long, global = true, env = "STREAMFLEET_REDIS_URL", hide_env_values = true)]
     redis_url: Option<String>,
     /// Break-glass: the ACL user, when the URL carries no credentials.

@@ -280,7 +280,7 @@ impl Context {
             .filter(|o| o.metadata.deletion_timestamp.is_none() && key(o) != me)
             .filter_map(|o| {
                 let known = endpoints.get(&key(o));
-                known.is_none_or(|e| e == endpoint).then(|| decide::Claimant {
+                known.is_none_or(|e| e.same_server(endpoint)).then(|| decide::Claimant {
                     key: key(o),
                     created: o.metadata.creation_timestamp.clone(),
                     same_endpoint_known: known.is_some(),

@@ -77,9 +77,10 @@ pub fn validate_redis(redis: &RedisConnection) -> Result<ValidRedis, Error> {
             if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
                 return Err(Error::InvalidSpec("spec.redis.url must start with redis:// or rediss://".into()));
             }
-            if url.contains('@') {
+            // A query may carry credentials too (`?password=`) for some clients.
+            if url.contains('@') || url.contains('?') {
                 return Err(Error::InvalidSpec(
-                    "spec.redis.url must carry no credentials: put the password in a Secret named by \
+                    "spec.redis.url must carry no credentials or query: put the password in a Secret named by \
                      spec.redis.passwordSecretRef"
                         .into(),
                 ));
@@ -265,6 +266,8 @@ mod tests {
         let credentials = redis(json!({"url": "redis://u:pw@db:6379"})).unwrap_err();
         assert!(credentials.contains("spec.redis.url must carry no credentials"), "{credentials}");
         assert!(redis(json!({"url": "http://db"})).unwrap_err().contains("redis:// or rediss://"));
+        let query = redis(json!({"url": "redis://db:6379/?password=pw"})).unwrap_err();
+        assert!(query.contains("no credentials or query"), "{query}");
         let alone = redis(json!({"urlSecretRef": {"name": "r", "key": "url"}, "username": "u"})).unwrap_err();
         assert!(alone.contains("spec.redis.username needs spec.redis.passwordSecretRef"), "{alone}");
     }

@@ -38,6 +38,8 @@ pub async fn kubectl_on(
         .env("KUBECONFIG", kubeconfig)
         .env("PATH", path)
         .env_remove("STREAMFLEET_REDIS_URL")
+        .env_remove("STREAMFLEET_REDIS_USERNAME")
+        .env_remove("STREAMFLEET_REDIS_PASSWORD")
         // As a person runs it: errors without a backtrace (the test
         // command sets one for its own binaries).
         .env_remove("RUST_BACKTRACE")

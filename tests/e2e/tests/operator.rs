@@ -230,6 +230,7 @@ async fn invalid_specs_are_refused_at_admission_naming_the_field() -> Result<()>
         ),
         ("    mode: Standalone", "spec.redis: set exactly one of url and urlSecretRef"),
         ("    url: redis://u:pw@db:6379", "spec.redis.url must carry no credentials"),
+        ("    url: redis://db:6379/?password=pw", "spec.redis.url must carry no credentials or query"),
         ("    url: http://db:6379", "spec.redis.url must start with redis:// or rediss://"),
         ("    url: redis://db:6379\n    username: u", "spec.redis.username needs spec.redis.passwordSecretRef"),
     ];
@@ -633,6 +634,9 @@ async fn the_chart_renders_what_a_production_install_sets() -> Result<()> {
             "image.digest=sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
             "networkPolicy.enabled=true",
             "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.name=monitoring",
+            "metrics.workerPodMonitor.enabled=true",
+            "metrics.workerPodMonitor.labels.release=prom",
+            "watchNamespace=shop",
         ],
     )
     .await?;
@@ -665,6 +669,17 @@ async fn the_chart_renders_what_a_production_install_sets() -> Result<()> {
     assert_eq!(monitor["metadata"]["labels"]["release"], "prom");
     assert_eq!(monitor["spec"]["endpoints"][0]["port"], "metrics");
     assert_eq!(monitor["spec"]["endpoints"][0]["honorLabels"], true, "the pipeline's namespace label stays");
+    // The workers' PodMonitor selects what the operator labels its worker
+    // pods with (objects.rs checks the template against them), in the
+    // namespace it watches.
+    let workers = operator_object(&docs, "PodMonitor");
+    assert_eq!(workers["metadata"]["labels"]["release"], "prom");
+    assert_eq!(workers["spec"]["namespaceSelector"]["matchNames"], serde_json::json!(["shop"]));
+    assert_eq!(
+        workers["spec"]["selector"]["matchLabels"],
+        serde_json::json!({"app.kubernetes.io/managed-by": "streamfleet", "app.kubernetes.io/component": "worker"})
+    );
+    assert_eq!(workers["spec"]["podMetricsEndpoints"][0]["port"], "metrics");
     let rules = operator_object(&docs, "PrometheusRule");
     let alerts = rules["spec"]["groups"][0]["rules"].as_array().unwrap();
     assert!(alerts.len() >= 9, "{alerts:?}");
