@@ -238,6 +238,22 @@ fn worker_pod_template(
     Ok(template)
 }
 
+/// The pod-template annotation carrying the versions of the Secrets the
+/// workers read at start (`Observation::secret_versions`): when one changes,
+/// the Deployment rolls its pods, which then read the new value.
+pub const SECRET_VERSIONS_ANNOTATION: &str = "streamfleet.io/redis-secret-versions";
+
+/// Stamps `versions` on `deployment`'s pod template (none when empty).
+pub fn stamp_secret_versions(deployment: &mut Deployment, versions: &str) {
+    if versions.is_empty() {
+        return;
+    }
+    if let Some(spec) = deployment.spec.as_mut() {
+        let meta = spec.template.metadata.get_or_insert_with(ObjectMeta::default);
+        meta.annotations.get_or_insert_with(BTreeMap::new).insert(SECRET_VERSIONS_ANNOTATION.into(), versions.into());
+    }
+}
+
 /// The worker Deployment at `replicas`.
 pub fn worker_deployment(scg: &StreamConsumerGroup, valid: &ValidSpec, replicas: i32) -> Result<Deployment, Error> {
     let selector = BTreeMap::from([

@@ -297,7 +297,11 @@ pub fn decide(
             _ => Vec::new(),
         },
         retrying,
-        deployment: objects::worker_deployment(at.scg, spec, scaling.replicas)?,
+        deployment: {
+            let mut deployment = objects::worker_deployment(at.scg, spec, scaling.replicas)?;
+            objects::stamp_secret_versions(&mut deployment, &observed.secret_versions);
+            deployment
+        },
         cronjob: objects::recovery_cronjob(at.scg, spec, at.settings)?,
         snapshot,
         current_replicas,
@@ -577,7 +581,11 @@ fn earlier_claimant<'a>(scg: &StreamConsumerGroup, claimants: &'a [Claimant]) ->
 
 fn conflict(spec: &ValidSpec, at: &Situation<'_>, observed: &Observation, owner: &Claimant) -> Result<Plan, Error> {
     let deployment = match observed.deployment {
-        Some(_) => Some(objects::worker_deployment(at.scg, spec, 0)?),
+        Some(_) => {
+            let mut deployment = objects::worker_deployment(at.scg, spec, 0)?;
+            objects::stamp_secret_versions(&mut deployment, &observed.secret_versions);
+            Some(deployment)
+        }
         None => None,
     };
     let cronjob = match observed.cronjob {
@@ -955,6 +963,21 @@ mod tests {
         seen_before.status = Some(StreamConsumerGroupStatus { resume_id: Some("41-7".into()), ..Default::default() });
         let again = run(&seen_before, &observed(None, Some(1)));
         assert!(matches!(again, Plan::CreateGroup { start, vanished: true } if start == "41-7"));
+    }
+
+    /// A rotated password (or client certificate) changes the pod template,
+    /// so the workers, which read it once at start, are rolled.
+    #[test]
+    fn the_worker_pods_carry_the_versions_of_the_secrets_they_read() {
+        let annotation = |o: &Observation| {
+            let plan = converge(run(&scg(), o));
+            let template = plan.deployment.spec.unwrap().template.metadata.unwrap();
+            template.annotations.unwrap_or_default().get(objects::SECRET_VERSIONS_ANNOTATION).cloned()
+        };
+        let mut o = observed(Some(snapshot(0, 0, &[])), Some(1));
+        assert_eq!(annotation(&o).as_deref(), Some("redis=7"));
+        o.secret_versions = "redis=8".into();
+        assert_eq!(annotation(&o).as_deref(), Some("redis=8"));
     }
 
     #[test]

@@ -49,6 +49,10 @@ pub struct Observation {
     pub claimants: Vec<Claimant>,
     /// Whether the server may evict keys (read at most once a minute).
     pub eviction: Eviction,
+    /// The resource versions of the Secrets `spec.redis` names
+    /// (`name=version`, sorted): stamped on the worker pods, so a rotated
+    /// password or client certificate rolls them.
+    pub secret_versions: String,
 }
 
 /// Where a retention policy wants to trim, and how low it safely may.
@@ -106,6 +110,7 @@ pub async fn observe(
         pods,
         claimants: ctx.claimants(scg, &endpoint),
         eviction,
+        secret_versions: ctx.secrets.versions(&ns, &crate::redis_endpoint::secret_keys(&spec.redis)),
     };
     Ok((conn, observation))
 }

@@ -63,6 +63,19 @@ impl SecretCache {
         Ok(value)
     }
 
+    /// `name=resourceVersion` of each Secret `refs` name, sorted and
+    /// deduplicated, from the watch (`?` for one it does not know).
+    pub fn versions(&self, namespace: &str, refs: &[SecretKeyRef]) -> String {
+        let names: std::collections::BTreeSet<&str> = refs.iter().map(|r| r.name.as_str()).collect();
+        let version = |name: &str| {
+            self.metadata
+                .get(&ObjectRef::new(name).within(namespace))
+                .and_then(|m| m.resource_version())
+                .unwrap_or_else(|| "?".into())
+        };
+        names.into_iter().map(|name| format!("{name}={}", version(name))).collect::<Vec<_>>().join(",")
+    }
+
     /// Forgets values whose Secret is gone, so a deleted Secret's data does
     /// not stay in memory.
     pub fn prune(&self) {

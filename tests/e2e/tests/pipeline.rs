@@ -500,5 +500,30 @@ async fn the_python_worker_runs_under_the_operator_and_survives_a_killed_pod() -
     assert_eq!(letters, 5, "no order dead-lettered for the outage");
     let records: std::collections::HashMap<String, String> = conn.hgetall("{orders}:last-error:billing").await?;
     assert!(records.is_empty(), "entry records left behind: {records:?}");
+
+    // The password rotated: a second one for the user, the Secret changed,
+    // the workers rolled (they read it once, at start), the first password
+    // gone and its connections cut. Orders are still charged.
+    let worker_pods = || async {
+        let list = pods.list(&ListParams::default().labels("app.kubernetes.io/component=worker")).await?;
+        Ok::<_, anyhow::Error>(list.items.into_iter().filter_map(|p| p.metadata.uid).collect::<Vec<_>>())
+    };
+    let before = worker_pods().await?;
+    let rotated = "n3w/p@ss%";
+    let () = redis::cmd("ACL").arg(&["SETUSER", "py", &format!(">{rotated}")]).query_async(&mut conn).await?;
+    let patch = serde_json::json!({"stringData": {"redis-password": rotated}});
+    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), &ns)
+        .patch("redis-auth", &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch))
+        .await?;
+    eventually("the workers rolled onto the new password", T, || async {
+        let now = worker_pods().await?;
+        Ok((now.len() == 2 && now.iter().all(|uid| !before.contains(uid))).then_some(()))
+    })
+    .await?;
+    let () = redis::cmd("ACL").arg(&["SETUSER", "py", &format!("<{password}")]).query_async(&mut conn).await?;
+    let () = redis::cmd("CLIENT").arg(&["KILL", "USER", "py"]).query_async(&mut conn).await?;
+    produce(&mut conn, 320, 330).await?;
+    eventually("orders charged after the rotation", T, || async { Ok((charged().await? == 330).then_some(())) })
+        .await?;
     Ok(())
 }
