@@ -5,8 +5,8 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 yaml=$(cargo run -q -p streamfleet-crd --features crdgen --bin crdgen)
-for f in deploy/crds/streamconsumergroups.streamfleet.io.yaml charts/streamfleet/crds/streamconsumergroups.streamfleet.io.yaml; do
+for f in deploy/crds/streamconsumergroups.streamfleet.io.yaml charts/streamfleet/files/crds/streamconsumergroups.streamfleet.io.yaml; do
   printf '%s\n' "$yaml" > "$f"
 done
 cargo run -q -p streamfleet-crd --features crdgen --bin crdgen -- --reference > docs/crd-reference.md
-echo "CRD written to deploy/crds and charts/streamfleet/crds, field reference to docs/crd-reference.md" >&2
+echo "CRD written to deploy/crds and charts/streamfleet/files/crds, field reference to docs/crd-reference.md" >&2

@@ -19,6 +19,6 @@ helm=$root/target/tools/bin/helm
   echo "metadata:"
   echo "  name: streamfleet-system"
   "$helm" template streamfleet "$root/charts/streamfleet" --namespace streamfleet-system --kube-version 1.35.0 \
-    --set console.enabled=false
+    --set console.enabled=false --set crds.install=false
 } > "$out"
 echo "${1:-deploy/streamfleet.yaml} rendered" >&2

@@ -96,7 +96,7 @@ mod tests {
         let generated = super::crd_yaml().unwrap();
         for path in [
             "deploy/crds/streamconsumergroups.streamfleet.io.yaml",
-            "charts/streamfleet/crds/streamconsumergroups.streamfleet.io.yaml",
+            "charts/streamfleet/files/crds/streamconsumergroups.streamfleet.io.yaml",
         ] {
             let committed = std::fs::read_to_string(root.join(path)).unwrap_or_default();
             assert!(committed == generated, "{path} is stale: run scripts/gen-crd.sh");

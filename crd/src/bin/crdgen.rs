@@ -1,6 +1,6 @@
 //! Prints the StreamConsumerGroup CRD as YAML (or, with `--reference`, the
 //! field reference). Its output is committed to `deploy/crds/`,
-//! `charts/streamfleet/crds/` and `docs/crd-reference.md`; tests fail when
+//! `charts/streamfleet/files/crds/` and `docs/crd-reference.md`; tests fail when
 //! they drift.
 use std::io::Write;
 

@@ -85,6 +85,9 @@ pub async fn install_operator(bed: &TestBed, namespace: &str, extra: &[&str]) ->
         // console install it (passing console.enabled=true).
         "--set",
         "console.enabled=false",
+        // The CRD is the test bed's (ensure_crd), shared by every release.
+        "--set",
+        "crds.install=false",
         // The test bed's pods share the host's network namespace.
         "--set",
         "listenOn=podIP",

@@ -34,6 +34,9 @@ async fn one_cluster_wide_operator_serves_every_namespace_with_its_cluster_role(
             "log.format=text",
             "--set",
             "console.enabled=false",
+            // The CRD is the test bed's (ensure_crd), shared by every test.
+            "--set",
+            "crds.install=false",
             // The test bed's pods share the host's network namespace.
             "--set",
             "listenOn=podIP",

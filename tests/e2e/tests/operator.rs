@@ -585,6 +585,28 @@ async fn the_chart_renders_what_a_production_install_sets() -> Result<()> {
     let lease_role = operator_object(&defaults, "Role");
     let named = lease_role["rules"].as_array().unwrap().iter().find(|r| r["resourceNames"].is_array()).unwrap();
     assert_eq!(named["resourceNames"][0], "t-streamfleet-leader", "renews only its own Lease");
+    // The CRD comes with the release (upgraded with it) and stays after it.
+    let crd = operator_object(&defaults, "CustomResourceDefinition");
+    let committed: serde_json::Value = serde_yaml::from_str(&std::fs::read_to_string(repo_path(
+        "deploy/crds/streamconsumergroups.streamfleet.io.yaml",
+    ))?)?;
+    assert_eq!(crd["spec"], committed["spec"], "the chart's CRD is the generated one");
+    assert_eq!(crd["metadata"]["name"], "streamconsumergroups.streamfleet.io");
+    assert_eq!(crd["metadata"]["annotations"]["helm.sh/resource-policy"], "keep");
+    // The real API server takes it as rendered (a server-side dry run over
+    // the test bed's own copy).
+    ensure_crd(bed).await?;
+    run_ok(
+        bed,
+        "kubectl",
+        &["apply", "--server-side", "--force-conflicts", "--dry-run=server", "-f", "-"],
+        Some(&serde_json::to_string(crd)?),
+    )
+    .await?;
+    let kept_off = rendered(bed, &["crds.keep=false"]).await?;
+    assert!(operator_object(&kept_off, "CustomResourceDefinition")["metadata"]["annotations"].is_null());
+    let without = rendered(bed, &["crds.install=false"]).await?;
+    assert!(!kinds(&without).iter().any(|k| k == "CustomResourceDefinition"), "crds.install=false");
 
     let docs = rendered(
         bed,

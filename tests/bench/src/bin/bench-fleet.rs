@@ -205,6 +205,9 @@ async fn main() -> Result<()> {
             "log.level=warn",
             "--set",
             "console.enabled=false",
+            // The CRD is the test bed's (ensure_crd).
+            "--set",
+            "crds.install=false",
             // The test bed's pods share the host's network namespace.
             "--set",
             "listenOn=podIP",
