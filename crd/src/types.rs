@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
     printcolumn = r#"{"name":"Out/s","type":"number","description":"Entries finished (acked or dead-lettered) per second over the last 30 s","jsonPath":".status.throughput.outPerSecond","priority":1}"#,
     printcolumn = r#"{"name":"Pending","type":"integer","jsonPath":".status.pending"}"#,
     printcolumn = r#"{"name":"Retrying","type":"integer","description":"Pending entries waiting for a retry on the schedule","jsonPath":".status.retrying.entries"}"#,
-    printcolumn = r#"{"name":"Oldest","type":"integer","description":"Idle seconds of the oldest pending entry","jsonPath":".status.oldestPendingIdleSeconds","priority":1}"#,
+    printcolumn = r#"{"name":"Oldest","type":"date","description":"How long the oldest pending entry has been idle","jsonPath":".status.oldestPendingIdleSince","priority":1}"#,
     printcolumn = r#"{"name":"Replicas","type":"string","jsonPath":".status.replicas.summary"}"#,
     printcolumn = r#"{"name":"Dead","type":"integer","description":"Entries in the dead-letter stream","jsonPath":".status.deadLetterLength"}"#,
     printcolumn = r#"{"name":"Lost","type":"integer","description":"Lost payloads not acknowledged","jsonPath":".status.payloadLost.unacknowledged"}"#,
@@ -679,6 +679,12 @@ pub struct StreamConsumerGroupStatus {
     /// Idle time of the oldest pending entry, in seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub oldest_pending_idle_seconds: Option<i64>,
+
+    /// Since when the oldest pending entry has been idle (its last delivery
+    /// or claim, by the Redis server's clock, to the second): the `Oldest`
+    /// column shows it as a duration.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_pending_idle_since: Option<Time>,
 
     /// Highest delivery count among the inspected pending entries.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -209,6 +209,7 @@ fn set_figures(status: &mut StreamConsumerGroupStatus, snapshot: Option<&GroupSn
         status.lag = None;
         status.pending = None;
         status.oldest_pending_idle_seconds = None;
+        status.oldest_pending_idle_since = None;
         status.max_delivery_count = None;
         status.stream_length = None;
         status.dead_letter_length = None;
@@ -223,6 +224,8 @@ fn set_figures(status: &mut StreamConsumerGroupStatus, snapshot: Option<&GroupSn
     status.pending = Some(int(s.pending));
     let has_pending = s.pending > 0;
     status.oldest_pending_idle_seconds = s.oldest_pending_idle_ms.filter(|_| has_pending).map(|ms| int(ms / 1000));
+    status.oldest_pending_idle_since =
+        s.oldest_pending_idle_ms.filter(|_| has_pending).and_then(|idle| time_of_ms(s.server_ms.saturating_sub(idle)));
     status.max_delivery_count = s.max_delivery_count.filter(|_| has_pending).map(int);
     status.stream_length = Some(int(s.stream_length));
     status.dead_letter_length = Some(int(s.dead_letter_length));
@@ -386,6 +389,22 @@ mod tests {
         resource.status = Some(first.clone());
         // Same failure later: identical status, so nothing is written.
         assert_eq!(failed(&resource, &e, &at(99)), first);
+    }
+
+    /// `Oldest` shows a duration: a time the column turns into an age.
+    #[test]
+    fn the_oldest_pending_idle_time_is_shown_as_since_when() {
+        let resource = scg();
+        let mut p = plan(&resource, 5);
+        p.snapshot.pending = 3;
+        p.snapshot.server_ms = 1_796_000_065_400;
+        p.snapshot.oldest_pending_idle_ms = Some(65_000);
+        let s = converged(&resource, &p, &outcome(1, vec![]), &at(1));
+        assert_eq!(s.oldest_pending_idle_seconds, Some(65));
+        assert_eq!(s.oldest_pending_idle_since, Some(at(1_796_000_000)), "to the second");
+        p.snapshot.pending = 0;
+        let s = converged(&resource, &p, &outcome(1, vec![]), &at(2));
+        assert_eq!((s.oldest_pending_idle_seconds, s.oldest_pending_idle_since), (None, None), "nothing pending");
     }
 
     #[test]

@@ -284,7 +284,7 @@ async fn steady_arrivals_read_as_entries_in_and_out_per_second() -> Result<()> {
     assert!(near(last.in_per_second) && near(last.out_per_second), "{last:?}");
     assert!(seen.iter().flatten().all(|t| near(t.in_per_second)), "{seen:?}");
     let header = table.lines().next().unwrap_or_default();
-    assert!(header.contains("IN/S") && header.contains("OUT/S"), "{table}");
+    assert!(header.contains("IN/S") && header.contains("OUT/S") && header.contains("OLDEST"), "{table}");
     let narrow_header = narrow.lines().next().unwrap_or_default();
     assert!(!narrow_header.contains("IN/S") && narrow_header.contains("DELAY"), "{narrow}");
     let arrival = metric(&body, "streamfleet_arrival_rate", &ns).and_then(|v| v.parse::<f64>().ok());
