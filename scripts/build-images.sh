@@ -24,7 +24,7 @@ target=x86_64-unknown-linux-gnu
 
 # Static: the image has no libc. Paths of this machine are kept out of the binaries.
 RUSTFLAGS="-C target-feature=+crt-static --remap-path-prefix=$root=/src --remap-path-prefix=$HOME/.cargo=/cargo" \
-  cargo build --release --locked --target "$target" -p streamfleet-operator -p streamfleet-worker \
+  cargo build --release --locked --target "$target" -p streamfleet-operator -p streamfleet-example-worker \
   --bin streamfleet --bin example-worker
 cargo build --locked -p streamfleet-images --bin build-image
 

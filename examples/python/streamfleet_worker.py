@@ -246,7 +246,7 @@ def connect(env):
         sys.exit("STREAMFLEET_REDIS_USERNAME is set without STREAMFLEET_REDIS_PASSWORD")
     if password:
         parts = urllib.parse.urlsplit(url)
-        if parts.password is not None:
+        if parts.password:
             sys.exit("the URL carries a password and STREAMFLEET_REDIS_PASSWORD is set: keep one")
         # redis-py lets the URL's credentials win over keyword arguments:
         # the URL goes without them.

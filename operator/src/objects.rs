@@ -243,14 +243,19 @@ fn worker_pod_template(
 /// the Deployment rolls its pods, which then read the new value.
 pub const SECRET_VERSIONS_ANNOTATION: &str = "streamfleet.io/redis-secret-versions";
 
-/// Stamps `versions` on `deployment`'s pod template (none when empty).
-pub fn stamp_secret_versions(deployment: &mut Deployment, versions: &str) {
-    if versions.is_empty() {
+/// Stamps `versions` on `deployment`'s pod template; unknown (`None`), the
+/// ones `current` (the Deployment as it is) carries, so a Secret the watch
+/// lost for a moment does not roll the workers. None at all (no Secret
+/// named): no annotation.
+pub fn stamp_secret_versions(deployment: &mut Deployment, versions: Option<&str>, current: Option<&Deployment>) {
+    let carried =
+        || current?.spec.as_ref()?.template.metadata.as_ref()?.annotations.as_ref()?.get(SECRET_VERSIONS_ANNOTATION);
+    let Some(versions) = versions.map(str::to_string).or_else(|| carried().cloned()).filter(|v| !v.is_empty()) else {
         return;
-    }
+    };
     if let Some(spec) = deployment.spec.as_mut() {
         let meta = spec.template.metadata.get_or_insert_with(ObjectMeta::default);
-        meta.annotations.get_or_insert_with(BTreeMap::new).insert(SECRET_VERSIONS_ANNOTATION.into(), versions.into());
+        meta.annotations.get_or_insert_with(BTreeMap::new).insert(SECRET_VERSIONS_ANNOTATION.into(), versions);
     }
 }
 

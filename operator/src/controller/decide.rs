@@ -299,7 +299,11 @@ pub fn decide(
         retrying,
         deployment: {
             let mut deployment = objects::worker_deployment(at.scg, spec, scaling.replicas)?;
-            objects::stamp_secret_versions(&mut deployment, &observed.secret_versions);
+            objects::stamp_secret_versions(
+                &mut deployment,
+                observed.secret_versions.as_deref(),
+                observed.deployment.as_deref(),
+            );
             deployment
         },
         cronjob: objects::recovery_cronjob(at.scg, spec, at.settings)?,
@@ -583,7 +587,11 @@ fn conflict(spec: &ValidSpec, at: &Situation<'_>, observed: &Observation, owner:
     let deployment = match observed.deployment {
         Some(_) => {
             let mut deployment = objects::worker_deployment(at.scg, spec, 0)?;
-            objects::stamp_secret_versions(&mut deployment, &observed.secret_versions);
+            objects::stamp_secret_versions(
+                &mut deployment,
+                observed.secret_versions.as_deref(),
+                observed.deployment.as_deref(),
+            );
             Some(deployment)
         }
         None => None,
@@ -976,7 +984,13 @@ mod tests {
         };
         let mut o = observed(Some(snapshot(0, 0, &[])), Some(1));
         assert_eq!(annotation(&o).as_deref(), Some("redis=7"));
-        o.secret_versions = "redis=8".into();
+        o.secret_versions = Some("redis=8".into());
+        assert_eq!(annotation(&o).as_deref(), Some("redis=8"));
+        // The watch lost the Secret for a moment: the workers keep theirs.
+        let mut current = (*o.deployment.clone().unwrap()).clone();
+        objects::stamp_secret_versions(&mut current, Some("redis=8"), None);
+        o.deployment = Some(std::sync::Arc::new(current));
+        o.secret_versions = None;
         assert_eq!(annotation(&o).as_deref(), Some("redis=8"));
     }
 

@@ -51,8 +51,9 @@ pub struct Observation {
     pub eviction: Eviction,
     /// The resource versions of the Secrets `spec.redis` names
     /// (`name=version`, sorted): stamped on the worker pods, so a rotated
-    /// password or client certificate rolls them.
-    pub secret_versions: String,
+    /// password or client certificate rolls them. `None` when the watch
+    /// lost one: the workers keep the versions they have.
+    pub secret_versions: Option<String>,
 }
 
 /// Where a retention policy wants to trim, and how low it safely may.
