@@ -238,24 +238,17 @@ fn worker_pod_template(
     Ok(template)
 }
 
-/// The pod-template annotation carrying the versions of the Secrets the
-/// workers read at start (`Observation::secret_versions`): when one changes,
-/// the Deployment rolls its pods, which then read the new value.
-pub const SECRET_VERSIONS_ANNOTATION: &str = "streamfleet.io/redis-secret-versions";
+/// The pod-template annotation carrying a digest of the Secret values the
+/// workers read at start (`redis_endpoint::secrets_digest`): when one
+/// changes, the Deployment rolls its pods, which then read the new value.
+pub const SECRETS_DIGEST_ANNOTATION: &str = "streamfleet.io/redis-secrets-digest";
 
-/// Stamps `versions` on `deployment`'s pod template; unknown (`None`), the
-/// ones `current` (the Deployment as it is) carries, so a Secret the watch
-/// lost for a moment does not roll the workers. None at all (no Secret
-/// named): no annotation.
-pub fn stamp_secret_versions(deployment: &mut Deployment, versions: Option<&str>, current: Option<&Deployment>) {
-    let carried =
-        || current?.spec.as_ref()?.template.metadata.as_ref()?.annotations.as_ref()?.get(SECRET_VERSIONS_ANNOTATION);
-    let Some(versions) = versions.map(str::to_string).or_else(|| carried().cloned()).filter(|v| !v.is_empty()) else {
-        return;
-    };
+/// Stamps `digest` on `deployment`'s pod template (none: no Secret named).
+pub fn stamp_secrets_digest(deployment: &mut Deployment, digest: Option<&str>) {
+    let Some(digest) = digest else { return };
     if let Some(spec) = deployment.spec.as_mut() {
         let meta = spec.template.metadata.get_or_insert_with(ObjectMeta::default);
-        meta.annotations.get_or_insert_with(BTreeMap::new).insert(SECRET_VERSIONS_ANNOTATION.into(), versions);
+        meta.annotations.get_or_insert_with(BTreeMap::new).insert(SECRETS_DIGEST_ANNOTATION.into(), digest.into());
     }
 }
 

@@ -53,6 +53,30 @@ pub fn endpoint(redis: &ValidRedis, values: &[(SecretKeyRef, Vec<u8>)]) -> Resul
     Ok(Endpoint { ca_pem, username: redis.username.clone(), password, client_tls, ..Endpoint::new(url, redis.mode) })
 }
 
+/// A digest of the Secret values read (`values` as [`endpoint`] takes
+/// them): the first 16 hex digits of a SHA-256 over each key and value, in
+/// key order. Changes when a value does, and with nothing else about the
+/// Secrets (a label, an unrelated key). `None` when no Secret is named.
+/// Readable by whoever reads the Deployment: like the checksum annotations
+/// Helm charts put on pods, it tells a guess at a weak password apart, so
+/// the password must not be one a guess finds.
+pub fn secrets_digest(values: &[(SecretKeyRef, Vec<u8>)]) -> Option<String> {
+    if values.is_empty() {
+        return None;
+    }
+    let mut sorted: Vec<&(SecretKeyRef, Vec<u8>)> = values.iter().collect();
+    sorted.sort_by(|a, b| (&a.0.name, &a.0.key).cmp(&(&b.0.name, &b.0.key)));
+    let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
+    hash.update(b"streamfleet.io/redis-secrets-digest/v1");
+    for (r, value) in sorted {
+        for part in [r.name.as_bytes(), r.key.as_bytes(), value.as_slice()] {
+            hash.update(&(part.len() as u64).to_be_bytes());
+            hash.update(part);
+        }
+    }
+    Some(hash.finish().as_ref()[..8].iter().map(|b| format!("{b:02x}")).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,6 +110,21 @@ mod tests {
         // A key not read is an error naming it, not an endpoint without it.
         let missing = endpoint(&v, &values[..1]).unwrap_err();
         assert_eq!(missing.to_string(), "secret \"client\" has no key \"tls.crt\"");
+    }
+
+    #[test]
+    fn the_digest_follows_the_values_in_any_order_and_nothing_else() {
+        let values = vec![(r("redis", "redis-password"), b"s3cret".to_vec()), (r("ca", "ca.crt"), b"CA".to_vec())];
+        let digest = secrets_digest(&values).unwrap();
+        assert_eq!(digest.len(), 16);
+        let reversed: Vec<_> = values.iter().rev().cloned().collect();
+        assert_eq!(secrets_digest(&reversed).unwrap(), digest, "the order read does not matter");
+        let rotated = vec![(r("redis", "redis-password"), b"s3cret2".to_vec()), (r("ca", "ca.crt"), b"CA".to_vec())];
+        assert_ne!(secrets_digest(&rotated).unwrap(), digest);
+        // Bytes moved from one value to the next are another set of values.
+        let moved = vec![(r("redis", "redis-password"), b"s3cretC".to_vec()), (r("ca", "ca.crt"), b"A".to_vec())];
+        assert_ne!(secrets_digest(&moved).unwrap(), digest);
+        assert_eq!(secrets_digest(&[]), None);
     }
 
     #[test]

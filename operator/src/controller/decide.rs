@@ -299,11 +299,7 @@ pub fn decide(
         retrying,
         deployment: {
             let mut deployment = objects::worker_deployment(at.scg, spec, scaling.replicas)?;
-            objects::stamp_secret_versions(
-                &mut deployment,
-                observed.secret_versions.as_deref(),
-                observed.deployment.as_deref(),
-            );
+            objects::stamp_secrets_digest(&mut deployment, observed.secrets_digest.as_deref());
             deployment
         },
         cronjob: objects::recovery_cronjob(at.scg, spec, at.settings)?,
@@ -587,11 +583,7 @@ fn conflict(spec: &ValidSpec, at: &Situation<'_>, observed: &Observation, owner:
     let deployment = match observed.deployment {
         Some(_) => {
             let mut deployment = objects::worker_deployment(at.scg, spec, 0)?;
-            objects::stamp_secret_versions(
-                &mut deployment,
-                observed.secret_versions.as_deref(),
-                observed.deployment.as_deref(),
-            );
+            objects::stamp_secrets_digest(&mut deployment, observed.secrets_digest.as_deref());
             Some(deployment)
         }
         None => None,
@@ -976,22 +968,18 @@ mod tests {
     /// A rotated password (or client certificate) changes the pod template,
     /// so the workers, which read it once at start, are rolled.
     #[test]
-    fn the_worker_pods_carry_the_versions_of_the_secrets_they_read() {
+    fn the_worker_pods_carry_the_digest_of_the_secrets_they_read() {
         let annotation = |o: &Observation| {
             let plan = converge(run(&scg(), o));
             let template = plan.deployment.spec.unwrap().template.metadata.unwrap();
-            template.annotations.unwrap_or_default().get(objects::SECRET_VERSIONS_ANNOTATION).cloned()
+            template.annotations.unwrap_or_default().get(objects::SECRETS_DIGEST_ANNOTATION).cloned()
         };
         let mut o = observed(Some(snapshot(0, 0, &[])), Some(1));
-        assert_eq!(annotation(&o).as_deref(), Some("redis=7"));
-        o.secret_versions = Some("redis=8".into());
-        assert_eq!(annotation(&o).as_deref(), Some("redis=8"));
-        // The watch lost the Secret for a moment: the workers keep theirs.
-        let mut current = (*o.deployment.clone().unwrap()).clone();
-        objects::stamp_secret_versions(&mut current, Some("redis=8"), None);
-        o.deployment = Some(std::sync::Arc::new(current));
-        o.secret_versions = None;
-        assert_eq!(annotation(&o).as_deref(), Some("redis=8"));
+        assert_eq!(annotation(&o).as_deref(), Some("0123abcd"));
+        o.secrets_digest = Some("4567ef01".into());
+        assert_eq!(annotation(&o).as_deref(), Some("4567ef01"));
+        o.secrets_digest = None;
+        assert_eq!(annotation(&o), None, "no Secret named");
     }
 
     #[test]

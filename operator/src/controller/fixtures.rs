@@ -65,7 +65,7 @@ pub fn observed(group: Option<GroupSnapshot>, replicas: Option<i32>) -> Observat
         pods: vec![("orders-worker-a".to_string(), None)],
         claimants: Vec::new(),
         eviction: streamfleet_streams::version::Eviction::Never,
-        secret_versions: Some("redis=7".into()),
+        secrets_digest: Some("0123abcd".into()),
     }
 }
 

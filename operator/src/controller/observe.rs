@@ -49,11 +49,11 @@ pub struct Observation {
     pub claimants: Vec<Claimant>,
     /// Whether the server may evict keys (read at most once a minute).
     pub eviction: Eviction,
-    /// The resource versions of the Secrets `spec.redis` names
-    /// (`name=version`, sorted): stamped on the worker pods, so a rotated
-    /// password or client certificate rolls them. `None` when the watch
-    /// lost one: the workers keep the versions they have.
-    pub secret_versions: Option<String>,
+    /// A digest of the Secret values `spec.redis` names, as read for this
+    /// poll (`redis_endpoint::secrets_digest`): stamped on the worker pods,
+    /// so a rotated password or client certificate rolls them, and nothing
+    /// else about the Secrets (a label) does. `None`: no Secret named.
+    pub secrets_digest: Option<String>,
 }
 
 /// Where a retention policy wants to trim, and how low it safely may.
@@ -70,7 +70,7 @@ pub async fn observe(
     scg: &StreamConsumerGroup,
     spec: &ValidSpec,
 ) -> Result<(StreamConnection, Observation), Error> {
-    let endpoint = resolve_endpoint(ctx, scg, &spec.redis).await?;
+    let (endpoint, secrets_digest) = resolve_endpoint(ctx, scg, &spec.redis).await?;
     ctx.remember_endpoint(scg, &endpoint);
     let (conn, eviction) = ctx.connections.get_checked(&endpoint).await?;
     // Every shard at once: the requests share the multiplexed connection,
@@ -111,7 +111,7 @@ pub async fn observe(
         pods,
         claimants: ctx.claimants(scg, &endpoint),
         eviction,
-        secret_versions: ctx.secrets.versions(&ns, &crate::redis_endpoint::secret_keys(&spec.redis)),
+        secrets_digest,
     };
     Ok((conn, observation))
 }
@@ -218,21 +218,26 @@ async fn read_retention_bounds(
     bounds.await.inspect_err(|e| tracing::warn!(resource = %super::key(scg), error = %e, "retention bounds")).ok()
 }
 
-/// The endpoint `redis` names, its Secrets read through the Secret cache.
-async fn resolve_endpoint(ctx: &Context, scg: &StreamConsumerGroup, redis: &ValidRedis) -> Result<Endpoint, Error> {
+/// The endpoint `redis` names, its Secrets read through the Secret cache,
+/// and the digest of what was read.
+async fn resolve_endpoint(
+    ctx: &Context,
+    scg: &StreamConsumerGroup,
+    redis: &ValidRedis,
+) -> Result<(Endpoint, Option<String>), Error> {
     let namespace = scg.namespace().unwrap_or_default();
     let mut values = Vec::new();
     for r in crate::redis_endpoint::secret_keys(redis) {
         let value = ctx.secrets.read(&ctx.client, &namespace, &r).await?;
         values.push((r, value));
     }
-    crate::redis_endpoint::endpoint(redis, &values)
+    Ok((crate::redis_endpoint::endpoint(redis, &values)?, crate::redis_endpoint::secrets_digest(&values)))
 }
 
 /// The endpoint and a connection to it, for deletion (which needs no snapshot).
 pub async fn endpoint(ctx: &Context, scg: &StreamConsumerGroup) -> Result<(Endpoint, StreamConnection), Error> {
     let redis = super::validate::validate_redis(&scg.spec.redis)?;
-    let endpoint = resolve_endpoint(ctx, scg, &redis).await?;
+    let (endpoint, _) = resolve_endpoint(ctx, scg, &redis).await?;
     let conn = ctx.connections.get(&endpoint).await?;
     Ok((endpoint, conn))
 }

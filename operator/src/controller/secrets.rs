@@ -63,18 +63,6 @@ impl SecretCache {
         Ok(value)
     }
 
-    /// `name=resourceVersion` of each Secret `refs` name, sorted and
-    /// deduplicated, from the watch; `None` when it does not know one (gone
-    /// since it was read): no version to roll the workers onto.
-    pub fn versions(&self, namespace: &str, refs: &[SecretKeyRef]) -> Option<String> {
-        let names: std::collections::BTreeSet<&str> = refs.iter().map(|r| r.name.as_str()).collect();
-        let version =
-            |name: &str| self.metadata.get(&ObjectRef::new(name).within(namespace)).and_then(|m| m.resource_version());
-        let versions: Option<Vec<String>> =
-            names.into_iter().map(|name| version(name).map(|v| format!("{name}={v}"))).collect();
-        versions.map(|v| v.join(","))
-    }
-
     /// Forgets values whose Secret is gone, so a deleted Secret's data does
     /// not stay in memory.
     pub fn prune(&self) {
