@@ -206,22 +206,6 @@ pub struct RedisTls {
     pub client_cert_secret_ref: Option<SecretRef>,
 }
 
-impl RedisConnection {
-    /// Every Secret key this connection reads: the URL's, the password's,
-    /// the CA's and the client certificate's and key's.
-    pub fn secret_refs(&self) -> Vec<SecretKeyRef> {
-        let tls = self.tls.as_ref();
-        let client = tls.and_then(|t| t.client_cert_secret_ref.as_ref());
-        [self.url_secret_ref.clone(), self.password_secret_ref.clone(), tls.and_then(|t| t.ca_secret_ref.clone())]
-            .into_iter()
-            .flatten()
-            .chain(client.into_iter().flat_map(|c| {
-                [TLS_CERT_KEY, TLS_PRIVATE_KEY_KEY].map(|key| SecretKeyRef { name: c.name.clone(), key: key.into() })
-            }))
-            .collect()
-    }
-}
-
 /// The keys of a `kubernetes.io/tls` Secret.
 pub const TLS_CERT_KEY: &str = "tls.crt";
 pub const TLS_PRIVATE_KEY_KEY: &str = "tls.key";

@@ -72,9 +72,11 @@ impl SecretCache {
 }
 
 /// Whether `scg` references the Secret `name` (its URL, password, CA or
-/// client certificate).
+/// client certificate: the keys the resolver reads). A spec that does not
+/// validate reads none.
 pub fn references(scg: &StreamConsumerGroup, name: &str) -> bool {
-    scg.spec.redis.secret_refs().iter().any(|r| r.name == name)
+    super::validate::validate_redis(&scg.spec.redis)
+        .is_ok_and(|redis| crate::redis_endpoint::secret_keys(&redis).iter().any(|r| r.name == name))
 }
 
 /// Drops what the cache must not hold: annotations (see [`SecretMeta`]) and
