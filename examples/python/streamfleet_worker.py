@@ -174,8 +174,9 @@ return redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(due))
 # (naming its last holder) and a loss record in the same script, unless its
 # owner renewed a hold within min-idle-time (it has the entry in hand). Not XAUTOCLAIM: it drops
 # deleted IDs whatever their idle time (a live worker's trimmed entry). A
-# new server epoch (a restart, a failover) starts a wait of min-idle-time
-# with no claims: live holders renew their holds first.
+# new server epoch (a restart, a failover) or a silence of the whole group
+# (a stalled server) starts a wait of min-idle-time with no claims: live
+# holders renew their holds first.
 CLAIM = """
 local run = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)') or ''
 local repl = string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)') or ''
@@ -188,6 +189,16 @@ if seen[1] ~= epoch then
   return {'0-0', {}}
 end
 if now - tonumber(seen[2]) < tonumber(ARGV[3]) then return {'0-0', {}} end
+-- A silence of the whole group (a stalled server: no hold could be renewed
+-- through it) is a new epoch too: no claims for min-idle-time after it.
+local field = 'resumed:' .. KEYS[6]
+local resumed = tonumber(redis.call('HGET', KEYS[5], field) or '0') or 0
+if #redis.call('ZRANGEBYSCORE', KEYS[6], string.format('(%.0f', now - 1000), '+inf', 'LIMIT', 0, 1) == 0
+    and #redis.call('ZRANGEBYSCORE', KEYS[6], string.format('(%.0f', resumed), '+inf', 'LIMIT', 0, 1) > 0 then
+  redis.call('HSET', KEYS[5], field, string.format('%.0f', now))
+  return {'0-0', {}}
+end
+if now - resumed < tonumber(ARGV[3]) then return {'0-0', {}} end
 local page = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[3], ARGV[4], '+', ARGV[5])
 local existing = {}
 for _, p in ipairs(page) do

@@ -103,8 +103,16 @@ fn xclaim_lua() -> &'static str {
 /// epoch from its start (`uptime_in_seconds`), so a long-running server
 /// claims at once; an epoch that changed since claims last looked (a
 /// restart, a failover) dates from that first look, never earlier.
-pub fn claim_rules_lua() -> &'static str {
-    r"
+///
+/// A server that stalls without restarting (a slow `fsync` under
+/// `appendfsync always`, a long script, a paused VM) stops every hold too,
+/// and when it resumes a claim can run before the holders' renewals queued
+/// behind it. So a silence of the whole group (no consumer beat for
+/// `consumers::GROUP_SILENCE`, [`crate::consumers::silence_lua`]) counts as
+/// a new epoch from when it ended, for the group's claims.
+pub fn claim_rules_lua() -> String {
+    crate::consumers::silence_lua()
+        + r"
         local function claim_rules(epoch_key, dead_key, alive_key, min_idle)
             local server = redis.call('INFO', 'server')
             local run = string.match(server, 'run_id:(%w+)') or ''
@@ -128,7 +136,12 @@ pub fn claim_rules_lua() -> &'static str {
                 redis.call('HSET', epoch_key, 'epoch', epoch, 'since', string.format('%.0f', since))
             end
             local tracked = promoted and since or math.min(started, since)
-            local open = now - since >= min_idle
+            -- A silence of the whole group (a stalled server) stopped every
+            -- hold as a restart does: entries last renewed before it ended
+            -- wait min-idle-time after it.
+            local resumed = silence_ended(epoch_key, alive_key, now)
+            if resumed > tracked then tracked = resumed end
+            local open = now - math.max(since, resumed) >= min_idle
             local dead, seen_alive = {}, {}
             local function claimable(idle, owner)
                 idle = tonumber(idle) or 0
@@ -219,7 +232,8 @@ pub async fn claimable<C: ConnectionLike + Send>(
 /// back unstarted (`started`). KEYS: stream, server epoch, dead-consumer
 /// registry, alive registry, entry records. ARGV: group, claimer, min idle
 /// ms, deliveries at least, then per entry its ID, idle ms, owner and
-/// delivery count. Returns the IDs claimed, and those among them already
+/// delivery count as the caller saw them (the script goes by the PEL's own
+/// now). Returns the IDs claimed, and those among them already
 /// the claimer's (so run twice, by a client re-sending it, it returns them
 /// again rather than nothing). Sent with `EVAL` in a pipeline
 /// ([`claim_justid_command`]), as the dead-letter script is.
@@ -229,16 +243,22 @@ static CLAIM_JUSTID: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
         local claimable = claim_rules(KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[3]))
         local ids, mine = {{}}, {{}}
         for j = 5, #ARGV, 4 do
-            local id, n = ARGV[j], ARGV[j + 3]
-            local counted = tonumber(n)
-            if redis.call('HGET', KEYS[5], id .. ':run') == n .. ':back' then counted = counted - 1 end
+            -- Judged by what the PEL says now (owner, idle time, count),
+            -- not by the caller's look at it, which may predate a renewal,
+            -- a stall or a restart.
+            local id = ARGV[j]
             local held = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)[1]
-            if held and held[2] == ARGV[2] and #redis.call('XRANGE', KEYS[1], id, id) > 0 then
-                -- Already the claimer's (this script run before, its reply lost).
-                mine[#mine + 1] = id
-            elseif counted >= tonumber(ARGV[4]) and claimable(ARGV[j + 1], ARGV[j + 2])
-                and #redis.call('XRANGE', KEYS[1], id, id) > 0 then
-                ids[#ids + 1] = id
+            if held then
+                local n = string.format('%d', held[4])
+                local counted = held[4]
+                if redis.call('HGET', KEYS[5], id .. ':run') == n .. ':back' then counted = counted - 1 end
+                if held[2] == ARGV[2] and #redis.call('XRANGE', KEYS[1], id, id) > 0 then
+                    -- Already the claimer's (this script run before, its reply lost).
+                    mine[#mine + 1] = id
+                elseif counted >= tonumber(ARGV[4]) and claimable(held[3], held[2])
+                    and #redis.call('XRANGE', KEYS[1], id, id) > 0 then
+                    ids[#ids + 1] = id
+                end
             end
         end
         local claimed = xclaim(ARGV[2], ARGV[3], ids, {{ 'JUSTID' }})

@@ -43,18 +43,61 @@ pub const HEARTBEAT_EVERY: Duration = Duration::from_millis(500);
 /// dead: four heartbeats missed.
 pub const SILENT_FOR: Duration = Duration::from_secs(2);
 
-/// KEYS: the group's alive registry, its dead-consumer registry. ARGV:
-/// consumer. Records that the consumer is alive now (the server's ms), and
-/// takes it out of the dead registry if it was declared dead while it
-/// lived (its guard marks count again).
-static HEARTBEAT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
-    redis::Script::new(
+/// A silence of the whole group longer than this (no consumer beat or
+/// renewed a hold: two heartbeats missed by every one of them) means no
+/// holder could renew meanwhile: the server stalled (a slow `fsync` under
+/// `appendfsync always`, a long script, a paused VM) or every worker was
+/// away. Claims then wait min-idle-time before taking entries last renewed
+/// before it ([`silence_lua`]).
+pub const GROUP_SILENCE: Duration = Duration::from_millis(1000);
+const _: () = assert!(GROUP_SILENCE.as_millis() == 2 * HEARTBEAT_EVERY.as_millis());
+
+/// Lua shared by every script that records a consumer alive and by the
+/// claim rules: `silence_ended(epoch_key, alive_key, now)` returns when
+/// the group's last silence longer than [`GROUP_SILENCE`] ended, as far as
+/// claims know (the server's ms; 0 for none), and records it beside the
+/// server epoch (`resumed:<alive key>`) when this call is the first to see
+/// it: no beat in the alive registry within the silence, and some beat
+/// since the last silence recorded (a group nobody beats in any more is one
+/// silence, not one per look; a group nobody ever beat in has none).
+/// Whoever runs first after a stall sees it (a heartbeat, a hold, a claim),
+/// before the next beat hides it. Only commands the ACL already grants.
+pub fn silence_lua() -> String {
+    format!(
         r"
+        local function silence_ended(epoch_key, alive_key, now)
+            local field = 'resumed:' .. alive_key
+            local resumed = tonumber(redis.call('HGET', epoch_key, field) or '0') or 0
+            local recent = redis.call('ZRANGEBYSCORE', alive_key, string.format('(%.0f', now - {silence}), '+inf', 'LIMIT', 0, 1)
+            if #recent == 0 then
+                local since = redis.call('ZRANGEBYSCORE', alive_key, string.format('(%.0f', resumed), '+inf', 'LIMIT', 0, 1)
+                if #since > 0 then
+                    redis.call('HSET', epoch_key, field, string.format('%.0f', now))
+                    return now
+                end
+            end
+            return resumed
+        end
+        ",
+        silence = GROUP_SILENCE.as_millis()
+    )
+}
+
+/// KEYS: the group's alive registry, its dead-consumer registry, the
+/// stream's server epoch. ARGV: consumer. Records that the consumer is
+/// alive now (the server's ms), after noting a silence of the whole group
+/// it ends ([`silence_lua`]), and takes it out of the dead registry if it
+/// was declared dead while it lived (its guard marks count again).
+static HEARTBEAT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(&format!(
+        r"{}
         local t = redis.call('TIME')
         local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+        silence_ended(KEYS[3], KEYS[1], now)
         redis.call('ZADD', KEYS[1], string.format('%.0f', now), ARGV[1])
         return redis.call('ZREM', KEYS[2], ARGV[1])",
-    )
+        silence_lua()
+    ))
 });
 
 /// Tells `stream`'s group that `consumer` is alive now (`keys::alive_key`).
@@ -68,6 +111,7 @@ pub async fn heartbeat<C: ConnectionLike + Send>(
     let revived: i64 = HEARTBEAT
         .key(crate::keys::alive_key(stream, group))
         .key(crate::keys::dead_consumers_key(stream, group))
+        .key(crate::keys::server_epoch_key(stream))
         .arg(consumer)
         .invoke_async(conn)
         .await

@@ -18,22 +18,24 @@
 use streamfleet_streams::retention::StreamId;
 use streamfleet_streams::{StreamConnection, StreamError};
 
-/// KEYS: stream, the group's alive registry, then the marks of the entries
-/// that have one (in order). ARGV: group, consumer, mark TTL ms, then per
-/// entry: ID, mark ('' for none). Records that this consumer renewed a hold
-/// now (`keys::alive_key`: an entry whose payload is gone cannot have its
-/// idle time reset, and claims must not call it lost while its holder
-/// lives). Returns per entry 1 when still ours. An entry whose payload is
-/// gone is not touched (an `XCLAIM` would drop it from the PEL without a
-/// record).
+/// KEYS: stream, the group's alive registry, the stream's server epoch,
+/// then the marks of the entries that have one (in order). ARGV: group,
+/// consumer, mark TTL ms, then per entry: ID, mark ('' for none). Records
+/// that this consumer renewed a hold now (`keys::alive_key`: an entry whose
+/// payload is gone cannot have its idle time reset, and claims must not
+/// call it lost while its holder lives), after noting a silence of the
+/// whole group it ends (`consumers::silence_lua`). Returns per entry 1 when
+/// still ours. An entry whose payload is gone is not touched (an `XCLAIM`
+/// would drop it from the PEL without a record).
 static EXTEND: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
-    redis::Script::new(
-        r"
+    redis::Script::new(&format!(
+        r"{}
         local t = redis.call('TIME')
         local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+        silence_ended(KEYS[3], KEYS[2], now)
         redis.call('ZADD', KEYS[2], string.format('%.0f', now), ARGV[2])
         redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', string.format('(%.0f', now - 86400000))
-        local out, m = {}, 3
+        local out, m = {{}}, 4
         for j = 4, #ARGV, 2 do
             local id, mark = ARGV[j], ARGV[j + 1]
             local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
@@ -57,7 +59,8 @@ static EXTEND: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
             out[#out + 1] = ours and 1 or 0
         end
         return out",
-    )
+        streamfleet_streams::consumers::silence_lua()
+    ))
 });
 
 /// KEYS: stream, the group's last-error hash, then per entry to complete
@@ -183,6 +186,7 @@ impl Lease<'_> {
         script
             .key(self.stream)
             .key(streamfleet_streams::keys::alive_key(self.stream, self.group))
+            .key(streamfleet_streams::keys::server_epoch_key(self.stream))
             .arg(self.group)
             .arg(self.consumer)
             .arg(mark_ttl_ms);

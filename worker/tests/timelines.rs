@@ -93,6 +93,60 @@ async fn a_redis_restart_longer_than_min_idle_hands_no_live_holders_entry_to_ano
     Ok(())
 }
 
+/// Redis stalls without restarting (a slow `fsync` under `appendfsync
+/// always`, a long script, a paused VM) for longer than min-idle-time less
+/// the hold's renewal interval, while a worker runs an entry. No hold can
+/// be renewed meanwhile and the PEL's idle times keep counting; when the
+/// server resumes, a claim queued behind the stall runs before the
+/// holder's renewal. Before the fix that claim took the entry, and another
+/// consumer ran it again while its holder lived (the 10,000-order drill's
+/// intermittent "charged again while the first charger lived"). Now the
+/// group's silence counts as a new epoch: claims wait min-idle-time after
+/// it, the holder renews and acks, and the entry runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_stall_longer_than_min_idle_hands_no_live_holders_entry_to_another() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    let id = add(&mut conn, &[("kind", "nap"), ("nap_ms", "2500"), ("key", "k")]).await?;
+    let min_idle_ms = 3000;
+    let mut cfg = config(&server, "a", min_idle_ms, 5);
+    cfg.batch_size = 1;
+    let handler = Scripted::default();
+    let (stop, running) = spawn(Worker::new(cfg, handler.clone()).with_idempotency_guard(Duration::from_secs(600)));
+    streamfleet_testbed::eventually("the handler runs", T, || async { Ok((handler.calls(&id) == 1).then_some(())) })
+        .await?;
+
+    // A 3.5 s stall (a script that keeps the server busy), and queued right
+    // behind it on the same connection another consumer's claim: the first
+    // command the server runs when it resumes.
+    let stall = redis::cmd("EVAL")
+        .arg(
+            "local function ms() local t = redis.call('TIME') return t[1] * 1000 + t[2] / 1000 end
+             local from = ms()
+             while ms() - from < tonumber(ARGV[1]) do end
+             return 1",
+        )
+        .arg(0)
+        .arg(3500)
+        .clone();
+    let claim =
+        streamfleet_streams::claim::claim_justid_command("orders", "g", "b", min_idle_ms, 1, &[(&id, 0, "a", 1)]);
+    let mut stalled = server.connection().await?;
+    stalled.set_response_timeout(Duration::from_secs(30));
+    let (_, claimed): (i64, Vec<String>) =
+        redis::pipe().add_command(stall).add_command(claim).query_async(&mut stalled).await?;
+    let taken = claims_by_another(&server.url(), Duration::from_millis(min_idle_ms), Duration::from_secs(4)).await?;
+    streamfleet_testbed::eventually("the holder acks it", T, || async {
+        Ok((pending(&mut conn.clone()).await? == 0).then_some(()))
+    })
+    .await?;
+    let _ = stop.send(());
+    running.await??;
+    assert!(claimed.is_empty(), "the claim behind the stall took the live holder's entry: {claimed:?}");
+    assert!(taken.is_empty(), "another consumer claimed the live holder's entry: {taken:?}");
+    assert_eq!(handler.calls(&id), 1, "the entry ran once");
+    Ok(())
+}
+
 /// A producer trims by length (`XADD … MAXLEN`, here `XTRIM MAXLEN 0`)
 /// while a live worker has a batch in hand: one entry running, three queued
 /// for longer than min-idle-time. Before the fix another consumer's claim

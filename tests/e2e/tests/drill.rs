@@ -369,7 +369,10 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
     let orders_asked = orders;
     let seconds: u64 = std::env::var("DRILL_SECONDS").ok().and_then(|v| v.parse().ok()).unwrap_or(60);
     let helm: &[&str] = if plan.infrastructure { &["--set", "replicaCount=2"] } else { &[] };
-    let mut f = Fixture::start_with_redis(namespace, helm, &["--appendonly", "yes", "--appendfsync", "always"]).await?;
+    // (Stalls of the server, an `fsync` under `appendfsync always` say, are
+    // shown at the end: no hold can be renewed through one.)
+    let redis_args = ["--appendonly", "yes", "--appendfsync", "always", "--latency-monitor-threshold", "100"];
+    let mut f = Fixture::start_with_redis(namespace, helm, &redis_args).await?;
     let (client, ns) = (f.client.clone(), f.ns.name.clone());
     let mut conn = f.conn.clone();
     streamfleet_streams::ensure_group(&mut conn, "orders", "billing", "0").await?;
@@ -703,6 +706,10 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
         .collect();
     let duplicate_effects: Vec<(&String, Option<&String>)> =
         repeats.into_iter().filter(|(order, _)| !in_flight_at_crash(order)).collect();
+    // The server's longest stall since its restart (`LATENCY LATEST`: event,
+    // when, latest ms, longest ms).
+    let stalls: Vec<(String, u64, u64, u64)> = redis::cmd("LATENCY").arg("LATEST").query_async(&mut conn).await?;
+    let longest_stall = stalls.iter().max_by_key(|s| s.3).map(|(event, _, _, ms)| format!("{ms} ms ({event})"));
     let absorbed = suppressed.unwrap_or(0) + refused.values().sum::<u64>();
     println!(
         "drill (guard {}): {orders} orders over {seconds} s ({} poison, {} payload-lost of which {} charged first by a \
@@ -712,7 +719,8 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
          leading operator SIGKILLed: {}; fault phase ended at {faults_done:?}; transient failures: {}; charged by the slow worker: {slow_charges}; duplicate \
          deliveries absorbed: {absorbed} (guard suppressed {}, ledger refused {}, of which by the first charger's own consumer \
          name, a retry after a lost reply or its restarted process: {}; of charges in flight at the Redis crash: {crash_repeats}); \
-         deaths caused by the killer order before its crashed-worker letter: {}; duplicate effects: {}",
+         deaths caused by the killer order before its crashed-worker letter: {}; longest Redis stall since its restart: {}; \
+         duplicate effects: {}",
         if plan.guard { "on" } else { "off" },
         poison.len(),
         lost.len(),
@@ -730,10 +738,19 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
         refused.values().sum::<u64>(),
         own_retries.values().sum::<u64>(),
         aborts.len(),
+        longest_stall.as_deref().unwrap_or("none over 100 ms"),
         duplicate_effects.len()
     );
     // Every fault happened.
-    assert!(duplicate_effects.is_empty(), "charged again while the first charger lived: {duplicate_effects:?}");
+    let timed: Vec<String> = duplicate_effects
+        .iter()
+        .map(|(order, by)| format!("{order} {by:?} {:?} {:?}", charged_at.get(*order), repeated_at.get(*order)))
+        .collect();
+    assert!(
+        duplicate_effects.is_empty(),
+        "charged again while the first charger lived (order, first charger, charged at, repeated at; Redis crashed at \
+         {crashed_at_ms:?}; its longest stall since: {longest_stall:?}): {timed:?}"
+    );
     assert!(false_losses.is_empty(), "recorded lost though charged by a holder that lived on: {false_losses:?}");
     assert!(
         trim_until <= first || !completed_after_trim.is_empty(),
