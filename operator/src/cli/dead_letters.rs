@@ -10,7 +10,7 @@ use super::{ConsoleClient, Output, print};
 use crate::console::letters::{Action, Letters};
 use crate::console::wire::{ActionRequest, ActionResult, FilterSpec, Letter, LetterList, LetterStats};
 use anyhow::{Context as _, Result, bail};
-use streamfleet_streams::{Endpoint, Mode, StreamConnection};
+use streamfleet_streams::{ClientTls, Endpoint, Mode, StreamConnection};
 
 #[derive(clap::Args)]
 pub struct DeadLetterArgs {
@@ -36,6 +36,13 @@ pub struct DeadLetterArgs {
     /// Break-glass: PEM CA bundle that signs a `rediss://` server's certificate.
     #[arg(long, global = true)]
     ca_file: Option<std::path::PathBuf>,
+    /// Break-glass: PEM client certificate, for a server that asks for one
+    /// (`tls-auth-clients yes`); with `--client-key-file`.
+    #[arg(long, global = true, requires = "client_key_file")]
+    client_cert_file: Option<std::path::PathBuf>,
+    /// Break-glass: the client certificate's PEM private key.
+    #[arg(long, global = true, requires = "client_cert_file")]
+    client_key_file: Option<std::path::PathBuf>,
     /// Break-glass: the dead-letter stream, e.g. `{orders}:dead:billing`.
     #[arg(long, global = true, env = "STREAMFLEET_DEAD_LETTER_STREAM")]
     dead_letter_stream: Option<String>,
@@ -188,13 +195,22 @@ impl Backend {
             .clone()
             .context("say which pipeline: --pipeline NAMESPACE/NAME (or, break-glass, --redis-url)")?;
         let stream = args.dead_letter_stream.clone().context("--dead-letter-stream (or --pipeline)")?;
-        let ca_pem = match &args.ca_file {
-            Some(path) => Some(std::fs::read(path).with_context(|| format!("--ca-file {}", path.display()))?),
-            None => None,
+        let read = |flag: &str, path: &Option<std::path::PathBuf>| match path {
+            Some(path) => std::fs::read(path).with_context(|| format!("{flag} {}", path.display())).map(Some),
+            None => Ok(None),
+        };
+        let ca_pem = read("--ca-file", &args.ca_file)?;
+        let client_tls = match (
+            read("--client-cert-file", &args.client_cert_file)?,
+            read("--client-key-file", &args.client_key_file)?,
+        ) {
+            (Some(cert_pem), Some(key_pem)) => Some(ClientTls { cert_pem, key_pem }),
+            _ => None,
         };
         let mode = if args.cluster { Mode::Cluster } else { Mode::Standalone };
         let endpoint = Endpoint {
             ca_pem,
+            client_tls,
             username: args.redis_username.clone(),
             password: args.redis_password.clone(),
             ..Endpoint::new(url, mode)

@@ -131,6 +131,48 @@ async fn a_sharded_pipeline_on_a_cluster_runs_every_shard_grows_under_load_and_n
     }
     assert_eq!(ledger.len(), 2300 - poison - more);
 
+    // A producer retrying orders it sent before the growth: a second event
+    // of each key, now on its shard among 6, which for about half of them
+    // is another shard with its own fence counter. The fenced ledger keeps
+    // the largest fence per order and refuses a smaller one: fences must
+    // only go up, or it refuses every new holder of a moved key until the
+    // entry is dead-lettered. Each retry runs (another event), and the
+    // ledger refuses it as a second charge, not as a stale holder.
+    // (The last orders sent with 3 shards: their old shards' counters were
+    // at their highest, the new shards' counters are far lower.)
+    let resent: Vec<usize> = (1200..1300).filter(|i| i % 100 != 42).collect();
+    let moved = resent
+        .iter()
+        .filter(|i| {
+            let key = i.to_string();
+            streamfleet_streams::shard::shard_of(&key, 3) != streamfleet_streams::shard::shard_of(&key, 6)
+        })
+        .count();
+    assert!(moved > 0, "some retried orders moved to another shard");
+    for &i in &resent {
+        let (order, amount) = (i.to_string(), (100 + i).to_string());
+        send(&mut conn, "orders", 6, &order, &[("order_id", order.as_bytes()), ("amount_cents", amount.as_bytes())])
+            .await?;
+    }
+    // (Ends early on a refusal as a stale holder: it would repeat until
+    // the entry is dead-lettered.)
+    let stale_fences = eventually("the retried orders refused as second charges", T, || async {
+        let faults: std::collections::HashMap<String, u64> =
+            redis::cmd("HGETALL").arg("{ledger}:faults").query_async(&mut c.clone()).await?;
+        let stale = faults.get("stale-fence").copied().unwrap_or(0);
+        let refused: std::collections::HashMap<String, u64> =
+            redis::cmd("HGETALL").arg("{ledger}:duplicates").query_async(&mut c.clone()).await?;
+        let done = resent.iter().all(|i| refused.get(&i.to_string()).is_some_and(|n| *n >= 1));
+        Ok((stale > 0 || (done && settled(&mut c.clone(), 6).await?.2 == 0)).then_some(stale))
+    })
+    .await?;
+    assert_eq!(stale_fences, 0, "a fence went backwards after the growth ({moved} retried orders moved shard)");
+    assert_eq!(
+        settled(&mut c, 6).await?,
+        (2300 - poison - more, poison + more, 0),
+        "no retried order charged again or dead-lettered"
+    );
+
     // The tools on the cluster, per shard: a sweep over every shard, and a
     // replay of one shard's dead letters back to that shard.
     let url = cluster.urls()[0].clone();
