@@ -48,8 +48,9 @@ const MAX_DELIVERIES: u32 = 4;
 const BATCH_SIZE: u32 = 50;
 /// Chance of a simulated gateway timeout per charge.
 const TRANSIENT_PERCENT: u32 = 3;
-/// Chance of a stall per charge.
-const STALL_PERCENT: f64 = 0.3;
+/// Chance of a stall per charge: often enough that the aimed kills, which
+/// wait for one, land while the orders are produced.
+const STALL_PERCENT: f64 = 1.0;
 /// Pending entries whose payloads the outside trim deletes.
 const TRIMMED: usize = 25;
 /// A stall after the charge, before the ack: 0.8 × min-idle-time, so an
@@ -450,7 +451,11 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
     let mut step = 0;
     let mut top_ups = Vec::new();
     while step < schedule.len() || observed.aimed_landed.len() < plan.aimed_kills {
-        tokio::time::sleep(gap).await;
+        // (Once the schedule is done, aimed kills follow one another: each
+        // waits for a stall of its own.)
+        if step < schedule.len() {
+            tokio::time::sleep(gap).await;
+        }
         // Aimed kills go between the scheduled faults until enough have landed.
         if observed.aimed_landed.len() < plan.aimed_kills && (step % aim_every == 0 || step >= schedule.len()) {
             // Stalls come only from orders being handled: once production is
