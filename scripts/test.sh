@@ -74,11 +74,22 @@ bash scripts/install-deps.sh
 step "shellcheck (the project's scripts)"
 shellcheck -S style scripts/*.sh .ci/run
 
+# The worker library without its `admin` feature builds, lints clean and
+# carries no HTTP stack.
+worker_without_admin() {
+  cargo clippy -p streamfleet-worker --lib --no-default-features --locked -- -D warnings
+  if cargo tree -p streamfleet-worker --no-default-features -e normal --locked | grep -E '^.*(axum|hyper) v'; then
+    echo "streamfleet-worker without its admin feature still depends on an HTTP stack" >&2
+    return 1
+  fi
+}
+
 if [[ "${1:-}" == "--quick" ]]; then
   step "cargo fmt --check"
   cargo fmt --all -- --check
   step "cargo clippy"
   cargo clippy --workspace --all-targets --locked -- -D warnings
+  worker_without_admin
   step "unit and Redis-level integration tests"
   RUST_TEST_THREADS=${RUST_TEST_THREADS:-4} cargo test --locked --no-fail-fast \
     -p streamfleet-contract -p streamfleet-crd -p streamfleet-streams -p streamfleet-process \
@@ -99,6 +110,7 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo clippy -p streamfleet-worker --all-targets --features failpoints --locked -- -D warnings
 # crdgen (the committed CRD YAML) is built only with its feature.
 cargo clippy -p streamfleet-crd --all-targets --features crdgen --locked -- -D warnings
+worker_without_admin
 
 step "no unused dependencies (cargo machete)"
 cargo machete

@@ -16,31 +16,13 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::net::TcpListener;
 
 /// The content type of what `prometheus-client` renders: OpenMetrics text
 /// (counters end in `_total`, the exposition in `# EOF`).
 pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// What `/readyz` answers: a cheap, cloneable handle the process flips.
-#[derive(Clone, Debug, Default)]
-pub struct Readiness(Arc<AtomicBool>);
-
-impl Readiness {
-    /// A handle that starts out ready (`true`) or not.
-    pub fn new(ready: bool) -> Self {
-        Self(Arc::new(AtomicBool::new(ready)))
-    }
-
-    pub fn set(&self, ready: bool) {
-        self.0.store(ready, Ordering::Relaxed);
-    }
-
-    pub fn is_ready(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
-    }
-}
+pub use crate::Readiness;
 
 type Render = Arc<dyn Fn() -> String + Send + Sync>;
 
@@ -82,7 +64,7 @@ async fn render_metrics(State(admin): State<Admin>) -> impl IntoResponse {
 mod tests {
     use super::*;
     use std::net::SocketAddr;
-    use std::sync::atomic::AtomicU64;
+    use std::sync::atomic::{AtomicU64, Ordering};
     use std::time::Duration;
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     use tokio::net::TcpStream;

@@ -148,6 +148,7 @@ impl Stats {
 
     /// Serves `render()` at `/metrics`, with `/healthz` and `/readyz` (as
     /// `readiness` says), on `listener` until the task is dropped.
+    #[cfg(feature = "admin")]
     pub async fn serve(
         self: std::sync::Arc<Self>,
         listener: tokio::net::TcpListener,

@@ -318,6 +318,7 @@ impl<H: Handler> Worker<H> {
     /// `/metrics`, `/healthz` and `/readyz` on `STREAMFLEET_METRICS_ADDR`,
     /// when the pod template sets it. A worker told to serve them that
     /// cannot does not start: its probes would fail with no reason given.
+    #[cfg(feature = "admin")]
     async fn serve_admin(&self) -> Result<Option<AdminServer>, WorkerError> {
         let Some(addr) = &self.config.metrics_addr else { return Ok(None) };
         let listener =
@@ -328,6 +329,17 @@ impl<H: Handler> Worker<H> {
                 tracing::warn!(error = %e, "metrics server");
             }
         }))))
+    }
+
+    /// Built without the `admin` feature: no HTTP stack to serve them with.
+    #[cfg(not(feature = "admin"))]
+    async fn serve_admin(&self) -> Result<Option<AdminServer>, WorkerError> {
+        match &self.config.metrics_addr {
+            None => Ok(None),
+            Some(addr) => Err(WorkerError::Admin(format!(
+                "{addr}: this worker was built without the `admin` feature of streamfleet-worker"
+            ))),
+        }
     }
 
     /// The consume loop. A failing step (Redis unreachable, the group gone
