@@ -74,12 +74,17 @@ bash scripts/install-deps.sh
 step "shellcheck (the project's scripts)"
 shellcheck -S style scripts/*.sh .ci/run
 
-# The worker library without its `admin` feature builds, lints clean and
-# carries no HTTP stack.
-worker_without_admin() {
+# The crates users embed carry only what they need: the worker library
+# without its `admin` feature builds, lints clean and has no HTTP stack; the
+# CRD crate has no Kubernetes client.
+lean_crates() {
   cargo clippy -p streamfleet-worker --lib --no-default-features --locked -- -D warnings
-  if cargo tree -p streamfleet-worker --no-default-features -e normal --locked | grep -E '^.*(axum|hyper) v'; then
+  if cargo tree -p streamfleet-worker --no-default-features -e normal --locked | grep -E '(axum|hyper) v'; then
     echo "streamfleet-worker without its admin feature still depends on an HTTP stack" >&2
+    return 1
+  fi
+  if cargo tree -p streamfleet-crd -e normal --locked | grep -E '(kube-client|kube-runtime|hyper) v'; then
+    echo "streamfleet-crd depends on a Kubernetes client" >&2
     return 1
   fi
 }
@@ -89,7 +94,7 @@ if [[ "${1:-}" == "--quick" ]]; then
   cargo fmt --all -- --check
   step "cargo clippy"
   cargo clippy --workspace --all-targets --locked -- -D warnings
-  worker_without_admin
+  lean_crates
   step "unit and Redis-level integration tests"
   RUST_TEST_THREADS=${RUST_TEST_THREADS:-4} cargo test --locked --no-fail-fast \
     -p streamfleet-contract -p streamfleet-crd -p streamfleet-streams -p streamfleet-process \
@@ -110,7 +115,7 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo clippy -p streamfleet-worker --all-targets --features failpoints --locked -- -D warnings
 # crdgen (the committed CRD YAML) is built only with its feature.
 cargo clippy -p streamfleet-crd --all-targets --features crdgen --locked -- -D warnings
-worker_without_admin
+lean_crates
 
 step "no unused dependencies (cargo machete)"
 cargo machete
