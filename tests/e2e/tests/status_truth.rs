@@ -133,6 +133,19 @@ async fn a_redis_outage_reads_unknown_with_figures_cleared_then_heals() -> Resul
     .await?;
     let table = run_ok(f.bed, "kubectl", &["get", "scg", "p", "-n", &ns], None).await?;
     assert!(table.lines().next().is_some_and(|h| h.contains("DELAY")), "{table}");
+    // `-o wide` shows how long the oldest pending entry has been idle as an
+    // age (`5s`, `2m3s`), from the time it went idle, not raw milliseconds.
+    let since = scgs.get("p").await?.status.and_then(|s| s.oldest_pending_idle_since).map(|t| t.0.as_second());
+    assert!(since.is_some_and(|t| t >= i64::try_from(ms / 1000).unwrap_or(0) - 1), "oldestPendingIdleSince {since:?}");
+    let wide = run_ok(f.bed, "kubectl", &["get", "scg", "p", "-n", &ns, "-o", "wide"], None).await?;
+    let (header, row) = (wide.lines().next().unwrap_or_default(), wide.lines().nth(1).unwrap_or_default());
+    let at = header.find("OLDEST").expect("an OLDEST column");
+    let age = row.get(at..).unwrap_or_default().split_whitespace().next().unwrap_or_default();
+    // (Digits with units, ending in one: raw seconds would be digits alone.)
+    let is_age = age.chars().next().is_some_and(|c| c.is_ascii_digit())
+        && age.chars().all(|c| c.is_ascii_digit() || "smhdy".contains(c))
+        && age.ends_with(|c: char| "smhdy".contains(c));
+    assert!(is_age, "OLDEST is {age:?}: {wide}");
 
     f.redis.stop();
     let stopped = Instant::now();
