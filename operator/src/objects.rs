@@ -160,19 +160,28 @@ pub fn contract_env(scg: &StreamConsumerGroup, valid: &ValidSpec, mode: &str) ->
     if valid.streams.len() == 1 {
         out.push(value(env::DEAD_LETTER_STREAM, valid.dead_letter_stream.clone()));
     }
-    if let Some(username) = &redis.username {
-        out.push(value(env::REDIS_USERNAME, username.clone()));
-    }
-    if let Some(password) = &redis.password {
-        out.push(secret(env::REDIS_PASSWORD, password));
-    }
-    if let Some(ca) = &redis.ca {
-        out.push(secret(env::REDIS_CA_PEM, ca));
-    }
-    if let Some(name) = &redis.client_cert {
-        let key = |key: &str| streamfleet_crd::SecretKeyRef { name: name.clone(), key: key.into() };
-        out.push(secret(env::REDIS_CLIENT_CERT_PEM, &key(streamfleet_crd::TLS_CERT_KEY)));
-        out.push(secret(env::REDIS_CLIENT_KEY_PEM, &key(streamfleet_crd::TLS_PRIVATE_KEY_KEY)));
+    // What the spec does not give is set empty (unset, to the worker), so
+    // an `envFrom` in the pod template cannot supply it: an explicit `env`
+    // entry wins over `envFrom`, and how to reach Redis is the spec's alone.
+    out.push(value(env::REDIS_USERNAME, redis.username.clone().unwrap_or_default()));
+    out.push(match &redis.password {
+        Some(password) => secret(env::REDIS_PASSWORD, password),
+        None => value(env::REDIS_PASSWORD, String::new()),
+    });
+    out.push(match &redis.ca {
+        Some(ca) => secret(env::REDIS_CA_PEM, ca),
+        None => value(env::REDIS_CA_PEM, String::new()),
+    });
+    match &redis.client_cert {
+        Some(name) => {
+            let key = |key: &str| streamfleet_crd::SecretKeyRef { name: name.clone(), key: key.into() };
+            out.push(secret(env::REDIS_CLIENT_CERT_PEM, &key(streamfleet_crd::TLS_CERT_KEY)));
+            out.push(secret(env::REDIS_CLIENT_KEY_PEM, &key(streamfleet_crd::TLS_PRIVATE_KEY_KEY)));
+        }
+        None => {
+            out.push(value(env::REDIS_CLIENT_CERT_PEM, String::new()));
+            out.push(value(env::REDIS_CLIENT_KEY_PEM, String::new()));
+        }
     }
     if let Some(n) = spec.worker.concurrency {
         out.push(value(env::CONCURRENCY, n.to_string()));
@@ -541,7 +550,11 @@ mod tests {
         assert!(pod.containers[0].env.is_none(), "the sidecar is untouched");
         let env = env_of(&pod.containers[1]);
         assert_eq!(env["OWN"].value.as_deref(), Some("1"));
-        assert!(!env.contains_key(env::REDIS_PASSWORD), "how to reach Redis is the spec's alone");
+        // How to reach Redis is the spec's alone: what it does not give is
+        // set empty, so neither the template's env nor an envFrom supplies it.
+        for name in [env::REDIS_USERNAME, env::REDIS_PASSWORD, env::REDIS_CA_PEM, env::REDIS_CLIENT_CERT_PEM] {
+            assert_eq!((env[name].value.as_deref(), env[name].value_from.is_none()), (Some(""), true), "{name}");
+        }
         assert_eq!(env[env::GROUP].value.as_deref(), Some("billing"), "the contract wins over the user's value");
         assert_eq!(env[env::STREAMS].value.as_deref(), Some("orders"));
         assert_eq!(env[env::DEAD_LETTER_STREAM].value.as_deref(), Some("{orders}:dead:billing"));
@@ -560,7 +573,7 @@ mod tests {
             "the pod UID makes the consumer name unforgeable"
         );
         assert_eq!(env[env::DRAIN_TIMEOUT_MS].value.as_deref(), Some("27000"), "30 s grace less the margin");
-        assert!(!env.contains_key(env::REDIS_CA_PEM));
+        assert_eq!(env[env::REDIS_CLIENT_KEY_PEM].value.as_deref(), Some(""));
     }
 
     /// The chart's worker PodMonitor selects labels every worker pod has.

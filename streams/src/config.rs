@@ -135,7 +135,11 @@ impl WorkerConfig {
                 why: format!("set without {}: Redis authenticates a user by its password", env::REDIS_PASSWORD),
             });
         }
-        let client_tls = match (get(env::REDIS_CLIENT_CERT_PEM), get(env::REDIS_CLIENT_KEY_PEM)) {
+        // Set empty is unset: the operator sets every variable of how to
+        // reach Redis that the spec does not give to "", so that an
+        // `envFrom` cannot supply it.
+        let present = |name: &'static str| get(name).filter(|v| !v.trim().is_empty());
+        let client_tls = match (present(env::REDIS_CLIENT_CERT_PEM), present(env::REDIS_CLIENT_KEY_PEM)) {
             (None, None) => None,
             (Some(cert), Some(key)) => Some(ClientTls { cert_pem: cert.into_bytes(), key_pem: key.into_bytes() }),
             (Some(_), None) => return Err(ConfigError::Missing(env::REDIS_CLIENT_KEY_PEM)),
@@ -145,7 +149,7 @@ impl WorkerConfig {
             endpoint: Endpoint {
                 url: required(env::REDIS_URL)?.trim().to_string(),
                 mode,
-                ca_pem: get(env::REDIS_CA_PEM).map(String::into_bytes),
+                ca_pem: present(env::REDIS_CA_PEM).map(String::into_bytes),
                 username: get(env::REDIS_USERNAME).filter(|u| !u.is_empty()),
                 password,
                 client_tls,
