@@ -15,8 +15,8 @@ pub struct Claimed {
     pub deleted: Vec<String>,
     /// Cursor for the next step; `0-0` once the whole PEL was scanned.
     pub next: String,
-    /// Some idle entries were left because the server restarted or failed
-    /// over less than min-idle-time ago and their holders may still renew
+    /// Some idle entries were left because the server restarted, failed
+    /// over or stalled less than min-idle-time ago and their holders may still renew
     /// (`claim_rules_lua`). Try again later.
     pub deferred: bool,
 }
@@ -136,17 +136,21 @@ pub fn claim_rules_lua() -> String {
                 redis.call('HSET', epoch_key, 'epoch', epoch, 'since', string.format('%.0f', since))
             end
             local tracked = promoted and since or math.min(started, since)
+            local open = now - since >= min_idle
             -- A silence of the whole group (a stalled server) stopped every
-            -- hold as a restart does: entries last renewed before it ended
-            -- wait min-idle-time after it.
-            local resumed = silence_ended(epoch_key, alive_key, now)
-            if resumed > tracked then tracked = resumed end
-            local open = now - math.max(since, resumed) >= min_idle
+            -- hold as a restart does: an entry that became claimable during
+            -- it (last renewed before it ended, and not yet claimable when
+            -- it began) waits min-idle-time after it.
+            local resumed, quiet_from = silence_ended(epoch_key, alive_key, now)
+            local heard = now - resumed >= min_idle
             local dead, seen_alive = {}, {}
             local function claimable(idle, owner)
                 idle = tonumber(idle) or 0
                 if idle < min_idle then return false end
-                if open or now - idle >= tracked then return true end
+                local last = now - idle
+                local epoch_ok = open or last >= tracked
+                local silence_ok = heard or last >= resumed or last + min_idle <= quiet_from
+                if epoch_ok and silence_ok then return true end
                 if dead[owner] == nil then dead[owner] = redis.call('ZSCORE', dead_key, owner) ~= false end
                 return dead[owner]
             end
@@ -185,7 +189,7 @@ static CLAIMABLE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(
 /// Whether a page's entry may be claimed ([`claimable`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Claimability {
-    /// Not now: its holder may still renew after a restart or failover.
+    /// Not now: its holder may still renew after a restart, a failover or a stall.
     Deferred,
     Claimable,
     /// Claimable, but its owner renewed a hold within min-idle-time: if its
@@ -356,7 +360,7 @@ fn take_lua() -> &'static str {
 /// without a payload are recorded lost naming their last holder, the rest
 /// claimed (`XCLAIM` with the same min idle: atomic here anyway), counted
 /// or not as their started record says (`take_lua`). Entries not claimable
-/// yet after a restart or failover ([`claim_rules_lua`]) are neither
+/// yet after a restart, a failover or a stall ([`claim_rules_lua`]) are neither
 /// claimed nor checked for their payload.
 /// Returns: next cursor (`0-0` when done), the claimed entries, the lost
 /// IDs, each claimed entry's delivery count (this claim included) and crash
@@ -497,7 +501,7 @@ pub(crate) fn prepare<'a>(
 /// gone are recorded in `loss` by the same script (naming their last
 /// holder) and returned as `deleted`; an entry a live holder still renews
 /// is never looked at, payload or not; nor is one whose holder may still
-/// renew after a restart or failover ([`claim_rules_lua`]).
+/// renew after a restart, a failover or a stall ([`claim_rules_lua`]).
 #[allow(clippy::too_many_arguments)]
 pub async fn autoclaim<C: ConnectionLike + Send>(
     conn: &mut C,

@@ -53,30 +53,38 @@ pub const GROUP_SILENCE: Duration = Duration::from_millis(1000);
 const _: () = assert!(GROUP_SILENCE.as_millis() == 2 * HEARTBEAT_EVERY.as_millis());
 
 /// Lua shared by every script that records a consumer alive and by the
-/// claim rules: `silence_ended(epoch_key, alive_key, now)` returns when
-/// the group's last silence longer than [`GROUP_SILENCE`] ended, as far as
-/// claims know (the server's ms; 0 for none), and records it beside the
-/// server epoch (`resumed:<alive key>`) when this call is the first to see
-/// it: no beat in the alive registry within the silence, and some beat
-/// since the last silence recorded (a group nobody beats in any more is one
-/// silence, not one per look; a group nobody ever beat in has none).
-/// Whoever runs first after a stall sees it (a heartbeat, a hold, a claim),
-/// before the next beat hides it. Only commands the ACL already grants.
+/// claim rules: `silence_ended(epoch_key, alive_key, now)` returns when the
+/// group's last silence longer than [`GROUP_SILENCE`] ended and a bound on
+/// when it began, as far as claims know (the server's ms; `0, 0` for none),
+/// and records them beside the server epoch (`resumed:<alive key>`,
+/// `quiet-from:<alive key>`) when this call is the first to see it: no beat
+/// in the alive registry within the silence, and some beat at or after the
+/// last silence recorded (a group nobody beats in any more is one silence,
+/// not one per look; a group nobody ever beat in has none). The bound on
+/// its start is the oldest of those beats: no later than the silence's
+/// real start. Whoever runs first after a stall sees it (a heartbeat, a
+/// hold, a claim), before the next beat hides it; every script that
+/// records a consumer alive checks first. Times ahead of the server's clock
+/// (a clock stepped back) count as now. Only commands the ACL already
+/// grants.
 pub fn silence_lua() -> String {
     format!(
         r"
         local function silence_ended(epoch_key, alive_key, now)
-            local field = 'resumed:' .. alive_key
-            local resumed = tonumber(redis.call('HGET', epoch_key, field) or '0') or 0
+            local rf, qf = 'resumed:' .. alive_key, 'quiet-from:' .. alive_key
+            local seen = redis.call('HMGET', epoch_key, rf, qf)
+            local resumed = math.min(tonumber(seen[1] or '0') or 0, now)
+            local quiet_from = math.min(tonumber(seen[2] or '0') or 0, resumed)
             local recent = redis.call('ZRANGEBYSCORE', alive_key, string.format('(%.0f', now - {silence}), '+inf', 'LIMIT', 0, 1)
             if #recent == 0 then
-                local since = redis.call('ZRANGEBYSCORE', alive_key, string.format('(%.0f', resumed), '+inf', 'LIMIT', 0, 1)
+                local since = redis.call('ZRANGEBYSCORE', alive_key, string.format('%.0f', resumed), '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
                 if #since > 0 then
-                    redis.call('HSET', epoch_key, field, string.format('%.0f', now))
-                    return now
+                    quiet_from = math.min(tonumber(since[2]) or 0, now)
+                    redis.call('HSET', epoch_key, rf, string.format('%.0f', now), qf, string.format('%.0f', quiet_from))
+                    return now, quiet_from
                 end
             end
-            return resumed
+            return resumed, quiet_from
         end
         ",
         silence = GROUP_SILENCE.as_millis()

@@ -128,12 +128,28 @@ async fn a_server_stall_longer_than_min_idle_hands_no_live_holders_entry_to_anot
         .arg(0)
         .arg(3500)
         .clone();
+    // (The idle time a sweep's look before the stall would pass; the script
+    // goes by the PEL's own.)
     let claim =
-        streamfleet_streams::claim::claim_justid_command("orders", "g", "b", min_idle_ms, 1, &[(&id, 0, "a", 1)]);
+        streamfleet_streams::claim::claim_justid_command("orders", "g", "b", min_idle_ms, 1, &[(&id, 10_000, "a", 1)]);
     let mut stalled = server.connection().await?;
     stalled.set_response_timeout(Duration::from_secs(30));
-    let (_, claimed): (i64, Vec<String>) =
-        redis::pipe().add_command(stall).add_command(claim).query_async(&mut stalled).await?;
+    let mut pipe = redis::pipe();
+    pipe.add_command(stall).add_command(claim);
+    let behind = pipe.query_async::<(i64, Vec<String>)>(&mut stalled);
+    // And a worker's claim step sent during the stall, queued with the
+    // holder's renewal (which runs first is the server's choice).
+    let mut other = server.connection().await?;
+    other.set_response_timeout(Duration::from_secs(30));
+    let during = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let conn = &mut other;
+        let min_idle = Duration::from_millis(min_idle_ms);
+        let claimed = autoclaim(conn, "orders", "g", "c", &LOSS, min_idle, "0-0", 10).await?;
+        anyhow::Ok(claimed.entries.into_iter().map(|e| e.id).collect::<Vec<_>>())
+    };
+    let (behind, during) = tokio::join!(behind, during);
+    let ((_, claimed), during) = (behind?, during?);
     let taken = claims_by_another(&server.url(), Duration::from_millis(min_idle_ms), Duration::from_secs(4)).await?;
     streamfleet_testbed::eventually("the holder acks it", T, || async {
         Ok((pending(&mut conn.clone()).await? == 0).then_some(()))
@@ -142,6 +158,7 @@ async fn a_server_stall_longer_than_min_idle_hands_no_live_holders_entry_to_anot
     let _ = stop.send(());
     running.await??;
     assert!(claimed.is_empty(), "the claim behind the stall took the live holder's entry: {claimed:?}");
+    assert!(during.is_empty(), "the claim step sent during the stall took the live holder's entry: {during:?}");
     assert!(taken.is_empty(), "another consumer claimed the live holder's entry: {taken:?}");
     assert_eq!(handler.calls(&id), 1, "the entry ran once");
     Ok(())

@@ -169,7 +169,7 @@ impl<H: Handler> Worker<H> {
     /// One pass of idle claims over each stream's PEL, from `0-0` until the
     /// cursor returns to `0-0` (`claim::autoclaim`). Returns how many
     /// entries were claimed, and whether idle entries were deferred (after
-    /// a restart or failover their holders renew first: a consumer tries
+    /// a restart, a failover or a stall their holders renew first: a consumer tries
     /// again next cycle, a recovery run waits).
     pub(super) async fn claim_cycle(
         &self,
@@ -204,8 +204,8 @@ impl<H: Handler> Worker<H> {
                     }
                     Err(e) => return Err(e.into()),
                 };
-                // Idle entries deferred (the server restarted or failed over
-                // less than min-idle-time ago: their holders renew first):
+                // Idle entries deferred (the server restarted, failed over or
+                // stalled less than min-idle-time ago: their holders renew first):
                 // a consumer takes them in a later cycle; a recovery run
                 // passes again (it stops only on a pass that claims nothing).
                 deferred |= claimed.deferred;
