@@ -1,6 +1,17 @@
 //! The worker env contract: the variables the operator injects into every
 //! worker container (and the recovery Job), so workers in any language can
-//! take part. `docs/env-contract.md` documents them for worker authors.
+//! take part. One type says it on both sides: the operator renders a
+//! [`WorkerEnv`] and a worker parses a [`ParsedEnv`]; both carry the same
+//! [`Options`]. `docs/env-contract.md`'s table is [`variables_table`].
+
+mod env;
+mod variables;
+
+pub use env::{
+    Backoff, ContractError, DEFAULT_BATCH_SIZE, DEFAULT_MAX_DELIVERIES, DEFAULT_MIN_IDLE_MS, Options, ParsedEnv,
+    RedisMode, RedisSource, RedisValues, Retry, RunMode, SecretKey, Source, WorkerEnv,
+};
+pub use variables::{VARIABLES, Variable, variables_table};
 
 /// Redis URL: `spec.redis.url`, or from the Secret key named in
 /// `spec.redis.urlSecretRef`.

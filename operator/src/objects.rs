@@ -1,7 +1,7 @@
 //! The objects the operator owns, built from a `StreamConsumerGroup` by pure
 //! functions: the worker Deployment and the recovery CronJob.
 
-use crate::controller::validate::{UrlSource, ValidSpec};
+use crate::controller::validate::ValidSpec;
 use crate::error::Error;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::batch::v1::{CronJob, CronJobSpec, JobSpec, JobTemplateSpec};
@@ -13,8 +13,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, 
 use kube::{Resource as _, ResourceExt as _};
 use std::collections::BTreeMap;
 use streamfleet_contract as env;
-use streamfleet_crd::{Backoff, RecoveryMode, StreamConsumerGroup};
-use streamfleet_streams::Mode;
+use streamfleet_crd::{RecoveryMode, StreamConsumerGroup};
 
 /// Label carrying the owning resource's name on every object and pod.
 pub const GROUP_LABEL: &str = "streamfleet.io/consumer-group";
@@ -91,102 +90,29 @@ fn owned_meta(scg: &StreamConsumerGroup, name: String, component: &str) -> Resul
 }
 
 /// The env contract (see `streamfleet_contract`) for a worker or recovery
-/// container. Shards and the dead-letter stream come from the validated spec.
-pub fn contract_env(scg: &StreamConsumerGroup, valid: &ValidSpec, mode: &str) -> Vec<EnvVar> {
-    let spec = &scg.spec;
-    let value = |name: &str, v: String| EnvVar { name: name.into(), value: Some(v), value_from: None };
-    let secret = |name: &str, r: &streamfleet_crd::SecretKeyRef| EnvVar {
-        name: name.into(),
-        value: None,
-        value_from: Some(EnvVarSource {
-            secret_key_ref: Some(SecretKeySelector { name: r.name.clone(), key: r.key.clone(), optional: Some(false) }),
-            ..EnvVarSource::default()
-        }),
-    };
-    let field = |name: &str, path: &str| EnvVar {
-        name: name.into(),
-        value: None,
-        value_from: Some(EnvVarSource {
-            field_ref: Some(ObjectFieldSelector { field_path: path.into(), api_version: None }),
-            ..EnvVarSource::default()
-        }),
-    };
-    let redis = &valid.redis;
-    let mut out = vec![
-        match &redis.url {
-            // No credentials in it (validated): a plain value.
-            UrlSource::Spec(url) => value(env::REDIS_URL, url.clone()),
-            UrlSource::Secret(r) => secret(env::REDIS_URL, r),
-        },
-        value(
-            env::REDIS_MODE,
-            match redis.mode {
-                Mode::Standalone => "Standalone",
-                Mode::Cluster => "Cluster",
+/// container, as the validated spec says it, in `mode`, with `drain_timeout_ms`
+/// for a worker's handlers to finish after SIGTERM.
+pub fn contract_env(valid: &ValidSpec, mode: env::RunMode, drain_timeout_ms: Option<u64>) -> Vec<EnvVar> {
+    let mut told = valid.worker_env.clone();
+    told.options.mode = mode;
+    told.options.drain_timeout_ms = drain_timeout_ms;
+    told.render()
+        .into_iter()
+        .map(|(name, source)| {
+            let from = |source: EnvVarSource| EnvVar { name: name.into(), value: None, value_from: Some(source) };
+            match source {
+                env::Source::Value(v) => EnvVar { name: name.into(), value: Some(v), value_from: None },
+                env::Source::Secret(r) => from(EnvVarSource {
+                    secret_key_ref: Some(SecretKeySelector { name: r.secret, key: r.key, optional: Some(false) }),
+                    ..EnvVarSource::default()
+                }),
+                env::Source::PodField(path) => from(EnvVarSource {
+                    field_ref: Some(ObjectFieldSelector { field_path: path.into(), api_version: None }),
+                    ..EnvVarSource::default()
+                }),
             }
-            .into(),
-        ),
-        value(env::STREAMS, valid.streams.join(",")),
-        value(env::GROUP, spec.group.clone()),
-        field(env::POD_NAME, "metadata.name"),
-        field(env::POD_UID, "metadata.uid"),
-        // Expanded by the kubelet from the two above (declared before it).
-        value(env::CONSUMER, format!("$({}).$({})", env::POD_NAME, env::POD_UID)),
-        value(env::MIN_IDLE_MS, spec.recovery.min_idle_time_ms.to_string()),
-        value(env::MAX_DELIVERIES, spec.recovery.max_deliveries.to_string()),
-        value(env::BATCH_SIZE, spec.recovery.batch_size.to_string()),
-        value(env::MODE, mode.into()),
-    ];
-    let retry = &spec.recovery.retry;
-    out.push(value(
-        env::RETRY_BACKOFF,
-        match retry.backoff {
-            Backoff::Exponential => "Exponential",
-            Backoff::Fixed => "Fixed",
-        }
-        .into(),
-    ));
-    if let Some(ms) = retry.initial_delay_ms {
-        out.push(value(env::RETRY_INITIAL_DELAY_MS, ms.to_string()));
-    }
-    if let Some(ms) = retry.max_delay_ms {
-        out.push(value(env::RETRY_MAX_DELAY_MS, ms.to_string()));
-    }
-    out.push(value(env::RETRY_JITTER_PERCENT, retry.jitter_percent.to_string()));
-    if let Some(s) = retry.retry_for_seconds {
-        out.push(value(env::RETRY_FOR_MS, s.saturating_mul(1000).to_string()));
-    }
-    // Sharded: unset, so each shard dead-letters into its own slot.
-    if valid.streams.len() == 1 {
-        out.push(value(env::DEAD_LETTER_STREAM, valid.dead_letter_stream.clone()));
-    }
-    // What the spec does not give is set empty (unset, to the worker), so
-    // an `envFrom` in the pod template cannot supply it: an explicit `env`
-    // entry wins over `envFrom`, and how to reach Redis is the spec's alone.
-    out.push(value(env::REDIS_USERNAME, redis.username.clone().unwrap_or_default()));
-    out.push(match &redis.password {
-        Some(password) => secret(env::REDIS_PASSWORD, password),
-        None => value(env::REDIS_PASSWORD, String::new()),
-    });
-    out.push(match &redis.ca {
-        Some(ca) => secret(env::REDIS_CA_PEM, ca),
-        None => value(env::REDIS_CA_PEM, String::new()),
-    });
-    match &redis.client_cert {
-        Some(name) => {
-            let key = |key: &str| streamfleet_crd::SecretKeyRef { name: name.clone(), key: key.into() };
-            out.push(secret(env::REDIS_CLIENT_CERT_PEM, &key(streamfleet_crd::TLS_CERT_KEY)));
-            out.push(secret(env::REDIS_CLIENT_KEY_PEM, &key(streamfleet_crd::TLS_PRIVATE_KEY_KEY)));
-        }
-        None => {
-            out.push(value(env::REDIS_CLIENT_CERT_PEM, String::new()));
-            out.push(value(env::REDIS_CLIENT_KEY_PEM, String::new()));
-        }
-    }
-    if let Some(n) = spec.worker.concurrency {
-        out.push(value(env::CONCURRENCY, n.to_string()));
-    }
-    out
+        })
+        .collect()
 }
 
 /// The contract's Redis connection variables (`STREAMFLEET_REDIS_URL`,
@@ -204,7 +130,7 @@ fn worker_pod_template(
     scg: &StreamConsumerGroup,
     valid: &ValidSpec,
     component: &str,
-    mode: &str,
+    mode: env::RunMode,
 ) -> Result<PodTemplateSpec, Error> {
     let mut template = scg.spec.worker.template.clone();
     let meta = template.metadata.get_or_insert_with(ObjectMeta::default);
@@ -229,15 +155,11 @@ fn worker_pod_template(
             .first_mut()
             .ok_or_else(|| Error::InvalidSpec("spec.worker.template.spec.containers must not be empty".into()))?,
     };
-    let mut contract = contract_env(scg, valid, mode);
     // Handlers in flight get the grace period less a margin to finish: the
     // rest is handed back before the kubelet's SIGKILL.
     let grace_ms = pod.termination_grace_period_seconds.unwrap_or(30).max(0).saturating_mul(1000);
-    contract.push(EnvVar {
-        name: env::DRAIN_TIMEOUT_MS.into(),
-        value: Some(grace_ms.saturating_sub(DRAIN_MARGIN_MS).max(grace_ms / 2).to_string()),
-        value_from: None,
-    });
+    let drain_ms = grace_ms.saturating_sub(DRAIN_MARGIN_MS).max(grace_ms / 2);
+    let contract = contract_env(valid, mode, u64::try_from(drain_ms).ok());
     let env = container.env.get_or_insert_with(Vec::new);
     // The contract wins, and how to reach Redis is the spec's alone: a
     // password or client key the template sets would reach the workers and
@@ -272,7 +194,7 @@ pub fn worker_deployment(scg: &StreamConsumerGroup, valid: &ValidSpec, replicas:
         spec: Some(DeploymentSpec {
             replicas: Some(replicas),
             selector: LabelSelector { match_labels: Some(selector), match_expressions: None },
-            template: worker_pod_template(scg, valid, "worker", "consume")?,
+            template: worker_pod_template(scg, valid, "worker", env::RunMode::Consume)?,
             ..DeploymentSpec::default()
         }),
         status: None,
@@ -287,7 +209,7 @@ pub fn recovery_cronjob(
     settings: &ObjectSettings,
 ) -> Result<CronJob, Error> {
     let mut template = match scg.spec.recovery.mode {
-        RecoveryMode::Worker => worker_pod_template(scg, valid, "recovery", "recovery")?,
+        RecoveryMode::Worker => worker_pod_template(scg, valid, "recovery", env::RunMode::Recovery)?,
         RecoveryMode::Sweep => sweep_pod_template(scg, valid, settings),
     };
     if let Some(spec) = template.spec.as_mut() {
@@ -339,7 +261,7 @@ fn sweep_pod_template(scg: &StreamConsumerGroup, valid: &ValidSpec, settings: &O
                 name: "sweep".into(),
                 image: Some(settings.operator_image.clone()),
                 args: Some(vec!["sweep".into()]),
-                env: Some(contract_env(scg, valid, "recovery")),
+                env: Some(contract_env(valid, env::RunMode::Recovery, None)),
                 resources: settings.sweep_resources.clone(),
                 security_context: Some(restricted_security_context()),
                 ..Container::default()
@@ -514,6 +436,60 @@ mod tests {
         assert_eq!(table, rendered, "docs/env-contract.md's table against what the operator renders");
     }
 
+    /// The order of the contract's variables is part of the pod template:
+    /// changed, an operator upgrade rolls every worker. Pinned here.
+    #[test]
+    fn the_contract_is_rendered_in_its_pinned_order() {
+        let s = scg(json!({"worker": {"concurrency": 4, "template": scg(json!({})).spec.worker.template},
+            "recovery": {"retry": {"initialDelayMs": 70000, "maxDelayMs": 90000, "retryForSeconds": 600}},
+            "redis": {"url": "rediss://redis:6379", "username": "u", "passwordSecretRef": {"name": "r", "key": "p"},
+                      "tls": {"caSecretRef": {"name": "ca", "key": "ca.crt"}, "clientCertSecretRef": {"name": "client"}}}}));
+        let d = worker_deployment(&s, &valid(&s), 1).unwrap();
+        let pod = d.spec.unwrap().template.spec.unwrap();
+        let rendered: Vec<String> = pod.containers[0]
+            .env
+            .iter()
+            .flatten()
+            .filter(|e| e.name.starts_with("STREAMFLEET_"))
+            .map(|e| match (&e.value, &e.value_from) {
+                (Some(v), _) => format!("{}={v}", e.name),
+                (None, Some(from)) => match (&from.secret_key_ref, &from.field_ref) {
+                    (Some(r), _) => format!("{}<-{}/{}", e.name, r.name, r.key),
+                    (_, Some(f)) => format!("{}<-{}", e.name, f.field_path),
+                    _ => unreachable!(),
+                },
+                _ => unreachable!(),
+            })
+            .collect();
+        let pinned = [
+            "STREAMFLEET_REDIS_URL=rediss://redis:6379",
+            "STREAMFLEET_REDIS_MODE=Standalone",
+            "STREAMFLEET_STREAMS=orders",
+            "STREAMFLEET_GROUP=billing",
+            "STREAMFLEET_POD_NAME<-metadata.name",
+            "STREAMFLEET_POD_UID<-metadata.uid",
+            "STREAMFLEET_CONSUMER=$(STREAMFLEET_POD_NAME).$(STREAMFLEET_POD_UID)",
+            "STREAMFLEET_MIN_IDLE_MS=60000",
+            "STREAMFLEET_MAX_DELIVERIES=10",
+            "STREAMFLEET_BATCH_SIZE=100",
+            "STREAMFLEET_MODE=consume",
+            "STREAMFLEET_RETRY_BACKOFF=Exponential",
+            "STREAMFLEET_RETRY_INITIAL_DELAY_MS=70000",
+            "STREAMFLEET_RETRY_MAX_DELAY_MS=90000",
+            "STREAMFLEET_RETRY_JITTER_PERCENT=20",
+            "STREAMFLEET_RETRY_FOR_MS=600000",
+            "STREAMFLEET_DEAD_LETTER_STREAM={orders}:dead:billing",
+            "STREAMFLEET_REDIS_USERNAME=u",
+            "STREAMFLEET_REDIS_PASSWORD<-r/p",
+            "STREAMFLEET_REDIS_CA_PEM<-ca/ca.crt",
+            "STREAMFLEET_REDIS_CLIENT_CERT_PEM<-client/tls.crt",
+            "STREAMFLEET_REDIS_CLIENT_KEY_PEM<-client/tls.key",
+            "STREAMFLEET_CONCURRENCY=4",
+            "STREAMFLEET_DRAIN_TIMEOUT_MS=27000",
+        ];
+        assert_eq!(rendered, pinned);
+    }
+
     #[test]
     fn deployment_injects_contract_into_the_named_container_and_keeps_user_fields() {
         let s = scg(json!({"worker": {"containerName": "app", "template": scg(json!({})).spec.worker.template}}));
@@ -618,7 +594,7 @@ mod tests {
             json!({"redis": {"urlSecretRef": {"name": "redis", "key": "url"}, "tls": {"caSecretRef": {"name": "ca", "key": "ca.crt"}}}}),
         );
         let env: BTreeMap<_, _> =
-            contract_env(&s, &valid(&s), "consume").into_iter().map(|e| (e.name.clone(), e)).collect();
+            contract_env(&valid(&s), env::RunMode::Consume, None).into_iter().map(|e| (e.name.clone(), e)).collect();
         let ca = env[env::REDIS_CA_PEM].value_from.as_ref().unwrap().secret_key_ref.as_ref().unwrap();
         assert_eq!((ca.name.as_str(), ca.key.as_str()), ("ca", "ca.crt"));
     }

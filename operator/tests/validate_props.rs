@@ -20,6 +20,7 @@ use proptest::test_runner::{Config, TestRunner};
 use serde_json::Value;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
+use streamfleet_contract::{ParsedEnv, RunMode};
 use streamfleet_crd::{RedisMode, StreamConsumerGroup};
 use streamfleet_operator::controller::validate::validate;
 use streamfleet_operator::health::{self, HealthMemory};
@@ -102,7 +103,21 @@ fn no_decodable_resource_makes_validation_or_the_builders_panic() {
         prop_assert!(valid.dead_letter_max_length.is_none_or(|n| n > 0));
 
         // The owned objects: built or refused, never a panic.
-        let _ = objects::contract_env(&scg, &valid, "consume");
+        // What validation accepts, a worker parses back as it was told.
+        let rendered = objects::contract_env(&valid, RunMode::Consume, Some(25_000));
+        let mut seen = std::collections::BTreeMap::new();
+        for e in &rendered {
+            let value = match (&e.value, &e.value_from) {
+                (Some(v), _) => v.clone(),
+                (None, _) => "from-the-pod".to_string(),
+            };
+            seen.insert(e.name.clone(), value);
+        }
+        let parsed = ParsedEnv::parse(|k| seen.get(k).cloned());
+        prop_assert!(parsed.is_ok(), "{:?}: {:?}", parsed, rendered);
+        let mut told = valid.worker_env.options.clone();
+        told.drain_timeout_ms = Some(25_000);
+        prop_assert_eq!(parsed.map(|p| p.options).ok(), Some(told));
         let _ = objects::worker_deployment(&scg, &valid, 3);
         let settings = ObjectSettings {
             operator_image: "streamfleet:test".into(),

@@ -35,28 +35,16 @@ pub struct WorkerConfig {
     /// Where the library serves `/metrics`, `/healthz` and `/readyz`
     /// ([`env::METRICS_ADDR`]); `None`: nowhere.
     pub metrics_addr: Option<String>,
+    /// The contract as parsed, for options read as they are told.
+    pub options: env::Options,
 }
 
 /// The default delivery bound: with the other defaults (first retry after
 /// min-idle-time, 60 s, doubling to 15 minutes) ten deliveries span 90
 /// minutes, so an hour's outage is ridden out with ten attempts per entry.
-pub const DEFAULT_MAX_DELIVERIES: u64 = 10;
+pub const DEFAULT_MAX_DELIVERIES: u64 = env::DEFAULT_MAX_DELIVERIES;
 
-/// `consume`: the Deployment's long-running loop; `recovery`: claim idle
-/// entries, re-run handlers, exit when the PEL holds nothing claimable.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RunMode {
-    Consume,
-    Recovery,
-}
-
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum ConfigError {
-    #[error("{0} is not set")]
-    Missing(&'static str),
-    #[error("{name} is invalid: {why}")]
-    Invalid { name: &'static str, why: String },
-}
+pub use env::{ContractError as ConfigError, RunMode};
 
 impl WorkerConfig {
     /// Where `stream`'s dead letters go: the configured dead-letter stream,
@@ -74,147 +62,58 @@ impl WorkerConfig {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
 
-    /// Parses the contract from any lookup (the environment, or a map in tests).
+    /// Parses the contract ([`env::ParsedEnv`]) from any lookup (the
+    /// environment, or a map in tests), with the library's defaults.
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
-        let required =
-            |name: &'static str| get(name).filter(|v| !v.trim().is_empty()).ok_or(ConfigError::Missing(name));
-        let number = |name: &'static str, default: u64| -> Result<u64, ConfigError> {
-            match get(name) {
-                None => Ok(default),
-                Some(v) => v.trim().parse::<u64>().map_err(|e| ConfigError::Invalid { name, why: e.to_string() }),
-            }
-        };
-        let mode = match get(env::REDIS_MODE).as_deref() {
-            None | Some("Standalone") => Mode::Standalone,
-            Some("Cluster") => Mode::Cluster,
-            Some(other) => {
-                return Err(ConfigError::Invalid {
-                    name: env::REDIS_MODE,
-                    why: format!("{other:?} is not Standalone or Cluster"),
-                });
-            }
-        };
-        let streams: Vec<String> =
-            required(env::STREAMS)?.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
-        let max_deliveries = number(env::MAX_DELIVERIES, DEFAULT_MAX_DELIVERIES)?;
-        if max_deliveries == 0 {
-            return Err(ConfigError::Invalid { name: env::MAX_DELIVERIES, why: "must be at least 1".into() });
-        }
-        let min_idle = Duration::from_millis(number(env::MIN_IDLE_MS, 60_000)?);
-        if min_idle < Duration::from_millis(100) {
-            return Err(ConfigError::Invalid { name: env::MIN_IDLE_MS, why: "must be at least 100".into() });
-        }
-        let first = streams.first().cloned().unwrap_or_default();
-        let run_mode = match get(env::MODE).as_deref() {
-            None | Some("consume") => RunMode::Consume,
-            Some("recovery") => RunMode::Recovery,
-            Some(other) => {
-                return Err(ConfigError::Invalid {
-                    name: env::MODE,
-                    why: format!("{other:?} is not consume or recovery"),
-                });
-            }
-        };
-        let group = required(env::GROUP)?;
-        let dead_letter_stream_set = get(env::DEAD_LETTER_STREAM).is_some();
-        let dead_letter_stream =
-            get(env::DEAD_LETTER_STREAM).unwrap_or_else(|| crate::keys::dead_letter_stream(&first, &group));
-        if streams.contains(&dead_letter_stream) {
-            // Dead letters would be read again, failed again and re-added: a loop.
-            return Err(ConfigError::Invalid {
-                name: env::DEAD_LETTER_STREAM,
-                why: format!("{dead_letter_stream:?} is also a stream this worker consumes"),
-            });
-        }
-        let retry = retry_schedule(&get, min_idle)?;
-        // The password as it is: only an empty value means none.
-        let password = get(env::REDIS_PASSWORD).filter(|p| !p.is_empty());
-        if get(env::REDIS_USERNAME).is_some_and(|u| !u.is_empty()) && password.is_none() {
-            return Err(ConfigError::Invalid {
-                name: env::REDIS_USERNAME,
-                why: format!("set without {}: Redis authenticates a user by its password", env::REDIS_PASSWORD),
-            });
-        }
-        // Set empty is unset: the operator sets every variable of how to
-        // reach Redis that the spec does not give to "", so that an
-        // `envFrom` cannot supply it.
-        let present = |name: &'static str| get(name).filter(|v| !v.trim().is_empty());
-        let client_tls = match (present(env::REDIS_CLIENT_CERT_PEM), present(env::REDIS_CLIENT_KEY_PEM)) {
-            (None, None) => None,
-            (Some(cert), Some(key)) => Some(ClientTls { cert_pem: cert.into_bytes(), key_pem: key.into_bytes() }),
-            (Some(_), None) => return Err(ConfigError::Missing(env::REDIS_CLIENT_KEY_PEM)),
-            (None, Some(_)) => return Err(ConfigError::Missing(env::REDIS_CLIENT_CERT_PEM)),
-        };
+        let parsed = env::ParsedEnv::parse(get)?;
+        let (redis, o) = (parsed.redis, &parsed.options);
+        let min_idle = Duration::from_millis(o.min_idle_ms);
+        let first = o.streams.first().cloned().unwrap_or_default();
+        let ms = |v: Option<u64>| v.map(Duration::from_millis);
+        // (The defaults and bounds are `Schedule::with_defaults`'s, shared with
+        // the operator's status.)
+        let retry = crate::retry::Schedule::with_defaults(
+            o.retry.backoff,
+            Some(ms(o.retry.initial_delay_ms).unwrap_or(min_idle)),
+            ms(o.retry.max_delay_ms),
+            o.retry.jitter_percent,
+            ms(o.retry.retry_for_ms),
+            min_idle,
+        );
         Ok(Self {
             endpoint: Endpoint {
-                url: required(env::REDIS_URL)?.trim().to_string(),
-                mode,
-                ca_pem: present(env::REDIS_CA_PEM).map(String::into_bytes),
-                username: get(env::REDIS_USERNAME).filter(|u| !u.is_empty()),
-                password,
-                client_tls,
+                url: redis.url,
+                mode: match redis.mode {
+                    env::RedisMode::Standalone => Mode::Standalone,
+                    env::RedisMode::Cluster => Mode::Cluster,
+                },
+                ca_pem: redis.ca_pem.map(String::into_bytes),
+                username: redis.username,
+                password: redis.password,
+                client_tls: redis
+                    .client_cert_pem
+                    .map(|(cert, key)| ClientTls { cert_pem: cert.into_bytes(), key_pem: key.into_bytes() }),
             },
-            group,
-            consumer: required(env::CONSUMER)?,
+            streams: o.streams.clone(),
+            group: o.group.clone(),
+            consumer: parsed.consumer,
             min_idle,
-            max_deliveries,
-            dead_letter_stream,
-            dead_letter_stream_set,
-            batch_size: usize::try_from(number(env::BATCH_SIZE, 100)?.clamp(1, 10_000)).unwrap_or(100),
-            concurrency: usize::try_from(number(env::CONCURRENCY, env::DEFAULT_CONCURRENCY.into())?.clamp(1, 1_000))
-                .unwrap_or(env::DEFAULT_CONCURRENCY.into()),
+            max_deliveries: o.max_deliveries,
+            dead_letter_stream_set: o.dead_letter_stream.is_some(),
+            dead_letter_stream: o
+                .dead_letter_stream
+                .clone()
+                .unwrap_or_else(|| crate::keys::dead_letter_stream(&first, &o.group)),
+            batch_size: usize::try_from(o.batch_size).unwrap_or(100),
+            concurrency: usize::from(o.concurrency.unwrap_or(env::DEFAULT_CONCURRENCY)),
             block: Duration::from_millis(2_000),
-            drain_timeout: Duration::from_millis(number(env::DRAIN_TIMEOUT_MS, 25_000)?),
-            mode: run_mode,
-            streams,
+            drain_timeout: Duration::from_millis(o.drain_timeout_ms.unwrap_or(25_000)),
+            mode: o.mode,
             retry,
-            metrics_addr: get(env::METRICS_ADDR).map(|a| a.trim().to_string()).filter(|a| !a.is_empty()),
+            metrics_addr: parsed.metrics_addr,
+            options: parsed.options,
         })
     }
-}
-
-/// The retry schedule from the contract (`STREAMFLEET_RETRY_*`), with its
-/// defaults; the first delay may not be shorter than min-idle-time.
-fn retry_schedule(
-    get: &impl Fn(&str) -> Option<String>,
-    min_idle: Duration,
-) -> Result<crate::retry::Schedule, ConfigError> {
-    use crate::retry::{Backoff, Schedule};
-    // (The defaults and bounds are `Schedule::with_defaults`'s, shared with
-    // the operator's status.)
-    let ms = |name: &'static str| -> Result<Option<Duration>, ConfigError> {
-        get(name)
-            .map(|v| v.trim().parse::<u64>().map(Duration::from_millis))
-            .transpose()
-            .map_err(|e| ConfigError::Invalid { name, why: e.to_string() })
-    };
-    let backoff = match get(env::RETRY_BACKOFF).as_deref().map(str::trim) {
-        None | Some("Exponential") => Backoff::Exponential,
-        Some("Fixed") => Backoff::Fixed,
-        Some(other) => {
-            return Err(ConfigError::Invalid {
-                name: env::RETRY_BACKOFF,
-                why: format!("{other:?} is not Exponential or Fixed"),
-            });
-        }
-    };
-    let initial = ms(env::RETRY_INITIAL_DELAY_MS)?.unwrap_or(min_idle);
-    if initial < min_idle {
-        return Err(ConfigError::Invalid {
-            name: env::RETRY_INITIAL_DELAY_MS,
-            why: format!("{} ms is shorter than min-idle-time ({} ms)", initial.as_millis(), min_idle.as_millis()),
-        });
-    }
-    let jitter_percent = match get(env::RETRY_JITTER_PERCENT) {
-        None => None,
-        Some(v) => Some(v.trim().parse::<u32>().ok().filter(|p| *p <= 100).ok_or_else(|| ConfigError::Invalid {
-            name: env::RETRY_JITTER_PERCENT,
-            why: format!("{v:?} is not a whole number from 0 to 100"),
-        })?),
-    };
-    let max = ms(env::RETRY_MAX_DELAY_MS)?;
-    let retry_for = ms(env::RETRY_FOR_MS)?;
-    Ok(Schedule::with_defaults(backoff, Some(initial), max, jitter_percent, retry_for, min_idle))
 }
 
 #[cfg(test)]
@@ -257,6 +156,8 @@ mod tests {
         assert_eq!(c.endpoint.mode, Mode::Standalone);
     }
 
+    /// The contract's errors (each case: `streamfleet_contract`'s tests)
+    /// reach the worker as they are.
     #[test]
     fn errors_name_the_variable() {
         let mut pairs = base();
@@ -266,34 +167,6 @@ mod tests {
         pairs.push((env::MAX_DELIVERIES, "many"));
         let err = WorkerConfig::from_lookup(lookup(&pairs)).unwrap_err().to_string();
         assert!(err.starts_with(env::MAX_DELIVERIES), "{err}");
-        let mut pairs = base();
-        pairs.push((env::MODE, "sideways"));
-        assert!(WorkerConfig::from_lookup(lookup(&pairs)).unwrap_err().to_string().contains(env::MODE));
-        let mut pairs = base();
-        pairs.push((env::DEAD_LETTER_STREAM, "refunds"));
-        let err = WorkerConfig::from_lookup(lookup(&pairs)).unwrap_err().to_string();
-        assert!(err.starts_with(env::DEAD_LETTER_STREAM) && err.contains("also a stream"), "{err}");
-        let mut pairs = base();
-        pairs.push((env::REDIS_USERNAME, "streamfleet"));
-        let err = WorkerConfig::from_lookup(lookup(&pairs)).unwrap_err().to_string();
-        assert!(err.starts_with(env::REDIS_USERNAME) && err.contains(env::REDIS_PASSWORD), "{err}");
-        let mut pairs = base();
-        pairs.push((env::REDIS_CLIENT_CERT_PEM, "CERT"));
-        assert_eq!(
-            WorkerConfig::from_lookup(lookup(&pairs)).unwrap_err(),
-            ConfigError::Missing(env::REDIS_CLIENT_KEY_PEM)
-        );
-        for (name, value) in [
-            (env::RETRY_BACKOFF, "Linear"),
-            (env::RETRY_INITIAL_DELAY_MS, "1000"),
-            (env::RETRY_JITTER_PERCENT, "101"),
-            (env::RETRY_FOR_MS, "soon"),
-        ] {
-            let mut pairs = base();
-            pairs.push((name, value));
-            let err = WorkerConfig::from_lookup(lookup(&pairs)).unwrap_err().to_string();
-            assert!(err.starts_with(name), "{name}={value}: {err}");
-        }
     }
 
     #[test]

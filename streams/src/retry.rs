@@ -104,14 +104,8 @@ pub(crate) fn due_index_lua() -> String {
     )
 }
 
-/// How the delay grows from one delivery to the next.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Backoff {
-    /// `initial · 2^(n−1)`, at most `max`.
-    Exponential,
-    /// Always `initial`.
-    Fixed,
-}
+/// How the delay grows from one delivery to the next (the contract's).
+pub use streamfleet_contract::Backoff;
 
 /// When a transiently failed entry is tried again, and until when.
 #[derive(Clone, Debug, PartialEq, Eq)]

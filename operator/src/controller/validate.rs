@@ -5,11 +5,12 @@
 
 use crate::error::Error;
 use std::time::Duration;
+use streamfleet_contract as contract;
 use streamfleet_crd::{
     Backoff, DeletionPolicy, RedisConnection, RedisMode, RetrySpec, ScalingSpec, SecretKeyRef, StreamConsumerGroup,
 };
 use streamfleet_streams::keys;
-use streamfleet_streams::retry::{self, Schedule};
+use streamfleet_streams::retry::Schedule;
 
 /// A spec the controller can act on.
 #[derive(Clone, Debug, PartialEq)]
@@ -44,6 +45,8 @@ pub struct ValidSpec {
     /// dropped when read: the `TemplateFieldsUnknown` condition names them.
     pub unknown_template_fields: Vec<String>,
     pub redis: ValidRedis,
+    /// The env contract the workers are told (`objects` renders it).
+    pub worker_env: contract::WorkerEnv,
 }
 
 /// `spec.redis`, checked: one source of the URL, a password wherever a
@@ -126,6 +129,13 @@ impl ValidSpec {
     }
 }
 
+fn within(field: &str, value: i64, min: i64, max: i64) -> Result<u64, Error> {
+    u64::try_from(value).ok().filter(|_| (min..=max).contains(&value)).ok_or_else(|| {
+        let bounds = if max == i64::MAX { format!("at least {min}") } else { format!("{min} to {max}") };
+        Error::InvalidSpec(format!("{field} must be {bounds}, is {value}"))
+    })
+}
+
 fn positive(field: &str, value: i64) -> Result<u64, Error> {
     u64::try_from(value)
         .ok()
@@ -135,7 +145,8 @@ fn positive(field: &str, value: i64) -> Result<u64, Error> {
 
 /// `spec.recovery.retry` checked as admission does (for an API server that
 /// let it through), with the defaults the workers apply.
-fn retry_schedule(spec: &RetrySpec, min_idle: Duration) -> Result<Schedule, Error> {
+/// Also what the workers are told of it.
+fn retry_schedule(spec: &RetrySpec, min_idle: Duration) -> Result<(Schedule, contract::Retry), Error> {
     let ms = |field: &str, v: Option<i64>| v.map(|v| positive(field, v).map(Duration::from_millis)).transpose();
     let initial = ms("spec.recovery.retry.initialDelayMs", spec.initial_delay_ms)?;
     let max = ms("spec.recovery.retry.maxDelayMs", spec.max_delay_ms)?;
@@ -158,10 +169,39 @@ fn retry_schedule(spec: &RetrySpec, min_idle: Duration) -> Result<Schedule, Erro
         Error::InvalidSpec(format!("spec.recovery.retry.jitterPercent must be 0 to 100, is {}", spec.jitter_percent))
     })?;
     let backoff = match spec.backoff {
-        Backoff::Exponential => retry::Backoff::Exponential,
-        Backoff::Fixed => retry::Backoff::Fixed,
+        Backoff::Exponential => contract::Backoff::Exponential,
+        Backoff::Fixed => contract::Backoff::Fixed,
     };
-    Ok(Schedule::with_defaults(backoff, initial, max, Some(jitter), retry_for, min_idle))
+    let millis = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    let told = contract::Retry {
+        backoff,
+        initial_delay_ms: initial.map(millis),
+        max_delay_ms: max.map(millis),
+        jitter_percent: Some(jitter),
+        retry_for_ms: retry_for.map(millis),
+    };
+    Ok((Schedule::with_defaults(backoff, initial, max, Some(jitter), retry_for, min_idle), told))
+}
+
+/// `spec.redis` as the workers are told it: the spec's values and Secret
+/// keys, never a Secret's content.
+fn redis_source(redis: &ValidRedis) -> contract::RedisSource {
+    let secret = |r: &SecretKeyRef| contract::SecretKey { secret: r.name.clone(), key: r.key.clone() };
+    contract::RedisSource {
+        url: match &redis.url {
+            // No credentials in it (validated): a plain value.
+            UrlSource::Spec(url) => contract::Source::Value(url.clone()),
+            UrlSource::Secret(r) => contract::Source::Secret(secret(r)),
+        },
+        mode: match redis.mode {
+            streamfleet_streams::Mode::Standalone => contract::RedisMode::Standalone,
+            streamfleet_streams::Mode::Cluster => contract::RedisMode::Cluster,
+        },
+        username: redis.username.clone(),
+        password: redis.password.as_ref().map(secret),
+        ca: redis.ca.as_ref().map(secret),
+        client_cert_secret: redis.client_cert.clone(),
+    }
 }
 
 pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
@@ -207,21 +247,53 @@ pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
         }),
         None => None,
     };
-    let min_idle = Duration::from_millis(positive("spec.recovery.minIdleTimeMs", spec.recovery.min_idle_time_ms)?);
-    let retry = retry_schedule(&spec.recovery.retry, min_idle)?;
+    // The schema's bounds, for an API server that let a spec past them:
+    // a worker refuses what is outside.
+    let min_idle =
+        Duration::from_millis(within("spec.recovery.minIdleTimeMs", spec.recovery.min_idle_time_ms, 1000, i64::MAX)?);
+    let (retry, told_retry) = retry_schedule(&spec.recovery.retry, min_idle)?;
     if let Some(objective) = spec.scaling.delay_objective_seconds {
         positive("spec.scaling.delayObjectiveSeconds", objective.into())?;
     }
+    let streams = streamfleet_streams::shard::shard_keys(&spec.stream, shards);
+    let max_deliveries = within("spec.recovery.maxDeliveries", spec.recovery.max_deliveries.into(), 1, 1000)?;
+    let batch = within("spec.recovery.batchSize", spec.recovery.batch_size.into(), 1, 10_000)?;
+    let concurrency = spec
+        .worker
+        .concurrency
+        .map(|n| {
+            u16::try_from(n)
+                .ok()
+                .filter(|n| (1..=1000).contains(n))
+                .ok_or_else(|| Error::InvalidSpec(format!("spec.worker.concurrency must be 1 to 1000, is {n}")))
+        })
+        .transpose()?;
+    // What the workers are told; each object sets its run mode and drain time.
+    let worker_env = contract::WorkerEnv {
+        redis: redis_source(&redis),
+        options: contract::Options {
+            streams: streams.clone(),
+            group: spec.group.clone(),
+            min_idle_ms: u64::try_from(min_idle.as_millis()).unwrap_or(u64::MAX),
+            max_deliveries,
+            batch_size: batch,
+            mode: contract::RunMode::Consume,
+            retry: told_retry,
+            // Sharded: unset, so each shard dead-letters into its own slot.
+            dead_letter_stream: (shards == 1).then(|| dead_letter_stream.clone()),
+            concurrency,
+            drain_timeout_ms: None,
+        },
+    };
     Ok(ValidSpec {
         stream: spec.stream.clone(),
-        streams: streamfleet_streams::shard::shard_keys(&spec.stream, shards),
+        streams,
         group: spec.group.clone(),
         start_id: spec.start_id.clone(),
         min_idle,
         retry,
-        max_deliveries: positive("spec.recovery.maxDeliveries", spec.recovery.max_deliveries.into())?,
-        batch: usize::try_from(positive("spec.recovery.batchSize", spec.recovery.batch_size.into())?)
-            .unwrap_or(usize::MAX),
+        max_deliveries,
+        batch: usize::try_from(batch).unwrap_or(usize::MAX),
         target_per_replica: positive("spec.scaling.targetPerReplica", spec.scaling.target_per_replica)?,
         scaling: spec.scaling.clone(),
         poll_interval: Duration::from_secs(positive(
@@ -242,6 +314,7 @@ pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
         dead_letter_stream,
         unknown_template_fields: spec.worker.unknown_template_fields.clone(),
         redis,
+        worker_env,
     })
 }
 
@@ -323,7 +396,10 @@ mod tests {
     #[test]
     fn the_retry_schedule_takes_its_defaults_and_is_checked_as_admission_does() {
         let v = validate(&scg(json!({"recovery": {"minIdleTimeMs": 2000}}))).unwrap();
-        assert_eq!((v.retry.initial, v.retry.max), (Duration::from_secs(2), retry::DEFAULT_MAX_DELAY));
+        assert_eq!(
+            (v.retry.initial, v.retry.max),
+            (Duration::from_secs(2), streamfleet_streams::retry::DEFAULT_MAX_DELAY)
+        );
         assert_eq!((v.retry.jitter_percent, v.retry.retry_for), (20, None));
         // A min-idle-time above the default cap raises the cap with it.
         let long = validate(&scg(json!({"recovery": {"minIdleTimeMs": 1_800_000}}))).unwrap();
