@@ -36,7 +36,7 @@ impl Holder {
             streams: config.streams.clone(),
             every: (config.min_idle / 3).clamp(Duration::from_millis(30), Duration::from_secs(2)),
             ttl: crate::guard::millis(config.min_idle),
-            hung_after: hung_after(config.min_idle),
+            hung_after: hung_after(config),
         });
         std::thread::Builder::new().name("streamfleet-hold".into()).spawn(move || {
             runtime.block_on(async move {
@@ -60,14 +60,15 @@ impl Holder {
     }
 }
 
-/// How long a handler may run before its batch is let go: twice
-/// min-idle-time. Each attempt's deadline is min-idle-time and in-process
-/// retries stop after a quarter of it, so only a handler that blocks its
-/// thread past its deadline (it cannot be cancelled) runs this long; its
-/// batch is then claimed once idle, as a crashed worker's would be, rather
-/// than held for as long as the process lives.
-fn hung_after(min_idle: Duration) -> Duration {
-    min_idle * 2
+/// How long a handler may run before its batch is let go: its deadline
+/// (`handler_deadline`) and min-idle-time more. An attempt is dropped at its
+/// deadline and in-process retries stop after a quarter of it, so only a
+/// handler that blocks its thread past its deadline (it cannot be
+/// cancelled) runs this long; its batch is then claimed once idle, as a
+/// crashed worker's would be, rather than held for as long as the process
+/// lives.
+fn hung_after(config: &WorkerConfig) -> Duration {
+    super::settle::handler_deadline(config).saturating_add(config.min_idle)
 }
 
 /// Where the holder thread holds batches: its connection (made on first

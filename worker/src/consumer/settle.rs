@@ -14,6 +14,12 @@ pub(super) const CRASH_LIMIT: u32 = 3;
 /// min-idle-time).
 pub(super) const IN_PROCESS_RETRIES_FOR: Duration = Duration::from_secs(1);
 
+/// How long one attempt of a handler may run before it is dropped and
+/// counts as a transient failure: min-idle-time.
+pub(super) fn handler_deadline(config: &WorkerConfig) -> Duration {
+    config.min_idle
+}
+
 impl<H: Handler> Worker<H> {
     /// Decides one entry.
     pub(super) async fn settle(
@@ -284,7 +290,7 @@ impl<H: Handler> Worker<H> {
     /// handler: an attempt dropped after its effect is run again by the next
     /// delivery, possibly elsewhere, which the handler's idempotency absorbs.
     pub(super) async fn handle_with_retries(&self, entry: &Entry, probe: bool) -> Outcome {
-        let deadline = self.config.min_idle;
+        let deadline = handler_deadline(&self.config);
         let budget = IN_PROCESS_RETRIES_FOR.min(deadline / 4);
         let started = Instant::now();
         let mut delay = Duration::from_millis(50);
