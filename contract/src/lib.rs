@@ -69,6 +69,9 @@ pub const DEFAULT_CONCURRENCY: u16 = 10;
 /// SIGTERM (the pod's grace period less a margin); entries still running then
 /// are handed back for another consumer. Default 25000.
 pub const DRAIN_TIMEOUT_MS: &str = "STREAMFLEET_DRAIN_TIMEOUT_MS";
+/// Milliseconds one attempt of a handler may run before it is dropped and
+/// counts as a transient failure (absent: [`MIN_IDLE_MS`]).
+pub const HANDLER_TIMEOUT_MS: &str = "STREAMFLEET_HANDLER_TIMEOUT_MS";
 /// Entries claimed per batch by recovery.
 pub const BATCH_SIZE: &str = "STREAMFLEET_BATCH_SIZE";
 /// `consume` for the worker Deployment, `recovery` for the recovery Job.
@@ -155,6 +158,10 @@ pub const VARIABLES: &[Variable] = &[
         meaning: "handlers in flight per process (only when `spec.worker.concurrency` is set; absent, the Rust library's default is 10); entries with the same business key never run at once, and each entry is acked as soon as its handler is done",
     },
     Variable { names: &[MODE], meaning: "`consume` (Deployment) or `recovery` (recovery Job in `Worker` mode)" },
+    Variable {
+        names: &[HANDLER_TIMEOUT_MS],
+        meaning: "how long one attempt of a handler may run before it is given up (dropped, in the Rust library) and counts as a transient failure, retried on the retry schedule (only when `spec.worker.handlerTimeoutSeconds` is set; absent: `STREAMFLEET_MIN_IDLE_MS`). The entry stays this worker's while its handler runs, however long",
+    },
 ];
 
 /// A Secret's key, which the kubelet reads into a variable.
@@ -225,6 +232,8 @@ pub struct Options {
     pub dead_letter_stream: Option<String>,
     pub concurrency: Option<u16>,
     pub drain_timeout_ms: Option<u64>,
+    /// Absent: min-idle-time.
+    pub handler_timeout_ms: Option<u64>,
 }
 
 /// How to reach Redis, as the operator tells it: from the spec alone.
@@ -372,6 +381,7 @@ impl WorkerEnv {
         };
         optional(CONCURRENCY, o.concurrency.map(|v| v.to_string()));
         optional(DRAIN_TIMEOUT_MS, o.drain_timeout_ms.map(|v| v.to_string()));
+        optional(HANDLER_TIMEOUT_MS, o.handler_timeout_ms.map(|v| v.to_string()));
         out
     }
 }
@@ -495,6 +505,15 @@ impl ParsedEnv {
                 dead_letter_stream,
                 concurrency: number(CONCURRENCY)?.map(|n| u16::try_from(n.clamp(1, 1_000)).unwrap_or(1_000)),
                 drain_timeout_ms: number(DRAIN_TIMEOUT_MS)?,
+                handler_timeout_ms: match number(HANDLER_TIMEOUT_MS)? {
+                    Some(0) => {
+                        return Err(ContractError::Invalid {
+                            name: HANDLER_TIMEOUT_MS,
+                            why: "must be at least 1".into(),
+                        });
+                    }
+                    ms => ms,
+                },
             },
             metrics_addr: get(METRICS_ADDR).map(|a| a.trim().to_string()).filter(|a| !a.is_empty()),
         })
@@ -536,6 +555,7 @@ mod tests {
             dead_letter_stream: None,
             concurrency: None,
             drain_timeout_ms: None,
+            handler_timeout_ms: None,
         }
     }
 
@@ -583,6 +603,7 @@ mod tests {
             dead_letter_stream: Some("dead".into()),
             concurrency: Some(4),
             drain_timeout_ms: Some(27_000),
+            handler_timeout_ms: Some(300_000),
         };
         for env in [told(), every] {
             let seen = kubelet(&env.render());
@@ -627,6 +648,7 @@ mod tests {
             (RETRY_INITIAL_DELAY_MS, "1000"),
             (RETRY_JITTER_PERCENT, "101"),
             (RETRY_FOR_MS, "soon"),
+            (HANDLER_TIMEOUT_MS, "0"),
         ] {
             let mut env = base.clone();
             env.insert(name.into(), value.into());

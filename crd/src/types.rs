@@ -234,6 +234,14 @@ pub struct WorkerSpec {
     #[schemars(range(min = 1, max = 1000))]
     pub concurrency: Option<i32>,
 
+    /// Seconds one attempt of a handler may run before it is dropped and
+    /// counts as a transient failure, retried on the retry schedule
+    /// (`STREAMFLEET_HANDLER_TIMEOUT_MS`). Unset: `recovery.minIdleTimeMs`.
+    /// While a handler runs its entry stays this worker's, whatever this is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 86400))]
+    pub handler_timeout_seconds: Option<i64>,
+
     /// Fields written in `template` that a pod template does not have (a
     /// typo such as `resoures`), as paths under `spec.worker.template`:
     /// dropped when the resource was read, so the operator says so (the
@@ -251,6 +259,7 @@ impl PartialEq for WorkerSpec {
         self.template == other.template
             && self.container_name == other.container_name
             && self.concurrency == other.concurrency
+            && self.handler_timeout_seconds == other.handler_timeout_seconds
     }
 }
 
@@ -279,6 +288,14 @@ struct WorkerSpecWire {
     #[serde(default)]
     #[schemars(range(min = 1, max = 1000))]
     concurrency: Option<i32>,
+
+    /// Seconds one attempt of a handler may run before it is dropped and
+    /// counts as a transient failure, retried on the retry schedule
+    /// (`STREAMFLEET_HANDLER_TIMEOUT_MS`). Unset: `recovery.minIdleTimeMs`.
+    /// While a handler runs its entry stays this worker's, whatever this is.
+    #[serde(default)]
+    #[schemars(range(min = 1, max = 86400))]
+    handler_timeout_seconds: Option<i64>,
 }
 
 impl TryFrom<WorkerSpecWire> for WorkerSpec {
@@ -293,6 +310,7 @@ impl TryFrom<WorkerSpecWire> for WorkerSpec {
             template,
             container_name: wire.container_name,
             concurrency: wire.concurrency,
+            handler_timeout_seconds: wire.handler_timeout_seconds,
             unknown_template_fields: unknown,
         })
     }

@@ -367,7 +367,7 @@ mod tests {
             json!({"shards": 3, "recovery": recovery("Worker")}),
             json!({"recovery": recovery("Sweep"), "redis": {"urlSecretRef": {"name": "redis", "key": "url"}, "mode": "Cluster",
                    "tls": {"caSecretRef": {"name": "redis-ca", "key": "ca.crt"}}}}),
-            json!({"worker": {"concurrency": 4, "template": scg(json!({})).spec.worker.template, "containerName": "app"}}),
+            json!({"worker": {"concurrency": 4, "handlerTimeoutSeconds": 300, "template": scg(json!({})).spec.worker.template, "containerName": "app"}}),
             json!({"redis": {"url": "rediss://redis-master.db:6379", "username": "streamfleet",
                    "passwordSecretRef": {"name": "redis", "key": "redis-password"},
                    "tls": {"caSecretRef": {"name": "redis-ca", "key": "ca.crt"}, "clientCertSecretRef": {"name": "client"}}}}),
@@ -423,6 +423,8 @@ mod tests {
                     .concurrency
                     .map_or(usize::from(env::DEFAULT_CONCURRENCY), |n| usize::try_from(n).unwrap());
                 assert_eq!(config.concurrency, concurrency, "{what}");
+                let timeout = s.spec.worker.handler_timeout_seconds.map(|s| u64::try_from(s).unwrap() * 1000);
+                assert_eq!(config.options.handler_timeout_ms, timeout, "{what}");
             }
         }
         // docs/env-contract.md's table names exactly what is rendered.

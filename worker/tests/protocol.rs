@@ -457,6 +457,60 @@ async fn a_panicking_hung_handler_or_key_extractor_fails_its_entry_only() -> Res
     Ok(())
 }
 
+/// `spec.worker.handlerTimeoutSeconds` (`STREAMFLEET_HANDLER_TIMEOUT_MS`)
+/// bounds each attempt instead of min-idle-time, either way: a shorter one
+/// gives a hung handler up sooner, a longer one lets a slow handler finish
+/// (its entry held meanwhile) where min-idle-time would have dropped it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pipelines_handler_timeout_bounds_each_attempt_instead_of_min_idle_time() -> Result<()> {
+    // Shorter: min-idle-time 10 s, timeout 300 ms, one delivery allowed.
+    let (server, mut conn) = setup().await?;
+    let hung = add(&mut conn, &[("kind", "wait"), ("key", "hung")]).await?;
+    let mut told = config(&server, "c1", 10_000, 1);
+    told.options.handler_timeout_ms = Some(300);
+    let worker = Worker::new(told, Scripted::default());
+    let stats = worker.stats();
+    let started = std::time::Instant::now();
+    let (stop, run) = spawn(worker);
+    eventually("the hung attempt given up", Duration::from_secs(8), || async {
+        Ok((Stats::get(&stats.dead_lettered) == 1 && pending(&mut conn.clone()).await? == 0).then_some(()))
+    })
+    .await?;
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(5), "given up after {took:?}, min-idle-time is 10 s");
+    let _ = stop.send(());
+    run.await??;
+    let letters = dead_letters(&mut conn).await?;
+    assert_eq!(letters[0][dl::F_SOURCE_ID], hung);
+    assert!(letters[0][dl::F_ERROR].contains("handler timed out after 300ms"), "{:?}", letters[0]);
+    drop(server);
+
+    // Longer: min-idle-time 500 ms, timeout 10 s; the handler takes 2 s.
+    let (server, mut conn) = setup().await?;
+    let slow = add(&mut conn, &[("kind", "wait"), ("key", "slow")]).await?;
+    let handler = Scripted::default();
+    let mut told = config(&server, "c1", 500, 5);
+    told.options.handler_timeout_ms = Some(10_000);
+    let worker = Worker::new(told, handler.clone());
+    let stats = worker.stats();
+    let (stop, run) = spawn(worker);
+    let release = handler.release.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        release.notify_one();
+    });
+    eventually("the slow entry acked", T, || async {
+        Ok((Stats::get(&stats.processed) == 1 && pending(&mut conn.clone()).await? == 0).then_some(()))
+    })
+    .await?;
+    let _ = stop.send(());
+    run.await??;
+    assert_eq!(handler.calls(&slow), 1, "one attempt, not dropped at min-idle-time");
+    assert_eq!(Stats::get(&stats.failed), 0);
+    assert!(dead_letters(&mut conn).await?.is_empty());
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_letter_that_cannot_be_written_leaves_its_entry_pending() -> Result<()> {
     let (_server, mut conn) = setup().await?;

@@ -283,6 +283,11 @@ pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
             dead_letter_stream: (shards == 1).then(|| dead_letter_stream.clone()),
             concurrency,
             drain_timeout_ms: None,
+            handler_timeout_ms: spec
+                .worker
+                .handler_timeout_seconds
+                .map(|s| within("spec.worker.handlerTimeoutSeconds", s, 1, 86_400).map(|s| s * 1000))
+                .transpose()?,
         },
     };
     Ok(ValidSpec {

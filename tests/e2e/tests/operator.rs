@@ -46,7 +46,10 @@ async fn helm_installed_operator_creates_group_workers_and_recovery() -> Result<
         "billing",
         &records.path().display().to_string(),
         "  startId: \"0\"\n  recovery:\n    schedule: \"*/7 * * * *\"",
-    );
+    )
+    // A worker option through a real API server (kept by the CRD's schema,
+    // not pruned) to the worker's environment.
+    .replace("  worker:\n    template:", "  worker:\n    handlerTimeoutSeconds: 90\n    template:");
     f.apply(&manifest).await?;
 
     let scg = wait_condition(&client, &ns.name, "orders", "Ready", "True", None, T).await?;
@@ -86,6 +89,7 @@ async fn helm_installed_operator_creates_group_workers_and_recovery() -> Result<
         "consumer name is the pod name and UID"
     );
     assert!(penv[env::DRAIN_TIMEOUT_MS].as_str().is_some_and(|ms| !ms.is_empty()));
+    assert_eq!(penv[env::HANDLER_TIMEOUT_MS], "90000");
 
     // Owned recovery CronJob.
     let cronjobs: Api<CronJob> = Api::namespaced(client.clone(), &ns.name);

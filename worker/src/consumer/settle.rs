@@ -15,9 +15,10 @@ pub(super) const CRASH_LIMIT: u32 = 3;
 pub(super) const IN_PROCESS_RETRIES_FOR: Duration = Duration::from_secs(1);
 
 /// How long one attempt of a handler may run before it is dropped and
-/// counts as a transient failure: min-idle-time.
+/// counts as a transient failure: the pipeline's handler timeout, else
+/// min-idle-time.
 pub(super) fn handler_deadline(config: &WorkerConfig) -> Duration {
-    config.min_idle
+    config.options.handler_timeout_ms.map_or(config.min_idle, Duration::from_millis)
 }
 
 impl<H: Handler> Worker<H> {
@@ -284,7 +285,7 @@ impl<H: Handler> Worker<H> {
     /// waits for its next delivery on the retry schedule (`retry_later`), so
     /// the horizon is the schedule's whatever the batch size, the
     /// concurrency or the handler time. Every attempt's deadline is
-    /// min-idle-time: a handler still running then is dropped and counts as
+    /// [`handler_deadline`]: a handler still running then is dropped and counts as
     /// a transient failure. The hold keeps the entry this one's meanwhile
     /// (no other consumer claims it), so the deadline only bounds a hung
     /// handler: an attempt dropped after its effect is run again by the next
@@ -302,7 +303,7 @@ impl<H: Handler> Worker<H> {
             let outcome = match tokio::time::timeout(deadline, std::panic::AssertUnwindSafe(attempt).catch_unwind())
                 .await
             {
-                // Past its deadline (min-idle-time): given up; the entry is
+                // Past its deadline: given up; the entry is
                 // left for its next delivery.
                 Err(_) => Outcome::Transient(format!("handler timed out after {deadline:?}")),
                 Ok(Ok(outcome)) => outcome,
