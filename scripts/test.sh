@@ -120,6 +120,9 @@ lean_crates
 step "no unused dependencies (cargo machete)"
 cargo machete
 
+step "licences, banned crates, sources (cargo deny, offline; deny.toml)"
+cargo deny --offline check licenses bans sources
+
 step "rendered manifests up to date"
 # Render to a temporary file and compare: the tracked file is never written.
 rendered=$(mktemp)

@@ -537,7 +537,7 @@ async fn rendered(bed: &TestBed, sets: &[&str]) -> Result<Vec<serde_json::Value>
     }
     let yaml = run_ok(bed, "helm", &args, None).await?;
     let mut docs = Vec::new();
-    for doc in serde_yaml::Deserializer::from_str(&yaml) {
+    for doc in serde_norway::Deserializer::from_str(&yaml) {
         let value: serde_json::Value = serde::Deserialize::deserialize(doc)?;
         if !value.is_null() {
             docs.push(value);
@@ -591,7 +591,7 @@ async fn the_chart_renders_what_a_production_install_sets() -> Result<()> {
     assert_eq!(named["resourceNames"][0], "t-streamfleet-leader", "renews only its own Lease");
     // The CRD comes with the release (upgraded with it) and stays after it.
     let crd = operator_object(&defaults, "CustomResourceDefinition");
-    let committed: serde_json::Value = serde_yaml::from_str(&std::fs::read_to_string(repo_path(
+    let committed: serde_json::Value = serde_norway::from_str(&std::fs::read_to_string(repo_path(
         "deploy/crds/streamconsumergroups.streamfleet.io.yaml",
     ))?)?;
     assert_eq!(crd["spec"], committed["spec"], "the chart's CRD is the generated one");
@@ -820,7 +820,7 @@ fn shipped_alerts() -> usize {
 /// The documents of a YAML file of the repository.
 fn yaml_docs(rel: &str) -> Vec<serde_json::Value> {
     let text = std::fs::read_to_string(repo_path(rel)).unwrap();
-    serde_yaml::Deserializer::from_str(&text).map(|d| serde::Deserialize::deserialize(d).unwrap()).collect()
+    serde_norway::Deserializer::from_str(&text).map(|d| serde::Deserialize::deserialize(d).unwrap()).collect()
 }
 
 /// `kubectl create --dry-run=server` of a pod with `spec` in `ns`: (accepted, stderr).
