@@ -5,6 +5,9 @@
 
 mod types;
 
+#[cfg(feature = "testing")]
+pub mod testing;
+
 pub use types::*;
 
 use kube::CustomResourceExt;

@@ -15,7 +15,7 @@ use serde_json::Value;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use streamfleet_crd::{StreamConsumerGroup, StreamConsumerGroupSpec, StreamConsumerGroupStatus};
 
-mod hostile_json;
+use streamfleet_crd::testing as hostile_json;
 
 fn runner(cases: u32) -> TestRunner {
     let cases = std::env::var("PROPTEST_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(cases);

@@ -12,8 +12,7 @@
 // A test fails by panicking.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "../../crd/tests/hostile_json/mod.rs"]
-mod hostile_json;
+use streamfleet_crd::testing as hostile_json;
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};

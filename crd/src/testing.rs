@@ -2,10 +2,9 @@
 //! random JSON trees, and a full, valid resource with random mutations
 //! (fields removed, values of the wrong type, numbers at the edges of every
 //! integer type, huge floats, unicode and control characters, hash tags,
-//! unknown fields). Shared by `crd/tests/decoding_props.rs` and
-//! `operator/tests/validate_props.rs` (included by path).
-
-#![allow(dead_code)]
+//! unknown fields). For property tests, here and in the operator
+//! (`crd/tests/decoding_props.rs`, `operator/tests/validate_props.rs`):
+//! the `testing` feature, never in a build users run.
 
 use proptest::prelude::*;
 use proptest::sample::Index;
