@@ -160,7 +160,7 @@ pub const VARIABLES: &[Variable] = &[
     Variable { names: &[MODE], meaning: "`consume` (Deployment) or `recovery` (recovery Job in `Worker` mode)" },
     Variable {
         names: &[HANDLER_TIMEOUT_MS],
-        meaning: "how long one attempt of a handler may run before it is given up (dropped, in the Rust library) and counts as a transient failure, retried on the retry schedule (only when `spec.worker.handlerTimeoutSeconds` is set; absent: `STREAMFLEET_MIN_IDLE_MS`). The entry stays this worker's while its handler runs, however long",
+        meaning: "how long one attempt of a handler may run before it is given up (dropped, in the Rust library) and counts as a transient failure, retried on the retry schedule (only when `spec.worker.handlerTimeoutSeconds` is set; absent: `STREAMFLEET_MIN_IDLE_MS`). A worker that holds its entries (rule 5) keeps them while the handler runs, up to its hung bound: this deadline, the retry budget and min-idle-time more. In `Worker` recovery mode a run is also stopped at the chart's `sweep.activeDeadlineSeconds`, and a rollout stops handlers after `STREAMFLEET_DRAIN_TIMEOUT_MS`",
     },
 ];
 
@@ -249,8 +249,9 @@ pub struct RedisSource {
     pub client_cert_secret: Option<String>,
 }
 
-/// How to reach Redis, as a worker reads it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// How to reach Redis, as a worker reads it. Its `Debug` shows no
+/// secret (the URL may carry credentials).
+#[derive(Clone, PartialEq, Eq)]
 pub struct RedisValues {
     pub url: String,
     pub mode: RedisMode,
@@ -278,6 +279,20 @@ pub struct ParsedEnv {
     pub options: Options,
     /// [`METRICS_ADDR`], which the pod template sets, never the operator.
     pub metrics_addr: Option<String>,
+}
+
+impl std::fmt::Debug for RedisValues {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let set = |v: bool| if v { "<redacted>" } else { "<unset>" };
+        f.debug_struct("RedisValues")
+            .field("url", &"<redacted>")
+            .field("mode", &self.mode)
+            .field("username", &self.username)
+            .field("password", &set(self.password.is_some()))
+            .field("ca_pem", &set(self.ca_pem.is_some()))
+            .field("client_cert_pem", &set(self.client_cert_pem.is_some()))
+            .finish()
+    }
 }
 
 /// The Secret keys of a `kubernetes.io/tls` Secret.
@@ -624,6 +639,21 @@ mod tests {
                 assert!(VARIABLES.iter().any(|v| v.names.contains(&name)), "{name} is not in VARIABLES");
             }
         }
+    }
+
+    #[test]
+    fn debug_shows_no_secret() {
+        let env = BTreeMap::from([
+            (REDIS_URL.to_string(), "redis://u:url-secret@h:6379".to_string()),
+            (REDIS_PASSWORD.to_string(), "pw-secret".to_string()),
+            (REDIS_CLIENT_CERT_PEM.to_string(), "CERT".to_string()),
+            (REDIS_CLIENT_KEY_PEM.to_string(), "key-secret".to_string()),
+            (STREAMS.to_string(), "orders".to_string()),
+            (GROUP.to_string(), "g".to_string()),
+            (CONSUMER.to_string(), "c".to_string()),
+        ]);
+        let shown = format!("{:?}", ParsedEnv::parse(|k| env.get(k).cloned()).unwrap());
+        assert!(!shown.contains("secret"), "{shown}");
     }
 
     #[test]

@@ -39,6 +39,7 @@ pub const FIELDS: &[&str] = &[
     "containers",
     "containerName",
     "concurrency",
+    "handlerTimeoutSeconds",
     "scaling",
     "minReplicas",
     "maxReplicas",
@@ -181,7 +182,8 @@ pub fn base() -> Value {
                     }
                 },
                 "containerName": "worker",
-                "concurrency": 8
+                "concurrency": 8,
+                "handlerTimeoutSeconds": 120
             },
             "scaling": {
                 "minReplicas": 1, "maxReplicas": 10, "targetPerReplica": 100, "activationThreshold": 5,

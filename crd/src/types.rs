@@ -48,13 +48,13 @@ pub struct StreamConsumerGroupSpec {
     /// The stream key the group consumes. Immutable: a new stream is a new
     /// resource.
     #[x_kube(validation = Rule::new("self == oldSelf").message("spec.stream is immutable"))]
-    #[schemars(length(min = 1, max = 256))]
+    #[schemars(length(min = 1, max = 256), regex(pattern = r"^[^,\s](?:[^,]*[^,\s])?$"))]
     pub stream: String,
 
     /// The consumer group name. Immutable: renaming would orphan the old
     /// group's pending entries.
     #[x_kube(validation = Rule::new("self == oldSelf").message("spec.group is immutable"))]
-    #[schemars(length(min = 1, max = 128))]
+    #[schemars(length(min = 1, max = 128), regex(pattern = r"^[^,\s](?:[^,]*[^,\s])?$"))]
     pub group: String,
 
     /// How many stream keys the pipeline spreads over (default 1: the stream
@@ -237,7 +237,9 @@ pub struct WorkerSpec {
     /// Seconds one attempt of a handler may run before it is dropped and
     /// counts as a transient failure, retried on the retry schedule
     /// (`STREAMFLEET_HANDLER_TIMEOUT_MS`). Unset: `recovery.minIdleTimeMs`.
-    /// While a handler runs its entry stays this worker's, whatever this is.
+    /// While a handler runs its entry stays this worker's (held), longer
+    /// than min-idle-time too. A recovery run in `Worker` mode still ends at
+    /// its deadline, and a rollout stops handlers after the pod's grace period.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 86400))]
     pub handler_timeout_seconds: Option<i64>,
@@ -292,7 +294,9 @@ struct WorkerSpecWire {
     /// Seconds one attempt of a handler may run before it is dropped and
     /// counts as a transient failure, retried on the retry schedule
     /// (`STREAMFLEET_HANDLER_TIMEOUT_MS`). Unset: `recovery.minIdleTimeMs`.
-    /// While a handler runs its entry stays this worker's, whatever this is.
+    /// While a handler runs its entry stays this worker's (held), longer
+    /// than min-idle-time too. A recovery run in `Worker` mode still ends at
+    /// its deadline, and a rollout stops handlers after the pod's grace period.
     #[serde(default)]
     #[schemars(range(min = 1, max = 86400))]
     handler_timeout_seconds: Option<i64>,

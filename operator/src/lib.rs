@@ -5,6 +5,7 @@ pub mod cli;
 pub mod conditions;
 pub mod console;
 pub mod controller;
+pub mod digest_key;
 pub mod error;
 pub mod events;
 pub mod health;

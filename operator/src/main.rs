@@ -83,6 +83,11 @@ struct RunArgs {
     /// The Lease's name (the chart makes it unique per release).
     #[arg(long, env = "STREAMFLEET_LEASE_NAME", default_value = "streamfleet-leader")]
     lease_name: String,
+    /// The Secret, in the lease's namespace, holding the key of the Secrets
+    /// digest on worker pod templates (made when missing; the chart names
+    /// one per release).
+    #[arg(long, env = "STREAMFLEET_DIGEST_KEY_SECRET", default_value = "streamfleet-digest-key")]
+    digest_key_secret: String,
     /// Pull secrets of the operator image, for the sweep Jobs that run it (comma-separated names).
     #[arg(long, env = "STREAMFLEET_IMAGE_PULL_SECRETS", value_delimiter = ',')]
     image_pull_secrets: Vec<String>,
@@ -180,7 +185,15 @@ async fn run(args: RunArgs) -> Result<()> {
         }
         None => None,
     };
+    // Before any Deployment is written: each carries a digest under this key.
+    let digest_key = streamfleet_operator::digest_key::load_or_create(
+        client.clone(),
+        &args.lease_namespace,
+        &args.digest_key_secret,
+    )
+    .await?;
     let settings = ObjectSettings {
+        digest_key,
         operator_image: args.operator_image.clone(),
         image_pull_secrets: args.image_pull_secrets.iter().filter(|n| !n.is_empty()).cloned().collect(),
         sweep_resources,

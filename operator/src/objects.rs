@@ -34,6 +34,8 @@ pub struct ObjectSettings {
     pub sweep_deadline_seconds: Option<i64>,
     /// Where the sweep pods run and what they are annotated with.
     pub sweep_pod: SweepPod,
+    /// The key of the Secrets digest on worker pod templates.
+    pub digest_key: crate::digest_key::DigestKey,
 }
 
 /// The chart's `sweep.podAnnotations`, `nodeSelector` and `tolerations`.
@@ -636,6 +638,7 @@ mod tests {
                 "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
             }))
             .unwrap(),
+            ..ObjectSettings::default()
         };
         let job = recovery_cronjob(&scg(json!({})), &valid(&scg(json!({}))), &settings)
             .unwrap()

@@ -3,6 +3,7 @@
 //! console, so both connect the way the workers do.
 
 use crate::controller::validate::{UrlSource, ValidRedis};
+use crate::digest_key::DigestKey;
 use crate::error::Error;
 use streamfleet_crd::{SecretKeyRef, TLS_CERT_KEY, TLS_PRIVATE_KEY_KEY};
 use streamfleet_streams::{ClientTls, Endpoint};
@@ -54,27 +55,27 @@ pub fn endpoint(redis: &ValidRedis, values: &[(SecretKeyRef, Vec<u8>)]) -> Resul
 }
 
 /// A digest of the Secret values read (`values` as [`endpoint`] takes
-/// them): the first 16 hex digits of a SHA-256 over each key and value, in
-/// key order. Changes when a value does, and with nothing else about the
-/// Secrets (a label, an unrelated key). `None` when no Secret is named.
-/// Readable by whoever reads the Deployment: like the checksum annotations
-/// Helm charts put on pods, it tells a guess at a weak password apart, so
-/// the password must not be one a guess finds.
-pub fn secrets_digest(values: &[(SecretKeyRef, Vec<u8>)]) -> Option<String> {
+/// them): the first 16 hex digits of an HMAC-SHA256, under the operator's
+/// [`DigestKey`], over each key and value in key order. Changes when a
+/// value does, and with nothing else about the Secrets (a label, an
+/// unrelated key). `None` when no Secret is named. Readable by whoever
+/// reads the Deployment, it tells them nothing: without the key, a guess
+/// at a password cannot be checked against it.
+pub fn secrets_digest(key: &DigestKey, values: &[(SecretKeyRef, Vec<u8>)]) -> Option<String> {
     if values.is_empty() {
         return None;
     }
     let mut sorted: Vec<&(SecretKeyRef, Vec<u8>)> = values.iter().collect();
     sorted.sort_by(|a, b| (&a.0.name, &a.0.key).cmp(&(&b.0.name, &b.0.key)));
-    let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
-    hash.update(b"streamfleet.io/redis-secrets-digest/v1");
+    let mut mac = ring::hmac::Context::with_key(key.key());
+    mac.update(b"streamfleet.io/redis-secrets-digest/v2");
     for (r, value) in sorted {
         for part in [r.name.as_bytes(), r.key.as_bytes(), value.as_slice()] {
-            hash.update(&(part.len() as u64).to_be_bytes());
-            hash.update(part);
+            mac.update(&(part.len() as u64).to_be_bytes());
+            mac.update(part);
         }
     }
-    Some(hash.finish().as_ref()[..8].iter().map(|b| format!("{b:02x}")).collect())
+    Some(mac.sign().as_ref()[..8].iter().map(|b| format!("{b:02x}")).collect())
 }
 
 #[cfg(test)]
@@ -114,6 +115,8 @@ mod tests {
 
     #[test]
     fn the_digest_follows_the_values_in_any_order_and_nothing_else() {
+        let key = DigestKey::new(b"0123456789abcdef0123456789abcdef");
+        let secrets_digest = |values: &[(SecretKeyRef, Vec<u8>)]| super::secrets_digest(&key, values);
         let values = vec![(r("redis", "redis-password"), b"s3cret".to_vec()), (r("ca", "ca.crt"), b"CA".to_vec())];
         let digest = secrets_digest(&values).unwrap();
         assert_eq!(digest.len(), 16);
@@ -125,6 +128,14 @@ mod tests {
         let moved = vec![(r("redis", "redis-password"), b"s3cretC".to_vec()), (r("ca", "ca.crt"), b"A".to_vec())];
         assert_ne!(secrets_digest(&moved).unwrap(), digest);
         assert_eq!(secrets_digest(&[]), None);
+        // Under another key, the same values give another digest: without
+        // the key, a guess at the password cannot be checked against it.
+        let other = DigestKey::new(b"another key, another digest.....");
+        assert_ne!(super::secrets_digest(&other, &values).unwrap(), digest);
+        let mut unkeyed = ring::digest::Context::new(&ring::digest::SHA256);
+        unkeyed.update(b"s3cret");
+        let unkeyed: String = unkeyed.finish().as_ref()[..8].iter().map(|b| format!("{b:02x}")).collect();
+        assert_ne!(digest, unkeyed);
     }
 
     #[test]

@@ -124,6 +124,7 @@ fn no_decodable_resource_makes_validation_or_the_builders_panic() {
             sweep_resources: None,
             sweep_deadline_seconds: Some(600),
             sweep_pod: Default::default(),
+            digest_key: Default::default(),
         };
         let _ = objects::recovery_cronjob(&scg, &valid, &settings);
         let _ = objects::pod_name_prefixes(&scg);

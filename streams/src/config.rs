@@ -69,6 +69,21 @@ impl WorkerConfig {
         let (redis, o) = (parsed.redis, &parsed.options);
         let min_idle = Duration::from_millis(o.min_idle_ms);
         let first = o.streams.first().cloned().unwrap_or_default();
+        // Dead letters read again would fail again and be re-added: a loop.
+        // (A set dead-letter stream is checked by the contract; each
+        // stream's own default is checked here.)
+        if o.dead_letter_stream.is_none()
+            && let Some(s) =
+                o.streams.iter().find(|s| o.streams.contains(&crate::keys::dead_letter_stream(s, &o.group)))
+        {
+            return Err(ConfigError::Invalid {
+                name: env::STREAMS,
+                why: format!(
+                    "{:?} is also a stream this worker consumes",
+                    crate::keys::dead_letter_stream(s, &o.group)
+                ),
+            });
+        }
         let ms = |v: Option<u64>| v.map(Duration::from_millis);
         // (The defaults and bounds are `Schedule::with_defaults`'s, shared with
         // the operator's status.)
@@ -167,6 +182,12 @@ mod tests {
         pairs.push((env::MAX_DELIVERIES, "many"));
         let err = WorkerConfig::from_lookup(lookup(&pairs)).unwrap_err().to_string();
         assert!(err.starts_with(env::MAX_DELIVERIES), "{err}");
+        // A stream's own dead-letter stream consumed too: a loop, refused.
+        let mut pairs = base();
+        pairs.retain(|(k, _)| *k != env::STREAMS);
+        pairs.push((env::STREAMS, "orders,{orders}:dead:billing"));
+        let err = WorkerConfig::from_lookup(lookup(&pairs)).unwrap_err().to_string();
+        assert!(err.starts_with(env::STREAMS) && err.contains("also a stream"), "{err}");
     }
 
     #[test]

@@ -44,6 +44,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
+{{- /* The Secret holding the key of the pod templates' Secrets digest. */ -}}
+{{- define "streamfleet.digestKeySecret" -}}
+{{- printf "%s-digest-key" (include "streamfleet.fullname" .) -}}
+{{- end -}}
+
 {{- define "streamfleet.leaseName" -}}
 {{- default (printf "%s-leader" (include "streamfleet.fullname" .)) .Values.leaderElection.leaseName -}}
 {{- end -}}

@@ -231,7 +231,10 @@ async fn resolve_endpoint(
         let value = ctx.secrets.read(&ctx.client, &namespace, &r).await?;
         values.push((r, value));
     }
-    Ok((crate::redis_endpoint::endpoint(redis, &values)?, crate::redis_endpoint::secrets_digest(&values)))
+    Ok((
+        crate::redis_endpoint::endpoint(redis, &values)?,
+        crate::redis_endpoint::secrets_digest(&ctx.settings.digest_key, &values),
+    ))
 }
 
 /// The endpoint and a connection to it, for deletion (which needs no snapshot).

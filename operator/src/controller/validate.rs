@@ -206,6 +206,15 @@ fn redis_source(redis: &ValidRedis) -> contract::RedisSource {
 
 pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
     let spec = &scg.spec;
+    // Workers are told the streams comma-separated, each trimmed: a name
+    // with a comma or spaces at its ends would reach them as another.
+    for (field, name) in [("spec.stream", &spec.stream), ("spec.group", &spec.group)] {
+        if name.is_empty() || name.contains(',') || name.trim() != name.as_str() {
+            return Err(Error::InvalidSpec(format!(
+                "{field} {name:?} must be non-empty, without commas or spaces at its ends"
+            )));
+        }
+    }
     let redis = validate_redis(&spec.redis)?;
     let dead_letter_stream =
         spec.recovery.dead_letter_stream.clone().unwrap_or_else(|| keys::dead_letter_stream(&spec.stream, &spec.group));

@@ -226,6 +226,12 @@ async fn invalid_specs_are_refused_at_admission_naming_the_field() -> Result<()>
     }
     let (ok, stderr) = apply("", "", "g").await?;
     assert!(!ok && stderr.contains("spec.stream"), "{stderr}");
+    // Workers are told the streams comma-separated and trimmed: a name that
+    // would reach them as another is refused.
+    let (ok, stderr) = apply("", "a,b", "g").await?;
+    assert!(!ok && stderr.contains("spec.stream"), "{stderr}");
+    let (ok, stderr) = apply("", "s", "\" g\"").await?;
+    assert!(!ok && stderr.contains("spec.group"), "{stderr}");
     // Where Redis is and how to authenticate, refused naming the field.
     let redis_cases = [
         (
@@ -570,6 +576,22 @@ async fn the_chart_works_as_a_subchart_and_under_other_names() -> Result<()> {
     let lease_role = operator_object(&docs, "Role");
     let named = lease_role["rules"].as_array().unwrap().iter().find(|r| r["resourceNames"].is_array()).unwrap();
     assert_eq!(named["resourceNames"][0], "payments-ops-leader");
+    // The digest key's Secret: the one the operator is told, and the only
+    // one its Role lets it read.
+    let key_role = docs.iter().find(|d| d["kind"] == "Role" && d["metadata"]["name"] == "payments-ops-digest-key");
+    let key_role = key_role.expect("the digest key's Role");
+    let readable: Vec<_> =
+        key_role["rules"].as_array().unwrap().iter().filter_map(|r| r["resourceNames"].get(0)).collect();
+    let told = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "STREAMFLEET_DIGEST_KEY_SECRET")
+        .map(|e| e["value"].clone());
+    assert_eq!(
+        (readable, told),
+        (vec![&serde_json::json!("payments-ops-digest-key")], Some(serde_json::json!("payments-ops-digest-key")))
+    );
     let docs = rendered(bed, &["nameOverride=queues"]).await?;
     let deployment = operator_object(&docs, "Deployment");
     assert_eq!(deployment["metadata"]["name"], "t-queues");

@@ -520,6 +520,28 @@ async fn the_python_worker_runs_under_the_operator_and_survives_a_killed_pod() -
         Ok((now.len() == 2 && now.iter().all(|uid| !before.contains(uid))).then_some(()))
     })
     .await?;
+    // What rolled them, the Secrets digest on the pod template, is keyed:
+    // the HMAC under the key in the operator's own Secret, so it tells
+    // whoever reads the Deployment nothing of the password.
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(client.clone(), &ns);
+    let made = secrets.list(&ListParams::default().labels("app.kubernetes.io/managed-by=streamfleet-operator")).await?;
+    assert_eq!(made.items.len(), 1, "one digest key Secret, made by the operator");
+    let key = made.items[0].data.as_ref().and_then(|d| d.get("key")).map(|b| b.0.clone()).unwrap_or_default();
+    assert_eq!(key.len(), 32);
+    let mut mac = ring::hmac::Context::with_key(&ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &key));
+    mac.update(b"streamfleet.io/redis-secrets-digest/v2");
+    for part in [&b"redis-auth"[..], b"redis-password", rotated.as_bytes()] {
+        mac.update(&(part.len() as u64).to_be_bytes());
+        mac.update(part);
+    }
+    let keyed: String = mac.sign().as_ref()[..8].iter().map(|b| format!("{b:02x}")).collect();
+    let deployment = Api::<Deployment>::namespaced(client.clone(), &ns).get("py-worker").await?;
+    let stamped = deployment
+        .spec
+        .and_then(|s| s.template.metadata)
+        .and_then(|m| m.annotations)
+        .and_then(|a| a.get("streamfleet.io/redis-secrets-digest").cloned());
+    assert_eq!(stamped, Some(keyed));
     let () = redis::cmd("ACL").arg(&["SETUSER", "py", &format!("<{password}")]).query_async(&mut conn).await?;
     let () = redis::cmd("CLIENT").arg(&["KILL", "USER", "py"]).query_async(&mut conn).await?;
     produce(&mut conn, 320, 330).await?;

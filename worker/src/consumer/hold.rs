@@ -60,15 +60,15 @@ impl Holder {
     }
 }
 
-/// How long a handler may run before its batch is let go: its deadline
-/// (`handler_deadline`) and min-idle-time more. An attempt is dropped at its
-/// deadline and in-process retries stop after a quarter of it, so only a
-/// handler that blocks its thread past its deadline (it cannot be
-/// cancelled) runs this long; its batch is then claimed once idle, as a
-/// crashed worker's would be, rather than held for as long as the process
-/// lives.
+/// How long a handler may run before its batch is let go: its longest
+/// legitimate run (`longest_run`: the last attempt's start inside the retry
+/// budget, then its deadline) and min-idle-time more. An attempt is dropped
+/// at its deadline, so only a handler that blocks its thread past it (it
+/// cannot be cancelled) runs this long; its batch is then claimed once
+/// idle, as a crashed worker's would be, rather than held for as long as
+/// the process lives.
 fn hung_after(config: &WorkerConfig) -> Duration {
-    super::settle::handler_deadline(config).saturating_add(config.min_idle)
+    super::settle::longest_run(config).saturating_add(config.min_idle)
 }
 
 /// Where the holder thread holds batches: its connection (made on first

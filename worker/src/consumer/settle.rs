@@ -21,6 +21,18 @@ pub(super) fn handler_deadline(config: &WorkerConfig) -> Duration {
     config.options.handler_timeout_ms.map_or(config.min_idle, Duration::from_millis)
 }
 
+/// How long in-process retries of one delivery may go on: a blip's worth.
+fn retry_budget(deadline: Duration) -> Duration {
+    IN_PROCESS_RETRIES_FOR.min(deadline / 4)
+}
+
+/// The longest one delivery's handler runs without being hung: a last
+/// attempt may start just inside the retry budget and run to its deadline.
+pub(super) fn longest_run(config: &WorkerConfig) -> Duration {
+    let deadline = handler_deadline(config);
+    deadline.saturating_add(retry_budget(deadline))
+}
+
 impl<H: Handler> Worker<H> {
     /// Decides one entry.
     pub(super) async fn settle(
@@ -292,7 +304,7 @@ impl<H: Handler> Worker<H> {
     /// delivery, possibly elsewhere, which the handler's idempotency absorbs.
     pub(super) async fn handle_with_retries(&self, entry: &Entry, probe: bool) -> Outcome {
         let deadline = handler_deadline(&self.config);
-        let budget = IN_PROCESS_RETRIES_FOR.min(deadline / 4);
+        let budget = retry_budget(deadline);
         let started = Instant::now();
         let mut delay = Duration::from_millis(50);
         loop {
