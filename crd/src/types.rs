@@ -46,15 +46,19 @@ pub struct StreamConsumerGroupSpec {
     pub redis: RedisConnection,
 
     /// The stream key the group consumes. Immutable: a new stream is a new
-    /// resource.
+    /// resource. Workers are told the streams comma-separated and trimmed:
+    /// no comma, and no white space at its ends (Unicode's, as they trim).
     #[x_kube(validation = Rule::new("self == oldSelf").message("spec.stream is immutable"))]
-    #[schemars(length(min = 1, max = 256), regex(pattern = r"^[^,\s](?:[^,]*[^,\s])?$"))]
+    #[schemars(
+        length(min = 1, max = 256),
+        regex(pattern = r"^[^,\s\p{Z}\x{0B}\x{85}](?:[^,]*[^,\s\p{Z}\x{0B}\x{85}])?$")
+    )]
     pub stream: String,
 
     /// The consumer group name. Immutable: renaming would orphan the old
     /// group's pending entries.
     #[x_kube(validation = Rule::new("self == oldSelf").message("spec.group is immutable"))]
-    #[schemars(length(min = 1, max = 128), regex(pattern = r"^[^,\s](?:[^,]*[^,\s])?$"))]
+    #[schemars(length(min = 1, max = 128))]
     pub group: String,
 
     /// How many stream keys the pipeline spreads over (default 1: the stream

@@ -163,6 +163,15 @@ async fn run(args: RunArgs) -> Result<()> {
         let _ = rx.wait_for(|s| *s).await;
     };
 
+    // Before any Deployment is written (each carries a digest under this
+    // key), and before a standby says it is ready: a replica that cannot
+    // read the key fails its rollout, not its turn to lead.
+    let digest_key = streamfleet_operator::digest_key::load_or_create(
+        client.clone(),
+        &args.lease_namespace,
+        &args.digest_key_secret,
+    )
+    .await?;
     let mut lease = args.leader_election.then(|| {
         LeaseLock::new(client.clone(), &args.lease_namespace, &args.lease_name, &identity, Duration::from_secs(15))
     });
@@ -185,13 +194,6 @@ async fn run(args: RunArgs) -> Result<()> {
         }
         None => None,
     };
-    // Before any Deployment is written: each carries a digest under this key.
-    let digest_key = streamfleet_operator::digest_key::load_or_create(
-        client.clone(),
-        &args.lease_namespace,
-        &args.digest_key_secret,
-    )
-    .await?;
     let settings = ObjectSettings {
         digest_key,
         operator_image: args.operator_image.clone(),

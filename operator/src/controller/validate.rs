@@ -207,13 +207,16 @@ fn redis_source(redis: &ValidRedis) -> contract::RedisSource {
 pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
     let spec = &scg.spec;
     // Workers are told the streams comma-separated, each trimmed: a name
-    // with a comma or spaces at its ends would reach them as another.
-    for (field, name) in [("spec.stream", &spec.stream), ("spec.group", &spec.group)] {
-        if name.is_empty() || name.contains(',') || name.trim() != name.as_str() {
-            return Err(Error::InvalidSpec(format!(
-                "{field} {name:?} must be non-empty, without commas or spaces at its ends"
-            )));
-        }
+    // with a comma or white space at its ends would reach them as another.
+    // (The group is told as it is; only a blank one is none.)
+    if spec.stream.contains(',') || spec.stream.trim() != spec.stream || spec.stream.is_empty() {
+        return Err(Error::InvalidSpec(format!(
+            "spec.stream {:?} must be non-empty, without commas or white space at its ends",
+            spec.stream
+        )));
+    }
+    if spec.group.trim().is_empty() {
+        return Err(Error::InvalidSpec("spec.group must not be blank".into()));
     }
     let redis = validate_redis(&spec.redis)?;
     let dead_letter_stream =
@@ -336,6 +339,21 @@ pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_stream_name_reaches_the_workers_as_it_is_or_is_refused() {
+        let named = |stream: &str, group: &str| {
+            let mut s = scg(json!({}));
+            (s.spec.stream, s.spec.group) = (stream.into(), group.into());
+            validate(&s).map(|_| ()).map_err(|e| e.to_string())
+        };
+        for stream in ["a,b", " orders", "orders\u{a0}", "orders\n", ""] {
+            let e = named(stream, "g").unwrap_err();
+            assert!(e.contains("spec.stream"), "{stream:?}: {e}");
+        }
+        assert!(named("my orders", " g,h").is_ok(), "inner spaces; a group is told as it is");
+        assert!(named("orders", " ").unwrap_err().contains("spec.group must not be blank"));
+    }
 
     #[test]
     fn the_redis_url_has_one_source_and_a_username_needs_a_password() {

@@ -91,6 +91,38 @@ async fn helm_installed_operator_creates_group_workers_and_recovery() -> Result<
     assert!(penv[env::DRAIN_TIMEOUT_MS].as_str().is_some_and(|ms| !ms.is_empty()));
     assert_eq!(penv[env::HANDLER_TIMEOUT_MS], "90000");
 
+    // The operator made its digest key, and may create no other Secret
+    // (RBAC cannot limit `create` to a name; the chart's admission policy
+    // does): no service-account token can be minted with its account.
+    let operator =
+        deployments.list(&ListParams::default().labels("app.kubernetes.io/name=streamfleet-operator")).await?;
+    let account = operator.items[0]
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .and_then(|s| s.service_account_name.clone())
+        .unwrap_or_default();
+    let as_operator = format!("--as=system:serviceaccount:{}:{account}", ns.name);
+    let key = run_tool(
+        f.bed,
+        "kubectl",
+        &["get", "secret", "-n", &ns.name, "-l", "app.kubernetes.io/managed-by=streamfleet-operator", "-o", "name"],
+        None,
+    )
+    .await?;
+    assert!(String::from_utf8_lossy(&key.stdout).trim().ends_with("-digest-key"), "{key:?}");
+    let other = "{apiVersion: v1, kind: Secret, metadata: {name: other}, stringData: {k: v}}".to_string();
+    let token = format!(
+        "{{apiVersion: v1, kind: Secret, type: kubernetes.io/service-account-token, \
+         metadata: {{name: token, annotations: {{kubernetes.io/service-account.name: {account}}}}}}}"
+    );
+    for manifest in [other, token] {
+        let args = ["create", "-n", &ns.name, as_operator.as_str(), "-f", "-"];
+        let out = run_tool(f.bed, "kubectl", &args, Some(&manifest)).await?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains("may create one Secret only"), "{manifest}: {stderr}");
+    }
+
     // Owned recovery CronJob.
     let cronjobs: Api<CronJob> = Api::namespaced(client.clone(), &ns.name);
     let cj = cronjobs.get("orders-recovery").await?;
@@ -230,8 +262,8 @@ async fn invalid_specs_are_refused_at_admission_naming_the_field() -> Result<()>
     // would reach them as another is refused.
     let (ok, stderr) = apply("", "a,b", "g").await?;
     assert!(!ok && stderr.contains("spec.stream"), "{stderr}");
-    let (ok, stderr) = apply("", "s", "\" g\"").await?;
-    assert!(!ok && stderr.contains("spec.group"), "{stderr}");
+    let (ok, stderr) = apply("", "\"s\\u00A0\"", "g").await?;
+    assert!(!ok && stderr.contains("spec.stream"), "a no-break space at its end: {stderr}");
     // Where Redis is and how to authenticate, refused naming the field.
     let redis_cases = [
         (
