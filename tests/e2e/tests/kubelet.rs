@@ -85,6 +85,10 @@ async fn a_pod_starts_like_a_warm_image_and_a_force_delete_still_terms_then_kill
     .await?;
     let took = created.elapsed();
     assert!(took >= Duration::from_secs(1), "a pod ran {took:?} after creation: faster than a warm image start");
+    // Ready is reported at the spawn; the process handles SIGTERM once its
+    // start record exists.
+    eventually("polite's start record", T, || async { Ok(dir.path().join("polite.start").exists().then_some(())) })
+        .await?;
 
     // A force delete: the object is gone at once, the process still gets
     // SIGTERM and ends on its own.
@@ -105,6 +109,8 @@ async fn a_pod_starts_like_a_warm_image_and_a_force_delete_still_terms_then_kill
         Ok(container_status(&p).filter(|s| s.ready).and(streamfleet_testbed::kubelet::container_pid(&p, "main")))
     })
     .await?;
+    eventually("stubborn's start record", T, || async { Ok(dir.path().join("stubborn.start").exists().then_some(())) })
+        .await?;
     let deleted = Instant::now();
     pods.delete("stubborn", &force).await?;
     eventually("stubborn got SIGTERM", T, || async { Ok(dir.path().join("stubborn.sigterm").exists().then_some(())) })

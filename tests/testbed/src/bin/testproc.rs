@@ -2,9 +2,10 @@
 //! stand-in gave it, so tests can assert on real process behaviour.
 //!
 //! `testproc [run|exit CODE|ignore-term|listen PORT]` with `TESTPROC_DIR` set:
-//! * writes `$TESTPROC_DIR/<name>.start` (JSON of its pid, env and args), where
-//!   the name is `$TESTPROC_NAME`, else `$HOSTNAME` (the pod name), else the
-//!   pid, and appends the start time (Unix ms) to `<name>.starts`;
+//! * handles SIGTERM, then writes `$TESTPROC_DIR/<name>.start` (JSON of its
+//!   pid, env and args), where the name is `$TESTPROC_NAME`, else `$HOSTNAME`
+//!   (the pod name), else the pid, and appends the start time (Unix ms) to
+//!   `<name>.starts`; a test that waits for the record may signal at once;
 //! * `run` (default): waits for SIGTERM, writes `.sigterm`, exits 0;
 //! * `exit CODE`: exits with CODE at once;
 //! * `ignore-term`: records SIGTERM in `.sigterm` but keeps running (until SIGKILL);
@@ -24,13 +25,15 @@ async fn main() -> std::process::ExitCode {
     let name = std::env::var("TESTPROC_NAME")
         .or_else(|_| std::env::var("HOSTNAME"))
         .unwrap_or_else(|_| std::process::id().to_string());
+    // The handler before the start record: a test that saw the record may
+    // send SIGTERM at once, and an unhandled one would end the process unseen.
+    let Ok(mut term) = signal(SignalKind::terminate()) else {
+        return std::process::ExitCode::from(4);
+    };
     if let Err(e) = record_start(&dir, &name, &args) {
         eprintln!("testproc: writing start record: {e}");
         return std::process::ExitCode::from(3);
     }
-    let Ok(mut term) = signal(SignalKind::terminate()) else {
-        return std::process::ExitCode::from(4);
-    };
     let sigterm = dir.join(format!("{name}.sigterm"));
     match args.first().map(String::as_str) {
         Some("exit") => {
