@@ -36,8 +36,9 @@ pub struct LossRecord<'a> {
 
 /// Lua shared by the claim scripts: `lost(id, holder, record_key)` writes the
 /// payload-missing dead letter (naming `holder`, the consumer that last held
-/// the entry) and the loss record, then acks the ID and drops its entry
-/// record (`started::redelivery_lua`'s `forget`, which must come first).
+/// the entry, and the entry's business key when a handler started it,
+/// `started::key_field`) and the loss record, then acks the ID and drops its
+/// entry record (`started::redelivery_lua`'s `forget`, which must come first).
 /// KEYS: stream, dead-letter stream, loss count, loss IDs. ARGV[1] group,
 /// ARGV[3] why.
 pub(crate) fn lost_lua() -> String {
@@ -47,9 +48,15 @@ pub(crate) fn lost_lua() -> String {
         local function lost(id, holder, record_key)
             local t = redis.call('TIME')
             local at = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
-            redis.call('XADD', KEYS[2], '*', '{F_SOURCE_STREAM}', KEYS[1], '{F_SOURCE_ID}', id,
+            local letter = {{'XADD', KEYS[2], '*', '{F_SOURCE_STREAM}', KEYS[1], '{F_SOURCE_ID}', id,
                 '{F_GROUP}', ARGV[1], '{F_CONSUMER}', holder, '{F_DELIVERIES}', '0',
-                '{F_REASON}', 'payload-missing', '{F_ERROR}', ARGV[3], '{F_AT}', at)
+                '{F_REASON}', 'payload-missing', '{F_ERROR}', ARGV[3], '{F_AT}', at}}
+            local key = redis.call('HGET', record_key, id .. ':key')
+            if key then
+                letter[#letter + 1] = '{F_BUSINESS_KEY}'
+                letter[#letter + 1] = key
+            end
+            redis.call(unpack(letter))
             redis.call('HINCRBY', KEYS[3], 'count', 1)
             redis.call('LPUSH', KEYS[4], id)
             redis.call('LTRIM', KEYS[4], 0, {latest})

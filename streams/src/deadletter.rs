@@ -69,7 +69,9 @@ impl Reason {
 /// while pending), the number of field and value arguments, and those.
 /// Sent as `EVAL` (Redis caches the compiled script; one per batch), so it
 /// rides in a pipeline on a cluster too.
-const DEAD_LETTER: &str = r"
+static DEAD_LETTER: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    crate::started::record_fields_lua()
+        + r"
     local ids = {}
     local i = 3
     while i <= #ARGV do
@@ -79,7 +81,7 @@ const DEAD_LETTER: &str = r"
         else
             ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, i + 3, i + 2 + n))
             redis.call('XACK', KEYS[2], ARGV[1], id)
-            redis.call('HDEL', KEYS[3], id, id .. ':run', id .. ':crashes', id .. ':since')
+            redis.call('HDEL', KEYS[3], unpack(record_fields(id, {})))
             if string.find(flags, 'l', 1, true) then
                 redis.call('HINCRBY', KEYS[4], 'count', 1)
                 redis.call('LPUSH', KEYS[5], id)
@@ -88,7 +90,8 @@ const DEAD_LETTER: &str = r"
         end
         i = i + 3 + n
     end
-    return ids";
+    return ids"
+});
 
 /// What to record about a dead letter besides the entry itself.
 pub struct Letter<'a> {
@@ -136,7 +139,7 @@ pub fn command(dead_letter_stream: &str, letters: &[(&Entry, &Letter<'_>)]) -> r
     let now_ms = crate::recovery::now_ms().to_string();
     let (stream, group) = letters.first().map_or(("", ""), |(e, l)| (e.stream.as_str(), l.group));
     let mut cmd = redis::cmd("EVAL");
-    cmd.arg(DEAD_LETTER)
+    cmd.arg(DEAD_LETTER.as_str())
         .arg(5)
         .arg(dead_letter_stream)
         .arg(stream)

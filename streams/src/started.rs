@@ -23,6 +23,11 @@
 //!   down, never assumed: a process that dies before it could record
 //!   anything (out of memory decoding a huge entry) still counts, and such
 //!   an entry reaches `maxDeliveries` like any other.
+//!
+//! Beside it, the entry's business key (`<id>:key`, [`key_field`]), written
+//! with the start record: whoever later dead-letters the entry without its
+//! payload (a claim or the sweep finding it trimmed, the sweep finding it
+//! poison) can still say which order it was.
 
 use crate::entry::Entry;
 use crate::error::StreamError;
@@ -40,6 +45,32 @@ pub fn crashes_field(id: &str) -> String {
     format!("{id}:crashes")
 }
 
+/// The field holding the entry's business key, written with its start record.
+pub fn key_field(id: &str) -> String {
+    format!("{id}:key")
+}
+
+/// The suffixes of an entry's fields in the entry-record hash: its last
+/// error (the ID alone), its run record, crash count, first failure
+/// (`retry`) and business key. An entry that leaves the PEL drops them all.
+pub const RECORD_SUFFIXES: [&str; 5] = ["", ":run", ":crashes", ":since", ":key"];
+
+/// Lua: `record_fields(id, out)` appends entry `id`'s fields in the
+/// entry-record hash ([`RECORD_SUFFIXES`]) to `out` and returns it.
+pub fn record_fields_lua() -> String {
+    let suffixes: Vec<String> = RECORD_SUFFIXES.iter().map(|s| format!("'{s}'")).collect();
+    format!(
+        r"
+        local RECORD_SUFFIXES = {{ {} }}
+        local function record_fields(id, out)
+            for _, s in ipairs(RECORD_SUFFIXES) do out[#out + 1] = id .. s end
+            return out
+        end
+        ",
+        suffixes.join(", ")
+    )
+}
+
 /// The value [`run_field`] holds once delivery `deliveries`'s handler returned.
 pub fn ended(deliveries: u64) -> String {
     format!("{deliveries}:end")
@@ -53,20 +84,21 @@ pub fn handed_back(deliveries: u64) -> String {
 
 /// Records that `entry`'s current delivery ends without its handler having
 /// started (its business key busy elsewhere): its next claim does not count
-/// it. Written only while `consumer` holds the entry.
+/// it. Written only while `consumer` holds the entry, with its business key.
 pub async fn record_not_started<C: ConnectionLike + Send>(
     conn: &mut C,
     entry: &Entry,
+    business_key: Option<&str>,
     group: &str,
     consumer: &str,
 ) -> Result<bool, StreamError> {
-    let runs = [(entry.id.as_str(), handed_back(entry.deliveries))];
+    let runs = [(entry.id.as_str(), handed_back(entry.deliveries), business_key)];
     let written = record_runs(conn, &entry.stream, group, consumer, &runs, "recording an entry left unstarted").await?;
     Ok(written.first() == Some(&true))
 }
 
-/// Records that the handlers of `starting` (entries of `stream`: ID and
-/// delivery count) start now, in one script: a worker whose handlers start
+/// Records that the handlers of `starting` (entries of `stream`: ID,
+/// delivery count and business key) start now, in one script: a worker whose handlers start
 /// together writes their records together (group commit). Written (and
 /// waited for) before the handlers run: a process that dies in one leaves
 /// the record behind for the next claim to read. Per entry, false (and
@@ -78,28 +110,34 @@ pub async fn record_starts<C: ConnectionLike + Send>(
     stream: &str,
     group: &str,
     consumer: &str,
-    starting: &[(&str, u64)],
+    starting: &[(&str, u64, Option<&str>)],
 ) -> Result<Vec<bool>, StreamError> {
-    let runs: Vec<(&str, String)> = starting.iter().map(|(id, deliveries)| (*id, deliveries.to_string())).collect();
+    let runs: Vec<(&str, String, Option<&str>)> =
+        starting.iter().map(|(id, deliveries, key)| (*id, deliveries.to_string(), *key)).collect();
     record_runs(conn, stream, group, consumer, &runs, "recording handlers' start").await
 }
 
-/// Sets each entry's run record ([`run_field`]) while `ARGV[2]` holds it in
-/// the PEL, in one script: a holder whose hold lapsed never leaves a record
-/// for an entry that has left the PEL (where nothing would ever delete it)
-/// or that another consumer now runs. KEYS: the stream, the entry-record
-/// hash. ARGV: group, consumer, then per entry its ID and value. Returns
-/// per entry 1 written, 0 not held. One `XPENDING` per entry (a point
-/// lookup) and one `HSET` for all.
+/// Sets each entry's run record ([`run_field`]) and business key
+/// ([`key_field`]) while `ARGV[2]` holds it in the PEL, in one script: a
+/// holder whose hold lapsed never leaves a record for an entry that has
+/// left the PEL (where nothing would ever delete it) or that another
+/// consumer now runs. KEYS: the stream, the entry-record hash. ARGV: group,
+/// consumer, then per entry its ID, value and business key ('' for none).
+/// Returns per entry 1 written, 0 not held. One `XPENDING` per entry (a
+/// point lookup) and one `HSET` for all.
 static RECORD_RUNS: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         r"
         local out, fields = {}, {}
-        for j = 3, #ARGV, 2 do
+        for j = 3, #ARGV, 3 do
             local id = ARGV[j]
             if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) > 0 then
                 fields[#fields + 1] = id .. ':run'
                 fields[#fields + 1] = ARGV[j + 1]
+                if ARGV[j + 2] ~= '' then
+                    fields[#fields + 1] = id .. ':key'
+                    fields[#fields + 1] = ARGV[j + 2]
+                end
                 out[#out + 1] = 1
             else
                 out[#out + 1] = 0
@@ -117,7 +155,7 @@ async fn record_runs<C: ConnectionLike + Send>(
     stream: &str,
     group: &str,
     consumer: &str,
-    runs: &[(&str, String)],
+    runs: &[(&str, String, Option<&str>)],
     action: &'static str,
 ) -> Result<Vec<bool>, StreamError> {
     if runs.is_empty() {
@@ -125,8 +163,8 @@ async fn record_runs<C: ConnectionLike + Send>(
     }
     let mut script = RECORD_RUNS.prepare_invoke();
     script.key(stream).key(keys::last_error_key(stream, group)).arg(group).arg(consumer);
-    for (id, value) in runs {
-        script.arg(*id).arg(value);
+    for (id, value, key) in runs {
+        script.arg(*id).arg(value).arg(key.unwrap_or_default());
     }
     let written: Vec<u8> = script.invoke_async(conn).await.map_err(|e| StreamError::new(action, e))?;
     Ok(written.into_iter().map(|w| w == 1).collect())
@@ -136,10 +174,12 @@ async fn record_runs<C: ConnectionLike + Send>(
 /// reads entry `id`'s record (its delivery count now is `count`) and returns
 /// the delivery count the claim gives it, its crash count, and whether that
 /// count must be set (`XCLAIM … RETRYCOUNT`: its last delivery was handed
-/// back unstarted) rather than counted up. Also `forget(record_key, id)`: drops the entry's
-/// whole record (its last error too), for an entry that leaves the PEL.
-pub fn redelivery_lua() -> &'static str {
-    r"
+/// back unstarted) rather than counted up. Also `forget(record_key, id)`:
+/// drops the entry's whole record ([`RECORD_SUFFIXES`]), for an entry that
+/// leaves the PEL.
+pub fn redelivery_lua() -> String {
+    record_fields_lua()
+        + r"
         local function redelivery(record_key, id, count)
             local r = redis.call('HMGET', record_key, id .. ':run', id .. ':crashes')
             local n = string.format('%d', count)
@@ -157,7 +197,7 @@ pub fn redelivery_lua() -> &'static str {
             return count + 1, crashes, false
         end
         local function forget(record_key, id)
-            redis.call('HDEL', record_key, id, id .. ':run', id .. ':crashes', id .. ':since')
+            redis.call('HDEL', record_key, unpack(record_fields(id, {})))
         end
         "
 }
@@ -172,7 +212,13 @@ mod tests {
         assert_eq!(crashes_field("5-0"), "5-0:crashes");
         assert_eq!(ended(3), "3:end");
         assert_eq!(handed_back(3), "3:back");
-        // The Lua reads the same names the Rust writes.
+        assert_eq!(key_field("5-0"), "5-0:key");
+        // The Lua reads the same names the Rust writes, and drops them all.
         assert!(redelivery_lua().contains("id .. ':run'") && redelivery_lua().contains("':back'"));
+        for f in [run_field("x"), crashes_field("x"), key_field("x"), "x".to_string()] {
+            let suffix = f.strip_prefix('x').unwrap_or_default();
+            assert!(RECORD_SUFFIXES.contains(&suffix), "{f} is not dropped with its entry");
+            assert!(record_fields_lua().contains(&format!("'{suffix}'")));
+        }
     }
 }

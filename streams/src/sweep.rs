@@ -15,6 +15,7 @@ use crate::error::StreamError;
 use crate::keys;
 use crate::recovery::{RecoveryReport, now_ms};
 use crate::retention::StreamId;
+use crate::started;
 use redis::aio::ConnectionLike;
 use std::collections::HashSet;
 use std::time::Duration;
@@ -186,11 +187,14 @@ fn classify(
     (lost, poison)
 }
 
-/// Settle: two round trips per page, whatever it holds. Lost payloads are
+/// Settle: two round trips per page, whatever it holds (three with lost
+/// payloads: their business keys are read first). Lost payloads are
 /// dead-lettered together with claiming the poison (one XCLAIM, min-idle
 /// guarded: an entry a worker took meanwhile has a fresh idle time and is
 /// not taken), reading its last errors and payloads; then the poison's dead
-/// letters. Each dead letter is its own atomic script. Returns how many
+/// letters. Each letter carries the entry's business key when a handler
+/// started it (`started::key_field`). Each dead letter is its own atomic
+/// script. Returns how many
 /// poison entries were claimed and dead-lettered.
 async fn settle<C: ConnectionLike + Send>(
     conn: &mut C,
@@ -205,20 +209,37 @@ async fn settle<C: ConnectionLike + Send>(
         let (id, _, _, deliveries) = &page[i];
         Entry { stream: s.stream.into(), id: id.clone(), fields: Vec::new(), deliveries: *deliveries, crashes: 0 }
     };
-    let letter = |owner, reason, error| Letter {
+    let letter = |owner, reason, error, business_key| Letter {
         group: s.group,
         consumer: owner,
         reason,
         error,
-        business_key: None,
+        business_key,
         while_pending: true,
     };
+    let records = keys::last_error_key(s.stream, s.group);
     let mut pipe = redis::pipe();
+    // Read before the letters that drop them (a key is written once, at the
+    // handler's start, so reading it first misses nothing).
+    let lost_keys: Vec<Option<String>> = if lost.is_empty() {
+        Vec::new()
+    } else {
+        let mut hmget = redis::cmd("HMGET");
+        hmget.arg(&records);
+        for &i in lost {
+            hmget.arg(started::key_field(&page[i].0));
+        }
+        hmget.query_async(conn).await.map_err(err("reading lost entries' business keys"))?
+    };
     if !lost.is_empty() {
         let entries: Vec<Entry> = lost.iter().map(|&i| entry(i)).collect();
         let letters: Vec<Letter> = lost
             .iter()
-            .map(|&i| letter(page[i].1.as_str(), Reason::PayloadMissing, "payload trimmed or deleted while pending"))
+            .zip(&lost_keys)
+            .map(|(&i, key)| {
+                let why = "payload trimmed or deleted while pending";
+                letter(page[i].1.as_str(), Reason::PayloadMissing, why, key.as_deref())
+            })
             .collect();
         let batch: Vec<_> = entries.iter().zip(&letters).collect();
         pipe.add_command(deadletter::command(s.dead_letter_stream, &batch)).ignore();
@@ -241,14 +262,18 @@ async fn settle<C: ConnectionLike + Send>(
         s.max_deliveries,
         &rows,
     ));
-    let errors = pipe.cmd("HMGET").arg(keys::last_error_key(s.stream, s.group));
+    // Their last errors, then their business keys.
+    let errors = pipe.cmd("HMGET").arg(&records);
     for &i in poison {
         errors.arg(&page[i].0);
     }
     for &i in poison {
+        errors.arg(started::key_field(&page[i].0));
+    }
+    for &i in poison {
         pipe.cmd("XRANGE").arg(s.stream).arg(&page[i].0).arg(&page[i].0);
     }
-    // The claim, the last errors, then one payload per poison entry.
+    // The claim, the last errors and keys, then one payload per poison entry.
     type Payload = Vec<(String, std::collections::HashMap<String, redis::Value>)>;
     let replies: Vec<redis::Value> = pipe.query_async(conn).await.map_err(err("claiming poison entries"))?;
     let mut replies = replies.into_iter();
@@ -258,13 +283,14 @@ async fn settle<C: ConnectionLike + Send>(
         .map_err(parsed("claiming poison entries"))?
         .into_iter()
         .collect();
-    let errors: Vec<Option<String>> = redis::from_redis_value(next()).map_err(parsed("reading last errors"))?;
+    let mut errors: Vec<Option<String>> = redis::from_redis_value(next()).map_err(parsed("reading last errors"))?;
+    let business_keys = errors.split_off(poison.len().min(errors.len()));
     let payloads = (0..poison.len())
         .map(|_| redis::from_redis_value::<Payload>(next()))
         .collect::<Result<Vec<_>, _>>()
         .map_err(parsed("reading poison payloads"))?;
     let mut taken = Vec::new();
-    for ((&i, error), payload) in poison.iter().zip(errors).zip(payloads) {
+    for (((&i, error), payload), key) in poison.iter().zip(errors).zip(payloads).zip(business_keys) {
         let mut e = entry(i);
         if !claimed.contains(&e.id) {
             continue;
@@ -272,11 +298,13 @@ async fn settle<C: ConnectionLike + Send>(
         // Deleted between the check and the claim: still a dead letter, without fields.
         e.fields = payload.into_iter().next().map(|(_, map)| fields_from_map(map)).unwrap_or_default();
         let error = error.unwrap_or_else(|| format!("delivered {} times without an ack", e.deliveries));
-        taken.push((e, page[i].1.as_str(), error));
+        taken.push((e, page[i].1.as_str(), error, key));
     }
     if !taken.is_empty() {
-        let letters: Vec<Letter> =
-            taken.iter().map(|(_, owner, error)| letter(owner, Reason::MaxDeliveries, error.as_str())).collect();
+        let letters: Vec<Letter> = taken
+            .iter()
+            .map(|(_, owner, error, key)| letter(owner, Reason::MaxDeliveries, error.as_str(), key.as_deref()))
+            .collect();
         let batch: Vec<_> = taken.iter().map(|(e, ..)| e).zip(&letters).collect();
         let _: redis::Value = deadletter::command(s.dead_letter_stream, &batch)
             .query_async(conn)

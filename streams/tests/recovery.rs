@@ -59,6 +59,11 @@ async fn sweep_dead_letters_poison_records_lost_payloads_and_leaves_the_rest() -
     deliver(&mut conn, "w1", &ids[3], 4).await?; // busy: 5 deliveries...
     let poison = Entry { stream: "orders".into(), id: ids[1].clone(), fields: vec![], deliveries: 5, crashes: 0 };
     dl::record_last_error(&mut conn, &poison, "g", "transient: gateway timeout").await?;
+    // The poison and the lost entry's handlers started, as a worker records
+    // it: their letters can name the business key without the payload.
+    let starting = [(ids[1].as_str(), 5, Some("order-poison")), (ids[2].as_str(), 1, Some("order-lost"))];
+    let held = streamfleet_streams::started::record_starts(&mut conn, "orders", "g", "w1", &starting).await?;
+    assert_eq!(held, vec![true, true]);
     let _: i64 = conn.xdel("orders", &[&ids[2]]).await?; // lost: trimmed while pending
     tokio::time::sleep(Duration::from_millis(300)).await;
     deliver(&mut conn, "w2", &ids[3], 1).await?; // ...but a live worker just took it
@@ -87,8 +92,15 @@ async fn sweep_dead_letters_poison_records_lost_payloads_and_leaves_the_rest() -
     assert_eq!(p[dl::F_DELIVERIES], "5");
     assert_eq!(p[dl::F_CONSUMER], "w1", "the last consumer that held it");
     assert_eq!(p["order_id"], "poison");
+    assert_eq!(p[dl::F_BUSINESS_KEY], "order-poison");
     let l = by_source(&ids[2]);
     assert_eq!(l[dl::F_REASON], "payload-missing");
+    assert_eq!(l[dl::F_BUSINESS_KEY], "order-lost", "a loss letter names the order without its payload");
+    assert_eq!(l[dl::F_CONSUMER], "w1", "the consumer that last held it");
+    // What left the PEL left no entry record behind.
+    let records: HashMap<String, String> =
+        conn.hgetall(streamfleet_streams::keys::last_error_key("orders", "g")).await?;
+    assert!(records.keys().all(|f| !f.starts_with(&ids[1]) && !f.starts_with(&ids[2])), "{records:?}");
     let consumers: redis::streams::StreamInfoConsumersReply = conn.xinfo_consumers("orders", "g").await?;
     assert!(!consumers.consumers.iter().any(|c| c.name == "sweep-pod"), "the sweep's consumer is removed");
 

@@ -78,7 +78,8 @@ static EXTEND: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
 /// (`protocol::a_commit_sent_twice_acks_once_and_never_acks_what_another_holds`).
 static COMMIT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
-        r"
+        &(streamfleet_streams::started::record_fields_lua()
+            + r"
         local wanted, n = {}, 0
         for j = 6, #ARGV, 3 do
             wanted[ARGV[j]] = true
@@ -97,15 +98,9 @@ static COMMIT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
         local acked, lost, m = {}, {}, 3
         local function ack()
             redis.call('XACK', KEYS[1], ARGV[1], unpack(acked))
-            -- The entries' records: last error, started record, crash count,
-            -- first failure.
+            -- The entries' records (`started::RECORD_SUFFIXES`).
             local fields = {}
-            for _, id in ipairs(acked) do
-                fields[#fields + 1] = id
-                fields[#fields + 1] = id .. ':run'
-                fields[#fields + 1] = id .. ':crashes'
-                fields[#fields + 1] = id .. ':since'
-            end
+            for _, id in ipairs(acked) do record_fields(id, fields) end
             redis.call('HDEL', KEYS[2], unpack(fields))
             acked = {}
         end
@@ -128,7 +123,7 @@ static COMMIT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
             end
         end
         if #acked > 0 then ack() end
-        return lost",
+        return lost"),
     )
 });
 

@@ -14,8 +14,8 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use streamfleet_streams::claim::{LossRecord, autoclaim};
 use streamfleet_testbed::RedisServer;
-use streamfleet_worker::Worker;
 use streamfleet_worker::guard::{Guard, GuardState};
+use streamfleet_worker::{Stats, Worker};
 
 const LOSS: LossRecord<'static> = LossRecord {
     dead_letter_stream: "{orders}:dead:g",
@@ -333,16 +333,7 @@ async fn a_process_killing_entry_is_dead_lettered_alone_and_its_batch_mates_run(
     let killer = ids[2].clone();
     let (mut crashes, mut finished) = (0, false);
     for _ in 0..8 {
-        let url = server.url();
-        let status = tokio::task::spawn_blocking(move || {
-            std::process::Command::new(std::env::current_exe()?)
-                .args(["--exact", "crash_looping_worker_process", "--ignored", "--nocapture"])
-                .env(CHILD_REDIS_URL, url)
-                .stdout(std::process::Stdio::null())
-                .status()
-        })
-        .await??;
-        if status.success() {
+        if worker_process(server.url(), 4).await? {
             finished = true;
             break;
         }
@@ -362,6 +353,7 @@ async fn a_process_killing_entry_is_dead_lettered_alone_and_its_batch_mates_run(
         .collect();
     assert_eq!(summary, vec![(killer.as_str(), "crashed-worker")], "only the killer is a dead letter");
     assert!(letters[0][streamfleet_streams::deadletter::F_ERROR].contains("died 3 times"), "{:?}", letters[0]);
+    assert_eq!(letters[0][streamfleet_streams::deadletter::F_BUSINESS_KEY], "k2");
     for id in ids.iter().filter(|id| **id != killer) {
         let ran: u32 = conn.get(format!("ran:{id}")).await?;
         assert!(ran >= 1, "{id} never ran");
@@ -374,6 +366,64 @@ async fn a_process_killing_entry_is_dead_lettered_alone_and_its_batch_mates_run(
 }
 
 const CHILD_REDIS_URL: &str = "STREAMFLEET_TEST_CHILD_REDIS_URL";
+/// How many handlers the child runs at once (default 4).
+const CHILD_CONCURRENCY: &str = "STREAMFLEET_TEST_CHILD_CONCURRENCY";
+
+/// Runs [`crash_looping_worker_process`] once against `url`; true when it
+/// exited cleanly (every entry settled), false when a handler killed it.
+async fn worker_process(url: String, concurrency: usize) -> Result<bool> {
+    let status = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(std::env::current_exe()?)
+            .args(["--exact", "crash_looping_worker_process", "--ignored", "--nocapture"])
+            .env(CHILD_REDIS_URL, url)
+            .env(CHILD_CONCURRENCY, concurrency.to_string())
+            .stdout(std::process::Stdio::null())
+            .status()
+    })
+    .await??;
+    Ok(status.success())
+}
+
+/// A producer's length trim removes the payloads of two entries a worker
+/// process held when it died: one whose handler had started (and killed the
+/// process), one it had read but not started. The survivor records both
+/// lost; the letter of the started one names its business key (written
+/// with its start record), so the runbook's "check that it was not done"
+/// has an order to look up; the other says no key rather than a wrong one.
+/// Before, every loss letter came without a key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loss_letter_names_the_business_key_of_an_entry_whose_handler_started() -> Result<()> {
+    use streamfleet_streams::deadletter as dl;
+    let (server, mut conn) = setup().await?;
+    let started = add(&mut conn, &[("kind", "abort"), ("key", "order-9")]).await?;
+    let unstarted = add(&mut conn, &[("kind", "nap"), ("key", "order-10")]).await?;
+    // One handler at a time: the first kills the process before the second starts.
+    assert!(!worker_process(server.url(), 1).await?, "the handler did not kill its process");
+    let _: i64 = conn.xdel("orders", &[&started, &unstarted]).await?;
+    assert_eq!(pending(&mut conn).await?, 2, "both entries were read by the dead process");
+
+    let worker = Worker::new(config(&server, "survivor", 2_000, 5), Scripted::default());
+    let stats = worker.stats();
+    let (stop, run) = spawn(worker);
+    streamfleet_testbed::eventually("both recorded lost", T, || async {
+        Ok((Stats::get(&stats.payload_missing) == 2).then_some(()))
+    })
+    .await?;
+    let _ = stop.send(());
+    run.await??;
+    let letters = dead_letters(&mut conn).await?;
+    let of = |id: &str| letters.iter().find(|l| l[dl::F_SOURCE_ID] == id).cloned().unwrap_or_default();
+    let (a, b) = (of(&started), of(&unstarted));
+    assert_eq!((a[dl::F_REASON].as_str(), a[dl::F_CONSUMER].as_str()), ("payload-missing", "pod-a"), "{a:?}");
+    assert_eq!(a.get(dl::F_BUSINESS_KEY).map(String::as_str), Some("order-9"), "{a:?}");
+    assert_eq!(b[dl::F_REASON], "payload-missing", "{b:?}");
+    assert_eq!(b.get(dl::F_BUSINESS_KEY), None, "never started: no key recorded, none made up");
+    assert_eq!(pending(&mut conn).await?, 0);
+    let records: HashMap<String, String> =
+        conn.hgetall(streamfleet_streams::keys::last_error_key("orders", "g")).await?;
+    assert!(records.is_empty(), "entry records left behind: {records:?}");
+    Ok(())
+}
 
 /// The handler of the crash-looping worker process: `abort` takes the
 /// process down 50 ms in; `nap` records its effect (`ran:<id>`) after
@@ -415,7 +465,7 @@ fn crash_looping_worker_process() -> Result<()> {
     runtime.block_on(async {
         let conn = redis::Client::open(url.as_str())?.get_multiplexed_async_connection().await?;
         let mut config = config_at(&url, "pod-a", 2_000, 4);
-        config.concurrency = 4;
+        config.concurrency = std::env::var(CHILD_CONCURRENCY).ok().and_then(|c| c.parse().ok()).unwrap_or(4);
         let worker =
             Worker::new(config, ProcessKiller { conn: conn.clone() }).with_idempotency_guard(Duration::from_secs(600));
         let mut watch = conn.clone();

@@ -34,6 +34,14 @@ impl Batch {
         }
     }
 
+    /// Entry `i`'s business key, if its extractor gave one.
+    pub(super) fn key(&self, i: usize) -> Option<&str> {
+        match &self.keys[i] {
+            KeyOf::Key(key) => Some(key.as_str()),
+            KeyOf::None | KeyOf::Panicked(_) => None,
+        }
+    }
+
     fn since_born(&self) -> u64 {
         u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX).saturating_add(1)
     }

@@ -84,7 +84,7 @@ impl<H: Handler> Worker<H> {
                 // Not run: its next claim does not count this delivery.
                 if !self.at_most_once {
                     let (group, consumer) = (&self.config.group, &self.config.consumer);
-                    streamfleet_streams::started::record_not_started(conn, entry, group, consumer).await?;
+                    streamfleet_streams::started::record_not_started(conn, entry, key, group, consumer).await?;
                 }
                 return Ok(Settled::Leave);
             }

@@ -49,9 +49,14 @@ impl<H: Handler> Worker<H> {
             let mut scripts: futures::stream::FuturesUnordered<_> = by_stream
                 .iter()
                 .map(|(&stream, requests)| {
-                    let starting: Vec<(&str, u64)> = requests
+                    // With each its business key: a loss or poison letter
+                    // written without the payload can still name it.
+                    let starting: Vec<(&str, u64, Option<&str>)> = requests
                         .iter()
-                        .map(|(i, _)| (batch.entries[*i].id.as_str(), batch.entries[*i].deliveries))
+                        .map(|(i, _)| {
+                            let entry = &batch.entries[*i];
+                            (entry.id.as_str(), entry.deliveries, batch.key(*i))
+                        })
                         .collect();
                     let mut conn = conn.clone();
                     async move {
