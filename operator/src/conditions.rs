@@ -17,6 +17,9 @@ pub const EVICTION_POSSIBLE: &str = "EvictionPossible";
 pub const TEMPLATE_FIELDS_UNKNOWN: &str = "TemplateFieldsUnknown";
 /// True while the recovery CronJob's last finished run failed.
 pub const RECOVERY_FAILING: &str = "RecoveryFailing";
+/// True while, in `Worker` recovery mode, a handler may run as long as a
+/// recovery run is allowed to (the operator's recovery deadline).
+pub const RECOVERY_DEADLINE_TOO_SHORT: &str = "RecoveryDeadlineTooShort";
 
 /// Sets condition `type_` in `conditions`; its transition time changes only
 /// when its status does.

@@ -18,7 +18,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::ResourceExt as _;
 use std::time::Duration;
 use streamfleet_crd::{
-    Health, PAYLOAD_LOST_ACKNOWLEDGED, PayloadLostStatus, RecoveryStatus, ShardStatus, StreamConsumerGroup,
+    Health, PAYLOAD_LOST_ACKNOWLEDGED, PayloadLostStatus, RecoveryMode, RecoveryStatus, ShardStatus,
+    StreamConsumerGroup,
 };
 use streamfleet_streams::health::{GroupSnapshot, Lag, ParkedState};
 use streamfleet_streams::payload_loss::PayloadLoss;
@@ -47,6 +48,8 @@ pub struct PolicyMemory {
     pub eviction_announced: Option<bool>,
     /// The unknown template fields last announced (`TemplateFieldsUnknown`).
     pub template_announced: Option<String>,
+    /// The `RecoveryDeadlineTooShort` message last announced.
+    pub recovery_deadline_announced: Option<String>,
     /// The failed recovery Job last announced.
     pub recovery_failure_announced: Option<String>,
     /// Consumers without a pod found still alive (`<stream>/<consumer>`,
@@ -123,6 +126,9 @@ pub struct Convergence {
     /// Fields of the worker template that were dropped (typos): the
     /// `TemplateFieldsUnknown` condition.
     pub unknown_template_fields: Vec<String>,
+    /// Why a recovery run cannot finish a handler that runs its full time:
+    /// the `RecoveryDeadlineTooShort` condition (`None`: it can).
+    pub recovery_deadline_short: Option<String>,
     /// How the recovery CronJob's last run ended: the `RecoveryFailing` condition.
     pub recovery_run: LastRun,
     /// A consumer without a pod may become releasable within seconds
@@ -276,7 +282,16 @@ pub fn decide(
     let (dead_letter_trims, cap_events, dead_letter_cap_reached) = dead_letter_cap(spec, observed);
     events.extend(cap_events);
     events.extend(eviction_event(at.scg, &observed.eviction, &mut memory.eviction_announced));
-    events.extend(template_event(at.scg, &spec.unknown_template_fields, &mut memory.template_announced));
+    let template = (!spec.unknown_template_fields.is_empty()).then(|| template_message(&spec.unknown_template_fields));
+    events.extend(announce_once(at.scg, TEMPLATE_EVENT, template, &mut memory.template_announced));
+    let recovery_deadline_short =
+        recovery_deadline_message(spec, at.scg.spec.recovery.mode, at.settings.sweep_deadline_seconds);
+    events.extend(announce_once(
+        at.scg,
+        RECOVERY_DEADLINE_EVENT,
+        recovery_deadline_short.clone(),
+        &mut memory.recovery_deadline_announced,
+    ));
     let recovery_run = recovery_runs::last_run(&observed.recovery_jobs);
     events.extend(recovery_failure_event(at.scg, &recovery_run, &mut memory.recovery_failure_announced));
     Ok(Plan::Converge(Box::new(Convergence {
@@ -287,6 +302,7 @@ pub fn decide(
         eviction: observed.eviction.clone(),
         reap: reap_plan(at.scg, &snapshot, observed),
         unknown_template_fields: spec.unknown_template_fields.clone(),
+        recovery_deadline_short,
         reap_soon: reaper::awaiting_silence(
             &snapshot.consumers,
             &observed.live_pods,
@@ -373,28 +389,68 @@ pub fn template_message(unknown: &[String]) -> String {
     )
 }
 
-/// A Warning when the worker template has unknown fields, once per set of
-/// them (not again while the condition already says so).
-fn template_event(
+/// What the `RecoveryDeadlineTooShort` condition and its Warning say, when
+/// it holds: in `Worker` recovery mode a run is stopped at the operator's
+/// deadline (the chart's `sweep.activeDeadlineSeconds`), so a handler
+/// allowed as long or longer (`spec.worker.handlerTimeoutSeconds`, else
+/// min-idle-time) may never finish in one; each stopped run hands the
+/// entry back with one more delivery, until it is dead-lettered.
+pub fn recovery_deadline_message(
+    spec: &ValidSpec,
+    mode: RecoveryMode,
+    deadline_seconds: Option<i64>,
+) -> Option<String> {
+    let deadline = Duration::from_secs(u64::try_from(deadline_seconds?).ok()?);
+    let handler = spec.worker_env.options.handler_timeout_ms.map_or(spec.min_idle, Duration::from_millis);
+    (mode == RecoveryMode::Worker && handler >= deadline).then(|| {
+        let source = if spec.worker_env.options.handler_timeout_ms.is_some() {
+            "spec.worker.handlerTimeoutSeconds"
+        } else {
+            "min-idle-time, as spec.worker.handlerTimeoutSeconds is unset"
+        };
+        format!(
+            "a recovery run (recovery.mode Worker) is stopped after {} s, the operator's recovery deadline, but a handler \
+             may run {} s ({source}): one that takes that long never finishes in a recovery run, and each stopped run \
+             counts a delivery until its entry is dead-lettered; lower the handler timeout below the deadline or raise \
+             the deadline (the chart's sweep.activeDeadlineSeconds)",
+            deadline.as_secs(),
+            handler.as_secs_f64(),
+        )
+    })
+}
+
+/// A Warning raised by a condition that holds while the spec does not change.
+pub struct ConditionEvent {
+    pub condition: &'static str,
+    pub reason: &'static str,
+}
+
+const TEMPLATE_EVENT: ConditionEvent =
+    ConditionEvent { condition: crate::conditions::TEMPLATE_FIELDS_UNKNOWN, reason: "TemplateFieldsUnknown" };
+const RECOVERY_DEADLINE_EVENT: ConditionEvent =
+    ConditionEvent { condition: crate::conditions::RECOVERY_DEADLINE_TOO_SHORT, reason: "RecoveryDeadlineTooShort" };
+
+/// A Warning when a spec-born condition holds (`note`: its message), once
+/// per message: not again while the condition already says so, nor after
+/// this operator said it (the cached status may lag).
+fn announce_once(
     scg: &StreamConsumerGroup,
-    unknown: &[String],
+    kind: ConditionEvent,
+    note: Option<String>,
     announced: &mut Option<String>,
 ) -> Option<PlannedEvent> {
-    if unknown.is_empty() {
+    let Some(note) = note else {
         *announced = None;
         return None;
-    }
-    let note = template_message(unknown);
+    };
     let shown = scg.status.as_ref().is_some_and(|s| {
-        s.conditions
-            .iter()
-            .any(|c| c.type_ == crate::conditions::TEMPLATE_FIELDS_UNKNOWN && c.status == "True" && c.message == note)
+        s.conditions.iter().any(|c| c.type_ == kind.condition && c.status == "True" && c.message == note)
     });
     if shown || announced.as_deref() == Some(note.as_str()) {
         return None;
     }
     *announced = Some(note.clone());
-    Some(PlannedEvent { type_: EventType::Warning, reason: "TemplateFieldsUnknown", action: "Validate", note })
+    Some(PlannedEvent { type_: EventType::Warning, reason: kind.reason, action: "Validate", note })
 }
 
 /// A Warning once per failed recovery run (not again while the condition
@@ -797,10 +853,57 @@ mod tests {
         let mut shown = typo.clone();
         shown.status = Some(status);
         let mut memory = PolicyMemory::default();
-        assert_eq!(template_event(&shown, &plan.unknown_template_fields, &mut memory.template_announced), None);
+        let note = Some(template_message(&plan.unknown_template_fields));
+        assert_eq!(announce_once(&shown, TEMPLATE_EVENT, note, &mut memory.template_announced), None);
         let fixed = converge(run(&scg(), &observed(Some(snapshot(0, 0, &[])), Some(1))));
         let status = super::super::status::converged(&shown, &fixed, &Default::default(), &Time(Default::default()));
         assert!(status.conditions.iter().all(|c| c.type_ != crate::conditions::TEMPLATE_FIELDS_UNKNOWN));
+    }
+
+    #[test]
+    fn a_handler_timeout_past_the_recovery_deadline_is_a_condition_and_one_warning_in_worker_mode() {
+        let with = |mode: &str, timeout: Option<u64>| -> StreamConsumerGroup {
+            let mut scg = scg();
+            let mut spec = serde_json::to_value(&scg.spec).unwrap();
+            spec["recovery"]["mode"] = serde_json::json!(mode);
+            if let Some(t) = timeout {
+                spec["worker"]["handlerTimeoutSeconds"] = serde_json::json!(t);
+            }
+            scg.spec = serde_json::from_value(spec).unwrap();
+            scg
+        };
+        let settings = ObjectSettings { sweep_deadline_seconds: Some(900), ..ObjectSettings::default() };
+        let plan = |scg: &StreamConsumerGroup, memory: &mut PolicyMemory| {
+            let at = Situation { scg, settings: &settings, now: Duration::from_secs(100) };
+            let observed = observed(Some(snapshot(0, 0, &[])), Some(1));
+            match decide(&super::super::validate::validate(scg).unwrap(), &observed, memory, &at).unwrap() {
+                Plan::Converge(c) => *c,
+                _ => panic!("expected a convergence"),
+            }
+        };
+        let warnings = |p: &Convergence| p.events.iter().filter(|e| e.reason == "RecoveryDeadlineTooShort").count();
+
+        let long = with("Worker", Some(1_200));
+        let mut memory = PolicyMemory::default();
+        let first = plan(&long, &mut memory);
+        let message = first.recovery_deadline_short.clone().unwrap_or_default();
+        assert!(message.contains("900 s") && message.contains("1200 s"), "{message}");
+        assert!(message.contains("spec.worker.handlerTimeoutSeconds"), "{message}");
+        assert_eq!(warnings(&first), 1);
+        let status = super::super::status::converged(&long, &first, &Default::default(), &Time(Default::default()));
+        let condition = status.conditions.iter().find(|c| c.type_ == crate::conditions::RECOVERY_DEADLINE_TOO_SHORT);
+        assert!(condition.is_some_and(|c| c.status == "True" && c.message == message), "{condition:?}");
+        assert_eq!(warnings(&plan(&long, &mut memory)), 0, "said once");
+
+        // Shorter than the deadline, or a sweep (which runs no handler): nothing to say.
+        for fine in [with("Worker", Some(600)), with("Sweep", Some(1_200))] {
+            let p = plan(&fine, &mut PolicyMemory::default());
+            assert_eq!((p.recovery_deadline_short.as_deref(), warnings(&p)), (None, 0));
+            let mut shown = long.clone();
+            shown.status = Some(status.clone());
+            let status = super::super::status::converged(&shown, &p, &Default::default(), &Time(Default::default()));
+            assert!(status.conditions.iter().all(|c| c.type_ != crate::conditions::RECOVERY_DEADLINE_TOO_SHORT));
+        }
     }
 
     #[test]

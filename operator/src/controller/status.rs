@@ -109,6 +109,12 @@ pub fn converged(
         let message = super::decide::template_message(&plan.unknown_template_fields);
         set(&mut status, conditions::TEMPLATE_FIELDS_UNKNOWN, true, "UnknownFields", &message);
     }
+    match &plan.recovery_deadline_short {
+        None => status.conditions.retain(|c| c.type_ != conditions::RECOVERY_DEADLINE_TOO_SHORT),
+        Some(message) => {
+            set(&mut status, conditions::RECOVERY_DEADLINE_TOO_SHORT, true, "HandlerTimeoutPastDeadline", message)
+        }
+    }
     match &plan.recovery_run {
         // Suspended, no run is due: a failure before it pages no one.
         _ if scg.spec.suspend => status.conditions.retain(|c| c.type_ != conditions::RECOVERY_FAILING),
