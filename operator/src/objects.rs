@@ -1,7 +1,7 @@
 //! The objects the operator owns, built from a `StreamConsumerGroup` by pure
 //! functions: the worker Deployment and the recovery CronJob.
 
-use crate::controller::validate::ValidSpec;
+use crate::controller::validate::{ValidSpec, Workload};
 use crate::error::Error;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::batch::v1::{CronJob, CronJobSpec, JobSpec, JobTemplateSpec};
@@ -9,8 +9,8 @@ use k8s_openapi::api::core::v1::{
     Capabilities, Container, EnvVar, EnvVarSource, LocalObjectReference, ObjectFieldSelector, PodSpec, PodTemplateSpec,
     ResourceRequirements, SeccompProfile, SecretKeySelector, SecurityContext, Toleration,
 };
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
-use kube::{Resource as _, ResourceExt as _};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+use kube::ResourceExt as _;
 use std::collections::BTreeMap;
 use streamfleet_contract as env;
 use streamfleet_crd::{RecoveryMode, StreamConsumerGroup};
@@ -67,26 +67,23 @@ pub fn recovery_cronjob_name(scg: &StreamConsumerGroup) -> String {
 /// Informational only: a worker pod keeps its template's own.
 const NAME_LABEL: &str = "app.kubernetes.io/name";
 
-fn labels(scg: &StreamConsumerGroup, component: &str) -> BTreeMap<String, String> {
+fn labels(workload: &Workload, component: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
         (NAME_LABEL.to_string(), "streamfleet".to_string()),
         ("app.kubernetes.io/managed-by".to_string(), "streamfleet".to_string()),
         (COMPONENT_LABEL.to_string(), component.to_string()),
-        (GROUP_LABEL.to_string(), scg.name_any()),
+        (GROUP_LABEL.to_string(), workload.resource.clone()),
     ])
 }
 
-fn owner(scg: &StreamConsumerGroup) -> Result<OwnerReference, Error> {
-    scg.controller_owner_ref(&()).ok_or_else(|| Error::Internal("the resource has no uid yet".into()))
-}
-
 /// Metadata of an object this resource owns: name, namespace, labels, owner.
-fn owned_meta(scg: &StreamConsumerGroup, name: String, component: &str) -> Result<ObjectMeta, Error> {
+fn owned_meta(workload: &Workload, name: &str, component: &str) -> Result<ObjectMeta, Error> {
+    let owner = workload.owner.clone().ok_or_else(|| Error::Internal("the resource has no uid yet".into()))?;
     Ok(ObjectMeta {
-        name: Some(name),
-        namespace: scg.namespace(),
-        labels: Some(labels(scg, component)),
-        owner_references: Some(vec![owner(scg)?]),
+        name: Some(name.to_string()),
+        namespace: workload.namespace.clone(),
+        labels: Some(labels(workload, component)),
+        owner_references: Some(vec![owner]),
         ..ObjectMeta::default()
     })
 }
@@ -128,35 +125,24 @@ const DRAIN_MARGIN_MS: i64 = 3_000;
 /// The user's pod template with our labels and the env contract injected into
 /// the worker container. The user's own env entries of the same names lose:
 /// the contract must be what the operator says it is.
-fn worker_pod_template(
-    scg: &StreamConsumerGroup,
-    valid: &ValidSpec,
-    component: &str,
-    mode: env::RunMode,
-) -> Result<PodTemplateSpec, Error> {
-    let mut template = scg.spec.worker.template.clone();
+fn worker_pod_template(valid: &ValidSpec, component: &str, mode: env::RunMode) -> Result<PodTemplateSpec, Error> {
+    let workload = &valid.workload;
+    let mut template = workload.template.clone();
     let meta = template.metadata.get_or_insert_with(ObjectMeta::default);
     let pod_labels = meta.labels.get_or_insert_with(BTreeMap::new);
     // The user's own `app.kubernetes.io/name` stays (nothing selects by it);
     // the Deployment's selector and the operator's pod watch need the rest.
-    for (key, value) in labels(scg, component) {
+    for (key, value) in labels(workload, component) {
         if key == NAME_LABEL {
             pod_labels.entry(key).or_insert(value);
         } else {
             pod_labels.insert(key, value);
         }
     }
-    let pod =
-        template.spec.as_mut().ok_or_else(|| Error::InvalidSpec("spec.worker.template.spec is required".into()))?;
-    let container = match scg.spec.worker.container_name.as_deref() {
-        Some(name) => pod.containers.iter_mut().find(|c| c.name == name).ok_or_else(|| {
-            Error::InvalidSpec(format!("spec.worker.containerName: no container named {name:?} in the template"))
-        })?,
-        None => pod
-            .containers
-            .first_mut()
-            .ok_or_else(|| Error::InvalidSpec("spec.worker.template.spec.containers must not be empty".into()))?,
-    };
+    // (Validation found both.)
+    let missing = || Error::Internal("the validated worker container is missing".into());
+    let pod = template.spec.as_mut().ok_or_else(missing)?;
+    let container = pod.containers.get_mut(workload.container).ok_or_else(missing)?;
     // Handlers in flight get the grace period less a margin to finish: the
     // rest is handed back before the kubelet's SIGKILL.
     let grace_ms = pod.termination_grace_period_seconds.unwrap_or(30).max(0).saturating_mul(1000);
@@ -186,17 +172,18 @@ pub fn stamp_secrets_digest(deployment: &mut Deployment, digest: Option<&str>) {
 }
 
 /// The worker Deployment at `replicas`.
-pub fn worker_deployment(scg: &StreamConsumerGroup, valid: &ValidSpec, replicas: i32) -> Result<Deployment, Error> {
+pub fn worker_deployment(valid: &ValidSpec, replicas: i32) -> Result<Deployment, Error> {
+    let workload = &valid.workload;
     let selector = BTreeMap::from([
-        (GROUP_LABEL.to_string(), scg.name_any()),
+        (GROUP_LABEL.to_string(), workload.resource.clone()),
         (COMPONENT_LABEL.to_string(), "worker".to_string()),
     ]);
     Ok(Deployment {
-        metadata: owned_meta(scg, worker_deployment_name(scg), "worker")?,
+        metadata: owned_meta(workload, &workload.deployment_name, "worker")?,
         spec: Some(DeploymentSpec {
             replicas: Some(replicas),
             selector: LabelSelector { match_labels: Some(selector), match_expressions: None },
-            template: worker_pod_template(scg, valid, "worker", env::RunMode::Consume)?,
+            template: worker_pod_template(valid, "worker", env::RunMode::Consume)?,
             ..DeploymentSpec::default()
         }),
         status: None,
@@ -205,29 +192,26 @@ pub fn worker_deployment(scg: &StreamConsumerGroup, valid: &ValidSpec, replicas:
 
 /// The recovery CronJob: the operator image's `sweep` in `Sweep` mode, the
 /// worker template in recovery mode in `Worker` mode.
-pub fn recovery_cronjob(
-    scg: &StreamConsumerGroup,
-    valid: &ValidSpec,
-    settings: &ObjectSettings,
-) -> Result<CronJob, Error> {
-    let mut template = match scg.spec.recovery.mode {
-        RecoveryMode::Worker => worker_pod_template(scg, valid, "recovery", env::RunMode::Recovery)?,
-        RecoveryMode::Sweep => sweep_pod_template(scg, valid, settings),
+pub fn recovery_cronjob(valid: &ValidSpec, settings: &ObjectSettings) -> Result<CronJob, Error> {
+    let workload = &valid.workload;
+    let mut template = match workload.recovery_mode {
+        RecoveryMode::Worker => worker_pod_template(valid, "recovery", env::RunMode::Recovery)?,
+        RecoveryMode::Sweep => sweep_pod_template(valid, settings),
     };
     if let Some(spec) = template.spec.as_mut() {
         spec.restart_policy = Some("OnFailure".into());
     }
     Ok(CronJob {
-        metadata: owned_meta(scg, recovery_cronjob_name(scg), "recovery")?,
+        metadata: owned_meta(workload, &workload.cronjob_name, "recovery")?,
         spec: Some(CronJobSpec {
-            schedule: scg.spec.recovery.schedule.clone(),
-            suspend: Some(scg.spec.suspend),
+            schedule: workload.schedule.clone(),
+            suspend: Some(valid.suspend),
             // Two sweeps racing over one PEL would only contend.
             concurrency_policy: Some("Forbid".into()),
             successful_jobs_history_limit: Some(1),
             failed_jobs_history_limit: Some(1),
             job_template: JobTemplateSpec {
-                metadata: Some(ObjectMeta { labels: Some(labels(scg, "recovery")), ..ObjectMeta::default() }),
+                metadata: Some(ObjectMeta { labels: Some(labels(workload, "recovery")), ..ObjectMeta::default() }),
                 spec: Some(JobSpec {
                     backoff_limit: Some(2),
                     // In either mode: under `Forbid` a hung run would block
@@ -243,10 +227,10 @@ pub fn recovery_cronjob(
     })
 }
 
-fn sweep_pod_template(scg: &StreamConsumerGroup, valid: &ValidSpec, settings: &ObjectSettings) -> PodTemplateSpec {
+fn sweep_pod_template(valid: &ValidSpec, settings: &ObjectSettings) -> PodTemplateSpec {
     PodTemplateSpec {
         metadata: Some(ObjectMeta {
-            labels: Some(labels(scg, "recovery")),
+            labels: Some(labels(&valid.workload, "recovery")),
             annotations: (!settings.sweep_pod.annotations.is_empty()).then(|| settings.sweep_pod.annotations.clone()),
             ..ObjectMeta::default()
         }),
@@ -380,9 +364,9 @@ mod tests {
         for case in cases {
             let s = scg(case.clone());
             let valid = crate::controller::validate::validate(&s).unwrap();
-            let deployment = worker_deployment(&s, &valid, 1).unwrap();
+            let deployment = worker_deployment(&valid, 1).unwrap();
             let pod = deployment.spec.unwrap().template.spec.unwrap();
-            let cronjob = recovery_cronjob(&s, &valid, &settings).unwrap();
+            let cronjob = recovery_cronjob(&valid, &settings).unwrap();
             let run = cronjob.spec.unwrap().job_template.spec.unwrap().template.spec.unwrap();
             let worker = pod.containers.iter().find(|c| c.env.iter().flatten().any(|e| e.name == env::GROUP)).unwrap();
             let recovering =
@@ -448,7 +432,7 @@ mod tests {
             "recovery": {"retry": {"initialDelayMs": 70000, "maxDelayMs": 90000, "retryForSeconds": 600}},
             "redis": {"url": "rediss://redis:6379", "username": "u", "passwordSecretRef": {"name": "r", "key": "p"},
                       "tls": {"caSecretRef": {"name": "ca", "key": "ca.crt"}, "clientCertSecretRef": {"name": "client"}}}}));
-        let d = worker_deployment(&s, &valid(&s), 1).unwrap();
+        let d = worker_deployment(&valid(&s), 1).unwrap();
         let pod = d.spec.unwrap().template.spec.unwrap();
         let rendered: Vec<String> = pod.containers[0]
             .env
@@ -497,7 +481,7 @@ mod tests {
     #[test]
     fn deployment_injects_contract_into_the_named_container_and_keeps_user_fields() {
         let s = scg(json!({"worker": {"containerName": "app", "template": scg(json!({})).spec.worker.template}}));
-        let d = worker_deployment(&s, &valid(&s), 3).unwrap();
+        let d = worker_deployment(&valid(&s), 3).unwrap();
         assert_eq!(d.metadata.name.as_deref(), Some("orders-worker"));
         let owner = &d.metadata.owner_references.as_ref().unwrap()[0];
         assert_eq!(
@@ -523,8 +507,7 @@ mod tests {
             .get_or_insert_default()
             .insert("app.kubernetes.io/name".into(), "payments".into());
         let s = scg(json!({"worker": {"template": named}}));
-        let labels =
-            worker_deployment(&s, &valid(&s), 1).unwrap().spec.unwrap().template.metadata.unwrap().labels.unwrap();
+        let labels = worker_deployment(&valid(&s), 1).unwrap().spec.unwrap().template.metadata.unwrap().labels.unwrap();
         assert_eq!(labels["app.kubernetes.io/name"], "payments");
         let pod = tmpl.spec.unwrap();
         assert!(pod.containers[0].env.is_none(), "the sidecar is untouched");
@@ -565,7 +548,7 @@ mod tests {
             selector.lines().filter_map(|l| l.trim().split_once(": ")).map(|(k, v)| (k, v.trim())).collect();
         assert_eq!(wanted.len(), 2, "{selector}");
         let s = scg(json!({}));
-        let d = worker_deployment(&s, &valid(&s), 1).unwrap();
+        let d = worker_deployment(&valid(&s), 1).unwrap();
         let labels = d.spec.unwrap().template.metadata.unwrap().labels.unwrap();
         for (label, value) in wanted {
             assert_eq!(labels.get(label).map(String::as_str), Some(value), "{label}");
@@ -575,7 +558,7 @@ mod tests {
     #[test]
     fn a_sharded_pipeline_tells_workers_every_shard_and_no_shared_dead_letter_stream() {
         let resource = scg(json!({"shards": 3}));
-        let d = worker_deployment(&resource, &valid(&resource), 1).unwrap();
+        let d = worker_deployment(&valid(&resource), 1).unwrap();
         let pod = d.spec.unwrap().template.spec.unwrap();
         let env = env_of(&pod.containers[0]);
         assert_eq!(env[env::STREAMS].value.as_deref(), Some("orders,orders:1,orders:2"));
@@ -584,11 +567,11 @@ mod tests {
 
     #[test]
     fn first_container_is_the_default_target_and_missing_names_are_invalid() {
-        let d = worker_deployment(&scg(json!({})), &valid(&scg(json!({}))), 1).unwrap();
+        let d = worker_deployment(&valid(&scg(json!({}))), 1).unwrap();
         let pod = d.spec.unwrap().template.spec.unwrap();
         assert!(env_of(&pod.containers[0]).contains_key(env::GROUP));
         let bad = scg(json!({"worker": {"containerName": "nope", "template": scg(json!({})).spec.worker.template}}));
-        let err = worker_deployment(&bad, &valid(&bad), 1).unwrap_err().to_string();
+        let err = crate::controller::validate::validate(&bad).unwrap_err().to_string();
         assert!(err.contains("spec.worker.containerName"), "{err}");
     }
 
@@ -608,7 +591,7 @@ mod tests {
         let settings =
             ObjectSettings { operator_image: "streamfleet/streamfleet:1".into(), ..ObjectSettings::default() };
         let s = scg(json!({"recovery": {"schedule": "*/2 * * * *"}}));
-        let cj = recovery_cronjob(&s, &valid(&s), &settings).unwrap();
+        let cj = recovery_cronjob(&valid(&s), &settings).unwrap();
         let spec = cj.spec.unwrap();
         assert_eq!(spec.schedule, "*/2 * * * *");
         assert_eq!(spec.concurrency_policy.as_deref(), Some("Forbid"));
@@ -640,13 +623,8 @@ mod tests {
             .unwrap(),
             ..ObjectSettings::default()
         };
-        let job = recovery_cronjob(&scg(json!({})), &valid(&scg(json!({}))), &settings)
-            .unwrap()
-            .spec
-            .unwrap()
-            .job_template
-            .spec
-            .unwrap();
+        let job =
+            recovery_cronjob(&valid(&scg(json!({}))), &settings).unwrap().spec.unwrap().job_template.spec.unwrap();
         assert_eq!(job.active_deadline_seconds, Some(900));
         let annotations = job.template.metadata.as_ref().and_then(|m| m.annotations.clone()).unwrap_or_default();
         assert_eq!(annotations.get("sidecar.istio.io/inject").map(String::as_str), Some("false"));
@@ -657,7 +635,7 @@ mod tests {
         assert_eq!(pod.tolerations.unwrap_or_default()[0].key.as_deref(), Some("dedicated"));
         // Worker mode runs the user's template (its own pull secrets), under
         // the same deadline: a hung run must not block every later one.
-        let worker = recovery_cronjob(&worker_mode(), &valid(&worker_mode()), &settings).unwrap();
+        let worker = recovery_cronjob(&valid(&worker_mode()), &settings).unwrap();
         let job = worker.spec.unwrap().job_template.spec.unwrap();
         let pod = job.template.spec.unwrap();
         assert_eq!((job.active_deadline_seconds, pod.image_pull_secrets, pod.tolerations), (Some(900), None, None));
@@ -666,7 +644,7 @@ mod tests {
     #[test]
     fn worker_mode_recovery_runs_the_worker_template_in_recovery_mode() {
         let settings = ObjectSettings { operator_image: "op".into(), ..ObjectSettings::default() };
-        let cj = recovery_cronjob(&worker_mode(), &valid(&worker_mode()), &settings).unwrap();
+        let cj = recovery_cronjob(&valid(&worker_mode()), &settings).unwrap();
         let pod = cj.spec.unwrap().job_template.spec.unwrap().template.spec.unwrap();
         assert_eq!(pod.containers[1].image.as_deref(), Some("worker:1"));
         assert_eq!(env_of(&pod.containers[0])[env::MODE].value.as_deref(), Some("recovery"));

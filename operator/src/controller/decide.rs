@@ -314,11 +314,11 @@ pub fn decide(
         },
         retrying,
         deployment: {
-            let mut deployment = objects::worker_deployment(at.scg, spec, scaling.replicas)?;
+            let mut deployment = objects::worker_deployment(spec, scaling.replicas)?;
             objects::stamp_secrets_digest(&mut deployment, observed.secrets_digest.as_deref());
             deployment
         },
-        cronjob: objects::recovery_cronjob(at.scg, spec, at.settings)?,
+        cronjob: objects::recovery_cronjob(spec, at.settings)?,
         snapshot,
         current_replicas,
         scaling,
@@ -638,7 +638,7 @@ fn earlier_claimant<'a>(scg: &StreamConsumerGroup, claimants: &'a [Claimant]) ->
 fn conflict(spec: &ValidSpec, at: &Situation<'_>, observed: &Observation, owner: &Claimant) -> Result<Plan, Error> {
     let deployment = match observed.deployment {
         Some(_) => {
-            let mut deployment = objects::worker_deployment(at.scg, spec, 0)?;
+            let mut deployment = objects::worker_deployment(spec, 0)?;
             objects::stamp_secrets_digest(&mut deployment, observed.secrets_digest.as_deref());
             Some(deployment)
         }
@@ -646,7 +646,7 @@ fn conflict(spec: &ValidSpec, at: &Situation<'_>, observed: &Observation, owner:
     };
     let cronjob = match observed.cronjob {
         Some(_) => {
-            let mut cronjob = objects::recovery_cronjob(at.scg, spec, at.settings)?;
+            let mut cronjob = objects::recovery_cronjob(spec, at.settings)?;
             if let Some(spec) = cronjob.spec.as_mut() {
                 spec.suspend = Some(true);
             }

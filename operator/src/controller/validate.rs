@@ -4,10 +4,14 @@
 //! and what an older API server let through.
 
 use crate::error::Error;
+use k8s_openapi::api::core::v1::PodTemplateSpec;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kube::{Resource as _, ResourceExt as _};
 use std::time::Duration;
 use streamfleet_contract as contract;
 use streamfleet_crd::{
-    Backoff, DeletionPolicy, RedisConnection, RedisMode, RetrySpec, ScalingSpec, SecretKeyRef, StreamConsumerGroup,
+    Backoff, DeletionPolicy, RecoveryMode, RedisConnection, RedisMode, RetrySpec, ScalingSpec, SecretKeyRef,
+    StreamConsumerGroup,
 };
 use streamfleet_streams::keys;
 use streamfleet_streams::retry::Schedule;
@@ -47,6 +51,60 @@ pub struct ValidSpec {
     pub redis: ValidRedis,
     /// The env contract the workers are told (`objects` renders it).
     pub worker_env: contract::WorkerEnv,
+    /// The objects the resource owns, as the spec shapes them.
+    pub workload: Workload,
+}
+
+/// What the builders (`objects`) make the owned objects from: names, owner,
+/// the worker pod template and which of its containers is the worker, the
+/// recovery schedule. Derived here once.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Workload {
+    /// The resource's name: the group label of everything it owns.
+    pub resource: String,
+    pub namespace: Option<String>,
+    /// `None` until the API server has given the resource a uid.
+    pub owner: Option<OwnerReference>,
+    pub deployment_name: String,
+    pub cronjob_name: String,
+    /// `spec.worker.template`, with a pod spec of at least one container.
+    pub template: PodTemplateSpec,
+    /// Which of its containers is told the env contract:
+    /// `spec.worker.containerName`, else the first.
+    pub container: usize,
+    pub recovery_mode: RecoveryMode,
+    pub schedule: String,
+}
+
+/// [`Workload`] of `scg`: the template must have a pod spec, and the named
+/// container (or any) must be in it.
+fn workload(scg: &StreamConsumerGroup) -> Result<Workload, Error> {
+    let template = scg.spec.worker.template.clone();
+    let containers = &template
+        .spec
+        .as_ref()
+        .ok_or_else(|| Error::InvalidSpec("spec.worker.template.spec is required".into()))?
+        .containers;
+    let container = match scg.spec.worker.container_name.as_deref() {
+        Some(name) => containers.iter().position(|c| c.name == name).ok_or_else(|| {
+            Error::InvalidSpec(format!("spec.worker.containerName: no container named {name:?} in the template"))
+        })?,
+        None if containers.is_empty() => {
+            return Err(Error::InvalidSpec("spec.worker.template.spec.containers must not be empty".into()));
+        }
+        None => 0,
+    };
+    Ok(Workload {
+        resource: scg.name_any(),
+        namespace: scg.namespace(),
+        owner: scg.controller_owner_ref(&()),
+        deployment_name: crate::objects::worker_deployment_name(scg),
+        cronjob_name: crate::objects::recovery_cronjob_name(scg),
+        template,
+        container,
+        recovery_mode: scg.spec.recovery.mode,
+        schedule: scg.spec.recovery.schedule.clone(),
+    })
 }
 
 /// `spec.redis`, checked: one source of the URL, a password wherever a
@@ -332,6 +390,7 @@ pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
         unknown_template_fields: spec.worker.unknown_template_fields.clone(),
         redis,
         worker_env,
+        workload: workload(scg)?,
     })
 }
 
