@@ -88,6 +88,48 @@ async fn entries_queued_behind_slow_handlers_are_held_not_claimed() -> Result<()
     Ok(())
 }
 
+/// Failpoint: `worker::commit-refused`, four times (Redis refusing the
+/// commit: out of memory, a reset). The done entry stays held by its
+/// consumer through the retries (about 3 s, ten times min-idle-time): a
+/// second consumer claims nothing, the handler ran once, the entry is acked
+/// when the commit goes through. Were a refused commit to hand the entry
+/// back (its mark gone, claimable at once), the second consumer would run
+/// it again past the guard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_commit_keeps_done_work_held_and_it_runs_once() -> Result<()> {
+    let _scenario = fail::FailScenario::setup();
+    let (server, mut conn) = setup().await?;
+    let id = add(&mut conn, &[("kind", "ok"), ("key", "order-1")]).await?;
+    let (first, second) = (Scripted::default(), Scripted::default());
+    fail::cfg("worker::commit-refused", "4*return").unwrap();
+    let (stop_first, run_first) = spawn(
+        Worker::new(config(&server, "first", 300, 5), first.clone()).with_idempotency_guard(Duration::from_secs(600)),
+    );
+    eventually("the handler ran", T, || async { Ok((first.calls(&id) == 1).then_some(())) }).await?;
+    let ran = Instant::now();
+    let other =
+        Worker::new(config(&server, "second", 300, 5), second.clone()).with_idempotency_guard(Duration::from_secs(600));
+    let other_stats: Arc<Stats> = other.stats();
+    let (stop_second, run_second) = spawn(other);
+    // The fault happened: a commit that went through acks within
+    // milliseconds; a second past the handler (three min-idle-times) the
+    // entry is still pending, and still the first consumer's.
+    tokio::time::sleep(Duration::from_secs(1).saturating_sub(ran.elapsed())).await;
+    let held = pending_rows(&mut conn).await?;
+    assert_eq!(held.len(), 1, "the refused commit acked nothing: {held:?}");
+    assert_eq!(held[0].1, "first", "a done entry stays with its holder while its commit is retried");
+    eventually("acked once the commit goes through", T, || async {
+        Ok((pending(&mut conn.clone()).await? == 0).then_some(()))
+    })
+    .await?;
+    let (_, _) = (stop_first.send(()), stop_second.send(()));
+    run_first.await??;
+    run_second.await??;
+    assert_eq!((first.calls(&id), second.calls(&id)), (1, 0), "run once, by its first holder");
+    assert_eq!(Stats::get(&other_stats.claimed), 0, "nothing claimed from a holder retrying its commit");
+    Ok(())
+}
+
 /// At failpoint `point`, once: entry `id` is claimed for consumer "thief",
 /// as a claim after a long pause would. Returns whether it has happened.
 fn claim_away_at(point: &str, server: &streamfleet_testbed::RedisServer, id: &str) -> Arc<AtomicBool> {

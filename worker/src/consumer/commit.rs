@@ -96,6 +96,12 @@ impl<H: Handler> Worker<H> {
             batch.crash.notify_one();
             Err(WorkerError::Failpoint("worker::before-commit"))
         });
+        // A commit Redis refuses (out of memory, a reset): the entries stay
+        // held and are sent again, never handed back (tests).
+        fail::fail_point!("worker::commit-refused", |_| Err(WorkerError::Redis(StreamError::new(
+            "committing done entries",
+            redis::RedisError::from(std::io::Error::other("refused at failpoint worker::commit-refused")),
+        ))));
         let started = Instant::now();
         if let Some(Idempotency::Store(store)) = &self.guard {
             let completed: Vec<(&str, &str)> = ready
