@@ -121,6 +121,10 @@ step "no unused dependencies (cargo machete)"
 cargo machete
 
 step "licences, banned crates, sources (cargo deny, offline; deny.toml)"
+# cargo deny reads the metadata of every package in Cargo.lock, for every
+# platform; a build downloads only the host's, so a fresh clone fetches the
+# rest first (from the registry: the checks themselves stay offline).
+cargo fetch --locked
 cargo deny --offline check licenses bans sources
 
 step "rendered manifests up to date"
