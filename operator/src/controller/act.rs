@@ -4,7 +4,7 @@
 //! it is returned in the [`Outcome`] so the status still reports health.
 
 use super::Context;
-use super::decide::{Conflict, Convergence, PlannedEvent, Reap};
+use super::decide::{Conflict, Convergence, OwnedObjects, PlannedEvent, Reap, RedisWrites};
 use super::validate::ValidSpec;
 use crate::error::Error;
 use crate::events::EventType;
@@ -110,6 +110,7 @@ pub async fn stand_down(ctx: &Context, scg: &StreamConsumerGroup, plan: &Conflic
     refused
 }
 
+/// The convergence's steps: Redis writes, the owned objects, its Events.
 pub async fn converge(
     ctx: &Context,
     scg: &StreamConsumerGroup,
@@ -117,16 +118,34 @@ pub async fn converge(
     spec: &ValidSpec,
     plan: &Convergence,
 ) -> Outcome {
-    for (stream, vanished) in &plan.create_shards {
+    let trimmed = write_redis(ctx, scg, conn, spec, &plan.redis).await;
+    let (available_replicas, refused) = apply_objects(ctx, scg, &plan.owned).await;
+    for event in &plan.events {
+        publish(ctx, scg, event).await;
+    }
+    Outcome { available_replicas, trimmed, refused }
+}
+
+/// Shards' groups created, dead consumers reaped, the streams and the
+/// dead-letter streams trimmed. Returns how many entries retention trimmed.
+/// A write that fails is logged: the next pass tries again.
+async fn write_redis(
+    ctx: &Context,
+    scg: &StreamConsumerGroup,
+    conn: &mut StreamConnection,
+    spec: &ValidSpec,
+    writes: &RedisWrites,
+) -> u64 {
+    for (stream, vanished) in &writes.create_shards {
         create_shard_group(ctx, scg, conn, spec, stream, *vanished).await;
     }
     for stream in &spec.streams {
-        for reap in &plan.reap {
+        for reap in &writes.reap {
             reap_consumer(ctx, scg, conn, spec, stream, reap).await;
         }
     }
     let mut trimmed = 0;
-    for (stream, id) in &plan.trims {
+    for (stream, id) in &writes.trims {
         trimmed += streamfleet_streams::retention::trim_to(conn, stream, *id)
             .await
             .inspect(|n| {
@@ -137,7 +156,7 @@ pub async fn converge(
             .inspect_err(|e| tracing::warn!(stream, error = %e, "retention"))
             .unwrap_or(0);
     }
-    for (stream, cap) in &plan.dead_letter_trims {
+    for (stream, cap) in &writes.dead_letter_trims {
         match streamfleet_streams::dlq::cap(conn, stream, *cap).await {
             Ok(n) => {
                 tracing::warn!(stream, dropped = n, cap, "dead-letter stream over its cap: oldest letters dropped")
@@ -145,7 +164,7 @@ pub async fn converge(
             Err(e) => tracing::warn!(stream, error = %e, "trimming the dead-letter stream to its cap"),
         }
     }
-    for (stream, max_age) in &plan.dead_letter_expiry {
+    for (stream, max_age) in &writes.dead_letter_expiry {
         match streamfleet_streams::dlq::expire(conn, stream, *max_age).await {
             Ok(0) => {}
             Ok(n) => {
@@ -160,14 +179,21 @@ pub async fn converge(
             Err(e) => tracing::warn!(stream, error = %e, "dropping expired dead letters"),
         }
     }
+    trimmed
+}
+
+/// The pods priced for a scale-down, then the Deployment and the CronJob
+/// applied. Returns the Deployment's available replicas and what the API
+/// server refused.
+async fn apply_objects(ctx: &Context, scg: &StreamConsumerGroup, owned: &OwnedObjects) -> (i32, Vec<Error>) {
     // Before the Deployment shrinks: the pods holding least go first.
-    for (pod, cost) in &plan.deletion_costs {
+    for (pod, cost) in &owned.deletion_costs {
         price_pod(ctx, scg, pod, *cost).await;
     }
     let mut refused = Vec::new();
     let name = objects::worker_deployment_name(scg);
     let live = ctx.deployments.get(&ObjectRef::new(&name).within(&namespace(scg)));
-    let available_replicas = match apply_owned(ctx, scg, &name, MANAGER_DEPLOYMENT, &plan.deployment, live).await {
+    let available_replicas = match apply_owned(ctx, scg, &name, MANAGER_DEPLOYMENT, &owned.deployment, live).await {
         Ok(applied) => applied.status.as_ref().and_then(|s| s.available_replicas).unwrap_or(0),
         Err(e) => {
             refused.push(e.refused("Deployment"));
@@ -176,13 +202,10 @@ pub async fn converge(
     };
     let name = objects::recovery_cronjob_name(scg);
     let live = ctx.cronjobs.get(&ObjectRef::new(&name).within(&namespace(scg)));
-    if let Err(e) = apply_owned(ctx, scg, &name, MANAGER_CRONJOB, &plan.cronjob, live).await {
+    if let Err(e) = apply_owned(ctx, scg, &name, MANAGER_CRONJOB, &owned.cronjob, live).await {
         refused.push(e.refused("CronJob"));
     }
-    for event in &plan.events {
-        publish(ctx, scg, event).await;
-    }
-    Outcome { available_replicas, trimmed, refused }
+    (available_replicas, refused)
 }
 
 /// Sets a worker pod's deletion cost; a failure only means the ReplicaSet

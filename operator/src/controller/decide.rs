@@ -93,7 +93,44 @@ pub struct Conflict {
     pub events: Vec<PlannedEvent>,
 }
 
+/// What converging does, split by what acts on it: Redis writes, the owned
+/// objects, Events (`act`), and the figures the status reports (`status`).
 pub struct Convergence {
+    pub redis: RedisWrites,
+    pub owned: OwnedObjects,
+    pub events: Vec<PlannedEvent>,
+    pub figures: StatusFigures,
+    /// A consumer without a pod may become releasable within seconds
+    /// (`reaper::awaiting_silence`): look again soon.
+    pub reap_soon: bool,
+}
+
+/// The Redis writes of a convergence, in the order `act` makes them.
+pub struct RedisWrites {
+    /// Shards (beyond shard 0) without the group: created at `0`, so nothing
+    /// a producer sent there before is skipped. `true`: it had the group before.
+    pub create_shards: Vec<(String, bool)>,
+    pub reap: Vec<Reap>,
+    /// Where each shard is trimmed to.
+    pub trims: Vec<(String, StreamId)>,
+    /// Dead-letter streams over their cap: (stream, cap), trimmed to it.
+    pub dead_letter_trims: Vec<(String, u64)>,
+    /// Dead-letter streams with letters, whose letters older than the age
+    /// bound (`spec.recovery.deadLetterMaxAgeSeconds`) are dropped.
+    pub dead_letter_expiry: Vec<(String, Duration)>,
+}
+
+/// The objects a convergence applies.
+pub struct OwnedObjects {
+    /// On a scale-down, each worker pod's deletion cost (the entries its
+    /// consumer holds), so the ReplicaSet removes the idlest pods first.
+    pub deletion_costs: Vec<(String, i32)>,
+    pub deployment: Deployment,
+    pub cronjob: CronJob,
+}
+
+/// What the status reports of a convergence.
+pub struct StatusFigures {
     pub snapshot: GroupSnapshot,
     /// The worker Deployment's replicas now (`None`: no Deployment yet).
     pub current_replicas: Option<i32>,
@@ -104,25 +141,14 @@ pub struct Convergence {
     pub payload_lost: PayloadLostStatus,
     /// The retention verdict over every shard (its `trimmed` is filled in by `act`).
     pub retention: Option<Retention>,
-    /// Where each shard is trimmed to.
-    pub trims: Vec<(String, StreamId)>,
-    /// Shards (beyond shard 0) without the group: created at `0`, so nothing
-    /// a producer sent there before is skipped. `true`: it had the group before.
-    pub create_shards: Vec<(String, bool)>,
     /// Per-shard figures for the status (empty for one shard).
     pub shard_figures: Vec<ShardStatus>,
     /// Arrival and completion rates over every shard (`None`: not yet, or unreadable).
     pub throughput: Option<crate::throughput::Throughput>,
-    /// Dead-letter streams over their cap: (stream, cap), trimmed to it.
-    pub dead_letter_trims: Vec<(String, u64)>,
-    /// Dead-letter streams with letters, whose letters older than the age
-    /// bound (`spec.recovery.deadLetterMaxAgeSeconds`) are dropped.
-    pub dead_letter_expiry: Vec<(String, Duration)>,
     /// Whether a dead-letter stream is at its cap (`None`: no cap).
     pub dead_letter_cap_reached: Option<bool>,
     /// The server's eviction setting, for the `EvictionPossible` condition.
     pub eviction: streamfleet_streams::version::Eviction,
-    pub reap: Vec<Reap>,
     /// Fields of the worker template that were dropped (typos): the
     /// `TemplateFieldsUnknown` condition.
     pub unknown_template_fields: Vec<String>,
@@ -131,17 +157,8 @@ pub struct Convergence {
     pub recovery_deadline_short: Option<String>,
     /// How the recovery CronJob's last run ended: the `RecoveryFailing` condition.
     pub recovery_run: LastRun,
-    /// A consumer without a pod may become releasable within seconds
-    /// (`reaper::awaiting_silence`): look again soon.
-    pub reap_soon: bool,
-    /// On a scale-down, each worker pod's deletion cost (the entries its
-    /// consumer holds), so the ReplicaSet removes the idlest pods first.
-    pub deletion_costs: Vec<(String, i32)>,
     /// Entries waiting for a retry, read against the schedule.
     pub retrying: Retrying,
-    pub deployment: Deployment,
-    pub cronjob: CronJob,
-    pub events: Vec<PlannedEvent>,
 }
 
 /// Entries parked for a retry on the schedule (`streams::retry`), as the
@@ -295,43 +312,49 @@ pub fn decide(
     let recovery_run = recovery_runs::last_run(&observed.recovery_jobs);
     events.extend(recovery_failure_event(at.scg, &recovery_run, &mut memory.recovery_failure_announced));
     Ok(Plan::Converge(Box::new(Convergence {
-        dead_letter_expiry: dead_letter_expiry(spec, observed),
-        recovery_run,
-        dead_letter_trims,
-        dead_letter_cap_reached,
-        eviction: observed.eviction.clone(),
-        reap: reap_plan(at.scg, &snapshot, observed),
-        unknown_template_fields: spec.unknown_template_fields.clone(),
-        recovery_deadline_short,
+        redis: RedisWrites {
+            create_shards: missing_shards(at.scg, observed),
+            reap: reap_plan(at.scg, &snapshot, observed),
+            trims,
+            dead_letter_trims,
+            dead_letter_expiry: dead_letter_expiry(spec, observed),
+        },
+        owned: OwnedObjects {
+            deletion_costs: match current_replicas {
+                Some(current) if scaling.replicas < current => deletion_costs(&snapshot, &observed.pods),
+                _ => Vec::new(),
+            },
+            deployment: {
+                let mut deployment = objects::worker_deployment(spec, scaling.replicas)?;
+                objects::stamp_secrets_digest(&mut deployment, observed.secrets_digest.as_deref());
+                deployment
+            },
+            cronjob: objects::recovery_cronjob(spec, at.settings)?,
+        },
+        events,
         reap_soon: reaper::awaiting_silence(
             &snapshot.consumers,
             &observed.live_pods,
             &objects::pod_name_prefixes(at.scg),
         ),
-        deletion_costs: match current_replicas {
-            Some(current) if scaling.replicas < current => deletion_costs(&snapshot, &observed.pods),
-            _ => Vec::new(),
+        figures: StatusFigures {
+            current_replicas,
+            scaling,
+            health,
+            health_message,
+            last_recovery,
+            payload_lost,
+            retention,
+            shard_figures: shard_figures(observed),
+            throughput,
+            dead_letter_cap_reached,
+            eviction: observed.eviction.clone(),
+            unknown_template_fields: spec.unknown_template_fields.clone(),
+            recovery_deadline_short,
+            recovery_run,
+            retrying,
+            snapshot,
         },
-        retrying,
-        deployment: {
-            let mut deployment = objects::worker_deployment(spec, scaling.replicas)?;
-            objects::stamp_secrets_digest(&mut deployment, observed.secrets_digest.as_deref());
-            deployment
-        },
-        cronjob: objects::recovery_cronjob(spec, at.settings)?,
-        snapshot,
-        current_replicas,
-        scaling,
-        health,
-        health_message,
-        last_recovery,
-        payload_lost,
-        retention,
-        trims,
-        create_shards: missing_shards(at.scg, observed),
-        shard_figures: shard_figures(observed),
-        throughput,
-        events,
     })))
 }
 
@@ -842,21 +865,23 @@ mod tests {
         .unwrap();
         let plan = converge(run(&typo, &observed(Some(snapshot(0, 0, &[])), Some(1))));
         let field = "spec.worker.template.spec.containers[0].resoures";
-        assert_eq!(plan.unknown_template_fields, vec![field]);
+        assert_eq!(plan.figures.unknown_template_fields, vec![field]);
         let warnings: Vec<_> = plan.events.iter().filter(|e| e.reason == "TemplateFieldsUnknown").collect();
         assert_eq!(warnings.len(), 1);
         assert!(warnings[0].note.contains(field), "{}", warnings[0].note);
-        let status = super::super::status::converged(&typo, &plan, &Default::default(), &Time(Default::default()));
+        let status =
+            super::super::status::converged(&typo, &plan.figures, &Default::default(), &Time(Default::default()));
         let condition = status.conditions.iter().find(|c| c.type_ == crate::conditions::TEMPLATE_FIELDS_UNKNOWN);
         assert!(condition.is_some_and(|c| c.status == "True" && c.message.contains(field)), "{condition:?}");
         // Once the status shows it, no second Warning; fixed, the condition goes.
         let mut shown = typo.clone();
         shown.status = Some(status);
         let mut memory = PolicyMemory::default();
-        let note = Some(template_message(&plan.unknown_template_fields));
+        let note = Some(template_message(&plan.figures.unknown_template_fields));
         assert_eq!(announce_once(&shown, TEMPLATE_EVENT, note, &mut memory.template_announced), None);
         let fixed = converge(run(&scg(), &observed(Some(snapshot(0, 0, &[])), Some(1))));
-        let status = super::super::status::converged(&shown, &fixed, &Default::default(), &Time(Default::default()));
+        let status =
+            super::super::status::converged(&shown, &fixed.figures, &Default::default(), &Time(Default::default()));
         assert!(status.conditions.iter().all(|c| c.type_ != crate::conditions::TEMPLATE_FIELDS_UNKNOWN));
     }
 
@@ -886,11 +911,12 @@ mod tests {
         let long = with("Worker", Some(1_200));
         let mut memory = PolicyMemory::default();
         let first = plan(&long, &mut memory);
-        let message = first.recovery_deadline_short.clone().unwrap_or_default();
+        let message = first.figures.recovery_deadline_short.clone().unwrap_or_default();
         assert!(message.contains("900 s") && message.contains("1200 s"), "{message}");
         assert!(message.contains("spec.worker.handlerTimeoutSeconds"), "{message}");
         assert_eq!(warnings(&first), 1);
-        let status = super::super::status::converged(&long, &first, &Default::default(), &Time(Default::default()));
+        let status =
+            super::super::status::converged(&long, &first.figures, &Default::default(), &Time(Default::default()));
         let condition = status.conditions.iter().find(|c| c.type_ == crate::conditions::RECOVERY_DEADLINE_TOO_SHORT);
         assert!(condition.is_some_and(|c| c.status == "True" && c.message == message), "{condition:?}");
         assert_eq!(warnings(&plan(&long, &mut memory)), 0, "said once");
@@ -898,10 +924,11 @@ mod tests {
         // Shorter than the deadline, or a sweep (which runs no handler): nothing to say.
         for fine in [with("Worker", Some(600)), with("Sweep", Some(1_200))] {
             let p = plan(&fine, &mut PolicyMemory::default());
-            assert_eq!((p.recovery_deadline_short.as_deref(), warnings(&p)), (None, 0));
+            assert_eq!((p.figures.recovery_deadline_short.as_deref(), warnings(&p)), (None, 0));
             let mut shown = long.clone();
             shown.status = Some(status.clone());
-            let status = super::super::status::converged(&shown, &p, &Default::default(), &Time(Default::default()));
+            let status =
+                super::super::status::converged(&shown, &p.figures, &Default::default(), &Time(Default::default()));
             assert!(status.conditions.iter().all(|c| c.type_ != crate::conditions::RECOVERY_DEADLINE_TOO_SHORT));
         }
     }
@@ -950,7 +977,7 @@ mod tests {
         assert_eq!(warnings.len(), 1, "{:?}", plan.events);
         assert!(warnings[0].note.contains("Job r-2, started 1970-01-01T00:10:00Z failed: BackoffLimitExceeded"));
         assert!(warnings[0].note.contains("finished at 1970-01-01T00:05:05Z"), "{}", warnings[0].note);
-        let status = super::super::status::converged(&scg(), &plan, &Default::default(), &now);
+        let status = super::super::status::converged(&scg(), &plan.figures, &Default::default(), &now);
         assert_eq!(failing(&status).as_deref(), Some("True"));
         // Shown: no second Warning for the same run; a later failed run is announced again.
         let mut shown = scg();
@@ -961,20 +988,20 @@ mod tests {
         assert!(later.events.iter().any(|e| e.reason == "RecoveryRunFailed"));
         // A run in progress changes nothing; a success clears it.
         let plan = converge(run(&shown, &with_jobs(&[("r-2", 600, Some(false)), ("r-3", 900, None)])));
-        let status = super::super::status::converged(&shown, &plan, &Default::default(), &now);
+        let status = super::super::status::converged(&shown, &plan.figures, &Default::default(), &now);
         assert_eq!(failing(&status).as_deref(), Some("True"), "still the last finished run's outcome");
         let plan = converge(run(&shown, &with_jobs(&[("r-2", 600, Some(false)), ("r-3", 900, Some(true))])));
-        let status = super::super::status::converged(&shown, &plan, &Default::default(), &now);
+        let status = super::super::status::converged(&shown, &plan.figures, &Default::default(), &now);
         assert_eq!(failing(&status).as_deref(), Some("False"));
         // Suspended: no run is due, the condition goes (and with it the gauge).
         let mut suspended = shown.clone();
         suspended.spec.suspend = true;
         let plan = converge(run(&suspended, &with_jobs(&[("r-2", 600, Some(false))])));
-        let status = super::super::status::converged(&suspended, &plan, &Default::default(), &now);
+        let status = super::super::status::converged(&suspended, &plan.figures, &Default::default(), &now);
         assert_eq!(failing(&status), None);
         // Never run: no condition at all.
         let plan = converge(run(&scg(), &observed(Some(snapshot(0, 0, &[])), Some(1))));
-        let status = super::super::status::converged(&scg(), &plan, &Default::default(), &now);
+        let status = super::super::status::converged(&scg(), &plan.figures, &Default::default(), &now);
         assert_eq!(failing(&status), None);
     }
 
@@ -990,11 +1017,11 @@ mod tests {
         let mut suspended = scg();
         suspended.spec.suspend = true;
         let plan = converge(run(&suspended, &observed(Some(snapshot(700, 30, &[])), Some(3))));
-        assert_eq!(plan.scaling.replicas, 0, "workers to zero, whatever the lag");
-        assert_eq!(plan.deployment.spec.as_ref().and_then(|s| s.replicas), Some(0));
-        assert_eq!(plan.cronjob.spec.as_ref().and_then(|s| s.suspend), Some(true), "no recovery runs");
-        assert_eq!(plan.health, Health::Suspended);
-        assert!(plan.health_message.contains("lag 700, pending 30"), "{}", plan.health_message);
+        assert_eq!(plan.figures.scaling.replicas, 0, "workers to zero, whatever the lag");
+        assert_eq!(plan.owned.deployment.spec.as_ref().and_then(|s| s.replicas), Some(0));
+        assert_eq!(plan.owned.cronjob.spec.as_ref().and_then(|s| s.suspend), Some(true), "no recovery runs");
+        assert_eq!(plan.figures.health, Health::Suspended);
+        assert!(plan.figures.health_message.contains("lag 700, pending 30"), "{}", plan.figures.health_message);
         let announced: Vec<&str> = plan.events.iter().map(|e| e.reason).collect();
         assert!(announced.contains(&"Suspended") && announced.contains(&"Scaled"), "{announced:?}");
 
@@ -1003,8 +1030,8 @@ mod tests {
         resumed.status =
             Some(StreamConsumerGroupStatus { health: Some(Health::Suspended), ..StreamConsumerGroupStatus::default() });
         let plan = converge(run(&resumed, &observed(Some(snapshot(700, 30, &[])), Some(0))));
-        assert_eq!(plan.cronjob.spec.as_ref().and_then(|s| s.suspend), Some(false));
-        assert!(plan.scaling.replicas > 0);
+        assert_eq!(plan.owned.cronjob.spec.as_ref().and_then(|s| s.suspend), Some(false));
+        assert!(plan.figures.scaling.replicas > 0);
         let resumed_events: Vec<_> = plan.events.iter().filter(|e| e.reason == "Resumed").collect();
         assert_eq!(resumed_events.len(), 1, "{:?}", plan.events);
         assert_eq!(resumed_events[0].type_, EventType::Normal);
@@ -1043,19 +1070,23 @@ mod tests {
         let mut full = snapshot(0, 0, &[]);
         full.dead_letter_length = 130;
         let plan = converge(run(&capped, &observed(Some(full.clone()), Some(1))));
-        assert_eq!(plan.dead_letter_trims, vec![("{orders}:dead:g".to_string(), 100)]);
-        assert_eq!(plan.dead_letter_cap_reached, Some(true));
+        assert_eq!(plan.redis.dead_letter_trims, vec![("{orders}:dead:g".to_string(), 100)]);
+        assert_eq!(plan.figures.dead_letter_cap_reached, Some(true));
         let warning = plan.events.iter().find(|e| e.reason == "DeadLetterCapReached").unwrap();
         assert_eq!(warning.type_, EventType::Warning);
         assert!(warning.note.contains("holds 130") && warning.note.contains("oldest 30"), "{}", warning.note);
 
         full.dead_letter_length = 100;
         let plan = converge(run(&capped, &observed(Some(full.clone()), Some(1))));
-        assert!(plan.dead_letter_trims.is_empty(), "at the cap: nothing to drop");
-        assert_eq!(plan.dead_letter_cap_reached, Some(true), "but reached");
+        assert!(plan.redis.dead_letter_trims.is_empty(), "at the cap: nothing to drop");
+        assert_eq!(plan.figures.dead_letter_cap_reached, Some(true), "but reached");
         assert!(!plan.events.iter().any(|e| e.reason == "DeadLetterCapReached"));
         let plan = converge(run(&scg(), &observed(Some(full), Some(1))));
-        assert_eq!((plan.dead_letter_trims.len(), plan.dead_letter_cap_reached), (0, None), "no cap, no trim");
+        assert_eq!(
+            (plan.redis.dead_letter_trims.len(), plan.figures.dead_letter_cap_reached),
+            (0, None),
+            "no cap, no trim"
+        );
     }
 
     #[test]
@@ -1074,7 +1105,7 @@ mod tests {
     fn the_worker_pods_carry_the_digest_of_the_secrets_they_read() {
         let annotation = |o: &Observation| {
             let plan = converge(run(&scg(), o));
-            let template = plan.deployment.spec.unwrap().template.metadata.unwrap();
+            let template = plan.owned.deployment.spec.unwrap().template.metadata.unwrap();
             template.annotations.unwrap_or_default().get(objects::SECRETS_DIGEST_ANNOTATION).cloned()
         };
         let mut o = observed(Some(snapshot(0, 0, &[])), Some(1));
@@ -1088,15 +1119,15 @@ mod tests {
     #[test]
     fn a_backlog_scales_up_at_once_with_an_event_and_a_count_alone_is_no_verdict() {
         let plan = converge(run(&scg(), &observed(Some(snapshot(350, 50, &[])), Some(1))));
-        assert_eq!(plan.scaling.replicas, 4);
-        assert_eq!(plan.deployment.spec.as_ref().and_then(|s| s.replicas), Some(4));
+        assert_eq!(plan.figures.scaling.replicas, 4);
+        assert_eq!(plan.owned.deployment.spec.as_ref().and_then(|s| s.replicas), Some(4));
         assert_eq!(plan.events.len(), 1);
         assert_eq!((plan.events[0].reason, plan.events[0].note.starts_with("workers 1 -> 4")), ("Scaled", true));
-        assert_eq!(plan.health, Health::Healthy, "4 replicas carry 400: {}", plan.health_message);
+        assert_eq!(plan.figures.health, Health::Healthy, "4 replicas carry 400: {}", plan.figures.health_message);
         // More than the fleet "should" carry is no verdict: health judges the
         // delay over a window, not a count.
         let plan = converge(run(&scg(), &observed(Some(snapshot(1000, 0, &[])), Some(1))));
-        assert_eq!((plan.scaling.replicas, plan.health), (5, Health::Healthy));
+        assert_eq!((plan.figures.scaling.replicas, plan.figures.health), (5, Health::Healthy));
     }
 
     #[test]
@@ -1104,17 +1135,20 @@ mod tests {
         let mut seen = observed(Some(snapshot(0, 4, &[("orders-worker-a.u1", 4)])), Some(3));
         seen.pods = vec![("orders-worker-a".into(), Some("u1".into())), ("orders-worker-b".into(), Some("u2".into()))];
         let plan = converge(run(&scg(), &seen));
-        assert_eq!(plan.scaling.replicas, 1);
-        assert_eq!(plan.deletion_costs, vec![("orders-worker-a".to_string(), 4), ("orders-worker-b".to_string(), 0)]);
+        assert_eq!(plan.figures.scaling.replicas, 1);
+        assert_eq!(
+            plan.owned.deletion_costs,
+            vec![("orders-worker-a".to_string(), 4), ("orders-worker-b".to_string(), 0)]
+        );
         // No scale-down: no pod is touched.
         let plan = converge(run(&scg(), &observed(Some(snapshot(350, 50, &[])), Some(1))));
-        assert!(plan.deletion_costs.is_empty());
+        assert!(plan.owned.deletion_costs.is_empty());
     }
 
     #[test]
     fn no_deployment_yet_means_no_scaling_event() {
         let plan = converge(run(&scg(), &observed(Some(snapshot(0, 0, &[])), None)));
-        assert_eq!(plan.scaling.replicas, 1);
+        assert_eq!(plan.figures.scaling.replicas, 1);
         assert!(plan.events.is_empty());
     }
 
@@ -1124,7 +1158,7 @@ mod tests {
             [("orders-worker-a", 5), ("orders-worker-b", 3), ("orders-recovery-1-x", 0), ("someone-else", 9)];
         let plan = converge(run(&scg(), &observed(Some(snapshot(0, 17, &consumers)), Some(1))));
         assert_eq!(
-            plan.reap,
+            plan.redis.reap,
             vec![Reap::Release("orders-worker-b".into()), Reap::Delete("orders-recovery-1-x".into())]
         );
     }
@@ -1136,15 +1170,15 @@ mod tests {
         let bounds = |target, floor| RetentionBounds { target: Some(id(target)), floor: Some(id(floor)) };
         seen.retention = vec![("orders".into(), bounds(90, 40))];
         let plan = converge(run(&scg(), &seen));
-        assert_eq!(plan.trims, vec![("orders".to_string(), id(40))]);
-        assert!(plan.retention.is_some_and(|r| r.blocked));
+        assert_eq!(plan.redis.trims, vec![("orders".to_string(), id(40))]);
+        assert!(plan.figures.retention.is_some_and(|r| r.blocked));
         seen.retention = vec![("orders".into(), bounds(10, 40))];
-        assert_eq!(converge(run(&scg(), &seen)).trims, vec![("orders".to_string(), id(10))]);
+        assert_eq!(converge(run(&scg(), &seen)).redis.trims, vec![("orders".to_string(), id(10))]);
         // Per shard: each trimmed within its own floor; the held one is shown.
         seen.retention = vec![("orders".into(), bounds(10, 40)), ("orders:1".into(), bounds(90, 50))];
         let plan = converge(run(&scg(), &seen));
-        assert_eq!(plan.trims, vec![("orders".to_string(), id(10)), ("orders:1".to_string(), id(50))]);
-        assert!(plan.retention.is_some_and(|r| r.blocked && r.floor == Some(id(50))));
+        assert_eq!(plan.redis.trims, vec![("orders".to_string(), id(10)), ("orders:1".to_string(), id(50))]);
+        assert!(plan.figures.retention.is_some_and(|r| r.blocked && r.floor == Some(id(50))));
     }
 
     #[test]
@@ -1158,13 +1192,13 @@ mod tests {
             ..Default::default()
         });
         let plan = converge(run(&resource, &seen));
-        assert_eq!(plan.create_shards, vec![("orders:2".to_string(), true)], "listed before: it vanished");
-        let streams: Vec<&str> = plan.shard_figures.iter().map(|s| s.stream.as_str()).collect();
+        assert_eq!(plan.redis.create_shards, vec![("orders:2".to_string(), true)], "listed before: it vanished");
+        let streams: Vec<&str> = plan.figures.shard_figures.iter().map(|s| s.stream.as_str()).collect();
         assert_eq!(streams, vec!["orders", "orders:1"]);
-        assert_eq!((plan.shard_figures[0].lag, plan.shard_figures[1].pending), (Some(3), 1));
+        assert_eq!((plan.figures.shard_figures[0].lag, plan.figures.shard_figures[1].pending), (Some(3), 1));
         resource.status = None;
-        assert_eq!(converge(run(&resource, &seen)).create_shards, vec![("orders:2".to_string(), false)]);
-        assert!(converge(run(&scg(), &observed(Some(snapshot(0, 0, &[])), Some(1)))).shard_figures.is_empty());
+        assert_eq!(converge(run(&resource, &seen)).redis.create_shards, vec![("orders:2".to_string(), false)]);
+        assert!(converge(run(&scg(), &observed(Some(snapshot(0, 0, &[])), Some(1)))).figures.shard_figures.is_empty());
     }
 
     #[test]
@@ -1183,8 +1217,8 @@ mod tests {
         assert_eq!(warning.type_, EventType::Warning);
         // Already shown in the status: no second Event.
         resource.status = Some(StreamConsumerGroupStatus {
-            last_recovery: plan.last_recovery,
-            health: Some(plan.health),
+            last_recovery: plan.figures.last_recovery,
+            health: Some(plan.figures.health),
             ..Default::default()
         });
         assert!(converge(run(&resource, &seen)).events.is_empty());
@@ -1196,9 +1230,9 @@ mod tests {
         seen.payload_loss = PayloadLoss { total: 50, latest: vec!["9-0".into(), "8-0".into()] };
         let mut resource = scg();
         let plan = converge(run(&resource, &seen));
-        assert_eq!(plan.health, Health::PayloadLost);
+        assert_eq!(plan.figures.health, Health::PayloadLost);
         assert_eq!(
-            plan.payload_lost,
+            plan.figures.payload_lost,
             PayloadLostStatus { total: 50, unacknowledged: 50, latest_ids: vec!["9-0".into(), "8-0".into()] }
         );
         let lost = plan.events.iter().find(|e| e.reason == "PayloadLost").unwrap();
@@ -1208,18 +1242,18 @@ mod tests {
         assert!(degraded.note.starts_with("health none -> PayloadLost"), "{}", degraded.note);
         // Seen before: no new loss Event. Acknowledged in part: still lost.
         resource.status = Some(StreamConsumerGroupStatus {
-            payload_lost: Some(plan.payload_lost),
-            health: Some(plan.health),
+            payload_lost: Some(plan.figures.payload_lost),
+            health: Some(plan.figures.health),
             ..Default::default()
         });
         resource.annotations_mut().insert(PAYLOAD_LOST_ACKNOWLEDGED.into(), "20".into());
         let plan = converge(run(&resource, &seen));
-        assert_eq!((plan.health, plan.payload_lost.unacknowledged), (Health::PayloadLost, 30));
+        assert_eq!((plan.figures.health, plan.figures.payload_lost.unacknowledged), (Health::PayloadLost, 30));
         assert!(plan.events.is_empty(), "{:?}", plan.events);
         // All acknowledged: healthy again, with a Normal Event.
         resource.annotations_mut().insert(PAYLOAD_LOST_ACKNOWLEDGED.into(), "50".into());
         let plan = converge(run(&resource, &seen));
-        assert_eq!(plan.health, Health::Healthy);
+        assert_eq!(plan.figures.health, Health::Healthy);
         assert_eq!(plan.events.len(), 1);
         assert_eq!((plan.events[0].reason, plan.events[0].type_), ("Healthy", EventType::Normal));
     }

@@ -530,8 +530,8 @@ async fn reconcile_resource(scg: &StreamConsumerGroup, ctx: &Context) -> Result<
         Err(e) => return Err(report_failure(scg, ctx, e).await),
     };
     let outcome = act::converge(ctx, scg, &mut conn, &spec, &plan).await;
-    ctx.metrics.observe_delay(scg, plan.snapshot.delay.ms().map(Duration::from_millis));
-    status::write(ctx, scg, status::converged(scg, &plan, &outcome, &wall_now)).await?;
+    ctx.metrics.observe_delay(scg, plan.figures.snapshot.delay.ms().map(Duration::from_millis));
+    status::write(ctx, scg, status::converged(scg, &plan.figures, &outcome, &wall_now)).await?;
     if let Some(refused) = outcome.refused.into_iter().next() {
         // The status above says so, and health is still reported; retried with backoff.
         ctx.publish(&scg.object_ref(&()), EventType::Warning, refused.reason(), "Apply", refused.to_string()).await;

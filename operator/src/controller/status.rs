@@ -4,7 +4,7 @@
 
 use super::Context;
 use super::act::Outcome;
-use super::decide::{Conflict, Convergence, Retrying};
+use super::decide::{Conflict, Retrying, StatusFigures};
 use super::recovery_runs::{self, LastRun};
 use crate::conditions;
 use crate::error::Error;
@@ -25,7 +25,7 @@ const MANAGER_STATUS: &str = "streamfleet-status";
 /// The status after a pass that inspected the group.
 pub fn converged(
     scg: &StreamConsumerGroup,
-    plan: &Convergence,
+    plan: &StatusFigures,
     outcome: &Outcome,
     now: &Time,
 ) -> StreamConsumerGroupStatus {
@@ -332,6 +332,7 @@ pub async fn write(ctx: &Context, scg: &StreamConsumerGroup, status: StreamConsu
 
 #[cfg(test)]
 mod tests {
+    use super::super::decide::Convergence;
     use super::super::decide::Plan;
     use super::super::fixtures::{observed, run, scg, snapshot};
     use super::*;
@@ -359,11 +360,11 @@ mod tests {
     #[test]
     fn ready_only_with_an_available_worker() {
         let resource = scg();
-        let s = converged(&resource, &plan(&resource, 5), &outcome(0, vec![]), &at(1));
+        let s = converged(&resource, &plan(&resource, 5).figures, &outcome(0, vec![]), &at(1));
         assert_eq!(s.observed_generation, Some(2));
         assert_eq!(condition(&s, conditions::GROUP_READY).0, "True");
         assert_eq!(condition(&s, conditions::READY).1, "NoWorkerAvailable");
-        let s = converged(&resource, &plan(&resource, 5), &outcome(1, vec![]), &at(1));
+        let s = converged(&resource, &plan(&resource, 5).figures, &outcome(1, vec![]), &at(1));
         assert_eq!(condition(&s, conditions::READY), ("True", "Reconciled", "group ready and workers available"));
         assert_eq!((s.lag, s.pending, s.stream_length), (Some(5), Some(2), Some(1000)));
         assert_eq!(s.replicas.unwrap().summary, "1/1");
@@ -373,7 +374,7 @@ mod tests {
     fn a_refused_object_is_a_condition_and_health_is_still_reported() {
         let resource = scg();
         let refused = Error::Refused { kind: "CronJob", message: "spec.schedule: Invalid value: \"0 0 0 * *\"".into() };
-        let s = converged(&resource, &plan(&resource, 5), &outcome(1, vec![refused]), &at(1));
+        let s = converged(&resource, &plan(&resource, 5).figures, &outcome(1, vec![refused]), &at(1));
         let (status, reason, message) = condition(&s, conditions::READY);
         assert_eq!((status, reason), ("False", "CronJobRefused"));
         assert!(message.contains("0 0 0 * *"), "{message}");
@@ -383,7 +384,7 @@ mod tests {
     #[test]
     fn a_failure_is_unknown_with_figures_cleared_and_recomputing_it_is_a_no_op() {
         let mut resource = scg();
-        let good = converged(&resource, &plan(&resource, 5), &outcome(1, vec![]), &at(1));
+        let good = converged(&resource, &plan(&resource, 5).figures, &outcome(1, vec![]), &at(1));
         resource.status = Some(good);
         let e = Error::SecretNotFound { name: "r".into() };
         let first = failed(&resource, &e, &at(2));
@@ -402,14 +403,14 @@ mod tests {
     fn the_oldest_pending_idle_time_is_shown_as_since_when() {
         let resource = scg();
         let mut p = plan(&resource, 5);
-        p.snapshot.pending = 3;
-        p.snapshot.server_ms = 1_796_000_065_400;
-        p.snapshot.oldest_pending_idle_ms = Some(65_000);
-        let s = converged(&resource, &p, &outcome(1, vec![]), &at(1));
+        p.figures.snapshot.pending = 3;
+        p.figures.snapshot.server_ms = 1_796_000_065_400;
+        p.figures.snapshot.oldest_pending_idle_ms = Some(65_000);
+        let s = converged(&resource, &p.figures, &outcome(1, vec![]), &at(1));
         assert_eq!(s.oldest_pending_idle_seconds, Some(65));
         assert_eq!(s.oldest_pending_idle_since, Some(at(1_796_000_000)), "to the second");
-        p.snapshot.pending = 0;
-        let s = converged(&resource, &p, &outcome(1, vec![]), &at(2));
+        p.figures.snapshot.pending = 0;
+        let s = converged(&resource, &p.figures, &outcome(1, vec![]), &at(2));
         assert_eq!((s.oldest_pending_idle_seconds, s.oldest_pending_idle_since), (None, None), "nothing pending");
     }
 
@@ -417,24 +418,24 @@ mod tests {
     fn the_delay_is_shown_as_the_oldest_unfinished_time_and_ids_that_are_not_times_are_said_not_guessed() {
         let resource = scg();
         let mut p = plan(&resource, 5);
-        p.snapshot.delay = Delay::Known(12_999);
-        p.snapshot.oldest_unfinished_ms = Some(1_796_000_000_999);
-        let s = converged(&resource, &p, &outcome(1, vec![]), &at(1));
+        p.figures.snapshot.delay = Delay::Known(12_999);
+        p.figures.snapshot.oldest_unfinished_ms = Some(1_796_000_000_999);
+        let s = converged(&resource, &p.figures, &outcome(1, vec![]), &at(1));
         assert_eq!(s.oldest_unfinished_time, Some(at(1_796_000_000)), "to the second");
         assert!(s.conditions.iter().all(|c| c.type_ != conditions::DELAY_UNKNOWN));
-        p.snapshot.delay = Delay::NotTimes;
-        p.snapshot.oldest_unfinished_ms = None;
+        p.figures.snapshot.delay = Delay::NotTimes;
+        p.figures.snapshot.oldest_unfinished_ms = None;
         let mut resource = resource;
         resource.status = Some(s);
-        let s = converged(&resource, &p, &outcome(1, vec![]), &at(2));
+        let s = converged(&resource, &p.figures, &outcome(1, vec![]), &at(2));
         assert_eq!(s.oldest_unfinished_time, None);
         let (status, reason, message) = condition(&s, conditions::DELAY_UNKNOWN);
         assert_eq!((status, reason), ("True", "IdsNotTimes"));
         assert!(message.contains("explicit stream IDs"), "{message}");
         // Times again: the condition goes.
-        p.snapshot.delay = Delay::Known(0);
+        p.figures.snapshot.delay = Delay::Known(0);
         resource.status = Some(s);
-        let s = converged(&resource, &p, &outcome(1, vec![]), &at(3));
+        let s = converged(&resource, &p.figures, &outcome(1, vec![]), &at(3));
         assert_eq!(s.oldest_unfinished_time, None, "nothing unfinished");
         assert!(s.conditions.iter().all(|c| c.type_ != conditions::DELAY_UNKNOWN));
     }
