@@ -35,7 +35,7 @@ import redis
 DEAD_LETTER = """
 local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
 redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
-redis.call('HDEL', KEYS[3], ARGV[2], ARGV[2] .. ':run', ARGV[2] .. ':crashes', ARGV[2] .. ':since')
+redis.call('HDEL', KEYS[3], ARGV[2], ARGV[2] .. ':run', ARGV[2] .. ':crashes', ARGV[2] .. ':since', ARGV[2] .. ':key')
 return id
 """
 
@@ -45,7 +45,7 @@ return id
 ACK_IF_OURS = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if p[1] == nil or p[1][2] ~= ARGV[2] then return 0 end
-redis.call('HDEL', KEYS[2], ARGV[3], ARGV[3] .. ':run', ARGV[3] .. ':crashes', ARGV[3] .. ':since')
+redis.call('HDEL', KEYS[2], ARGV[3], ARGV[3] .. ':run', ARGV[3] .. ':crashes', ARGV[3] .. ':since', ARGV[3] .. ':key')
 return redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 """
 

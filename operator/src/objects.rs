@@ -139,10 +139,10 @@ fn worker_pod_template(valid: &ValidSpec, component: &str, mode: env::RunMode) -
             pod_labels.insert(key, value);
         }
     }
-    // (Validation found both.)
-    let missing = || Error::Internal("the validated worker container is missing".into());
+    let index = workload.worker_container()?;
+    let missing = || Error::Internal("the worker container is missing".into());
     let pod = template.spec.as_mut().ok_or_else(missing)?;
-    let container = pod.containers.get_mut(workload.container).ok_or_else(missing)?;
+    let container = pod.containers.get_mut(index).ok_or_else(missing)?;
     // Handlers in flight get the grace period less a margin to finish: the
     // rest is handed back before the kubelet's SIGKILL.
     let grace_ms = pod.termination_grace_period_seconds.unwrap_or(30).max(0).saturating_mul(1000);
@@ -571,7 +571,7 @@ mod tests {
         let pod = d.spec.unwrap().template.spec.unwrap();
         assert!(env_of(&pod.containers[0]).contains_key(env::GROUP));
         let bad = scg(json!({"worker": {"containerName": "nope", "template": scg(json!({})).spec.worker.template}}));
-        let err = crate::controller::validate::validate(&bad).unwrap_err().to_string();
+        let err = worker_deployment(&valid(&bad), 1).unwrap_err().to_string();
         assert!(err.contains("spec.worker.containerName"), "{err}");
     }
 

@@ -125,9 +125,10 @@ pub async fn record_starts<C: ConnectionLike + Send>(
 /// consumer, then per entry its ID, value and business key ('' for none).
 /// Returns per entry 1 written, 0 not held. One `XPENDING` per entry (a
 /// point lookup) and one `HSET` for all.
-static RECORD_RUNS: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
-    redis::Script::new(
-        r"
+static RECORD_RUNS: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new(RECORD_RUNS_LUA));
+
+const RECORD_RUNS_LUA: &str = r"
         local out, fields = {}, {}
         for j = 3, #ARGV, 3 do
             local id = ARGV[j]
@@ -146,9 +147,7 @@ static RECORD_RUNS: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::ne
         if #fields > 0 then
             redis.call('HSET', KEYS[2], unpack(fields))
         end
-        return out",
-    )
-});
+        return out";
 
 async fn record_runs<C: ConnectionLike + Send>(
     conn: &mut C,
@@ -215,10 +214,13 @@ mod tests {
         assert_eq!(key_field("5-0"), "5-0:key");
         // The Lua reads the same names the Rust writes, and drops them all.
         assert!(redelivery_lua().contains("id .. ':run'") && redelivery_lua().contains("':back'"));
-        for f in [run_field("x"), crashes_field("x"), key_field("x"), "x".to_string()] {
+        let fields = [run_field("x"), crashes_field("x"), key_field("x"), crate::retry::failing_since_field("x")];
+        for f in fields.iter().chain([&"x".to_string()]) {
             let suffix = f.strip_prefix('x').unwrap_or_default();
             assert!(RECORD_SUFFIXES.contains(&suffix), "{f} is not dropped with its entry");
-            assert!(record_fields_lua().contains(&format!("'{suffix}'")));
         }
+        // The scripts that write and read the key use the same field.
+        let key = format!("id .. '{}'", key_field(""));
+        assert!(RECORD_RUNS_LUA.contains(&key) && crate::claim::lost_lua().contains(&key));
     }
 }

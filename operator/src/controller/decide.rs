@@ -302,7 +302,7 @@ pub fn decide(
     let template = (!spec.unknown_template_fields.is_empty()).then(|| template_message(&spec.unknown_template_fields));
     events.extend(announce_once(at.scg, TEMPLATE_EVENT, template, &mut memory.template_announced));
     let recovery_deadline_short =
-        recovery_deadline_message(spec, at.scg.spec.recovery.mode, at.settings.sweep_deadline_seconds);
+        recovery_deadline_message(spec, spec.workload.recovery_mode, at.settings.sweep_deadline_seconds);
     events.extend(announce_once(
         at.scg,
         RECOVERY_DEADLINE_EVENT,
@@ -921,6 +921,15 @@ mod tests {
         assert!(condition.is_some_and(|c| c.status == "True" && c.message == message), "{condition:?}");
         assert_eq!(warnings(&plan(&long, &mut memory)), 0, "said once");
 
+        // As long as the deadline is too long; without a timeout, min-idle-time is the bound.
+        let equal = plan(&with("Worker", Some(900)), &mut PolicyMemory::default());
+        assert!(equal.figures.recovery_deadline_short.is_some_and(|m| m.contains("900 s (spec.worker")));
+        let mut idle_bound = with("Worker", None);
+        let mut spec = serde_json::to_value(&idle_bound.spec).unwrap();
+        spec["recovery"]["minIdleTimeMs"] = serde_json::json!(1_800_000);
+        idle_bound.spec = serde_json::from_value(spec).unwrap();
+        let message = plan(&idle_bound, &mut PolicyMemory::default()).figures.recovery_deadline_short;
+        assert!(message.is_some_and(|m| m.contains("1800 s (min-idle-time")));
         // Shorter than the deadline, or a sweep (which runs no handler): nothing to say.
         for fine in [with("Worker", Some(600)), with("Sweep", Some(1_200))] {
             let p = plan(&fine, &mut PolicyMemory::default());

@@ -67,44 +67,50 @@ pub struct Workload {
     pub owner: Option<OwnerReference>,
     pub deployment_name: String,
     pub cronjob_name: String,
-    /// `spec.worker.template`, with a pod spec of at least one container.
+    /// `spec.worker.template`.
     pub template: PodTemplateSpec,
-    /// Which of its containers is told the env contract:
-    /// `spec.worker.containerName`, else the first.
-    pub container: usize,
+    /// `spec.worker.containerName`: the container told the env contract
+    /// (else the first).
+    pub container_name: Option<String>,
     pub recovery_mode: RecoveryMode,
     pub schedule: String,
 }
 
-/// [`Workload`] of `scg`: the template must have a pod spec, and the named
-/// container (or any) must be in it.
-fn workload(scg: &StreamConsumerGroup) -> Result<Workload, Error> {
-    let template = scg.spec.worker.template.clone();
-    let containers = &template
-        .spec
-        .as_ref()
-        .ok_or_else(|| Error::InvalidSpec("spec.worker.template.spec is required".into()))?
-        .containers;
-    let container = match scg.spec.worker.container_name.as_deref() {
-        Some(name) => containers.iter().position(|c| c.name == name).ok_or_else(|| {
-            Error::InvalidSpec(format!("spec.worker.containerName: no container named {name:?} in the template"))
-        })?,
-        None if containers.is_empty() => {
-            return Err(Error::InvalidSpec("spec.worker.template.spec.containers must not be empty".into()));
+impl Workload {
+    /// Which of the template's containers is the worker. A template without
+    /// it fails only the objects built from it (`InvalidSpec`): the group,
+    /// the status and the dead-letter tools work meanwhile.
+    pub fn worker_container(&self) -> Result<usize, Error> {
+        let containers = &self
+            .template
+            .spec
+            .as_ref()
+            .ok_or_else(|| Error::InvalidSpec("spec.worker.template.spec is required".into()))?
+            .containers;
+        match self.container_name.as_deref() {
+            Some(name) => containers.iter().position(|c| c.name == name).ok_or_else(|| {
+                Error::InvalidSpec(format!("spec.worker.containerName: no container named {name:?} in the template"))
+            }),
+            None if containers.is_empty() => {
+                Err(Error::InvalidSpec("spec.worker.template.spec.containers must not be empty".into()))
+            }
+            None => Ok(0),
         }
-        None => 0,
-    };
-    Ok(Workload {
+    }
+}
+
+fn workload(scg: &StreamConsumerGroup) -> Workload {
+    Workload {
         resource: scg.name_any(),
         namespace: scg.namespace(),
         owner: scg.controller_owner_ref(&()),
         deployment_name: crate::objects::worker_deployment_name(scg),
         cronjob_name: crate::objects::recovery_cronjob_name(scg),
-        template,
-        container,
+        template: scg.spec.worker.template.clone(),
+        container_name: scg.spec.worker.container_name.clone(),
         recovery_mode: scg.spec.recovery.mode,
         schedule: scg.spec.recovery.schedule.clone(),
-    })
+    }
 }
 
 /// `spec.redis`, checked: one source of the URL, a password wherever a
@@ -390,7 +396,7 @@ pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
         unknown_template_fields: spec.worker.unknown_template_fields.clone(),
         redis,
         worker_env,
-        workload: workload(scg)?,
+        workload: workload(scg),
     })
 }
 
