@@ -43,7 +43,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use streamfleet_crd::StreamConsumerGroup;
-use streamfleet_streams::{Connections, Endpoint};
+use streamfleet_streams::{Connections, Endpoint, StreamConnection};
 use tracing::Instrument as _;
 
 pub use finalizer::FINALIZER;
@@ -492,44 +492,76 @@ async fn reconcile_resource(scg: &StreamConsumerGroup, ctx: &Context) -> Result<
         return Ok(Action::requeue(Duration::from_millis(500)));
     }
     finalizer::sync(scg, ctx).await?;
-    let spec = validate::validate(scg);
-    let observed = match spec {
-        Ok(spec) => observe::observe(ctx, scg, &spec).await.map(|(conn, observed)| (spec, conn, observed)),
-        Err(e) => Err(e),
-    };
-    let (spec, mut conn, observed) = match observed {
+    let (spec, mut conn, observed) = match validate_and_observe(scg, ctx).await {
         Ok(seen) => seen,
         Err(e) => return Err(report_failure(scg, ctx, e).await),
     };
-    let wall_now = now();
     let situation = decide::Situation { scg, settings: &ctx.settings, now: ctx.clock.elapsed() };
     let planned = ctx.with_policy(&key(scg), |memory| decide::decide(&spec, &observed, memory, &situation));
-    let plan = match planned.and_then(|plan| plan) {
-        Ok(Plan::Converge(plan)) => plan,
+    match planned.and_then(|plan| plan) {
         Ok(Plan::Wait) => {
             ctx.metrics.observe_delay(scg, None);
-            return Ok(Action::requeue(Duration::from_secs(1)));
+            Ok(Action::requeue(Duration::from_secs(1)))
         }
-        Ok(Plan::Conflict(plan)) => {
-            let refused = act::stand_down(ctx, scg, &plan).await;
-            ctx.metrics.observe_delay(scg, None);
-            status::write(ctx, scg, status::conflicted(scg, &plan, &refused, &wall_now)).await?;
-            ctx.health_written(scg, streamfleet_crd::Health::Unknown);
-            return match refused.into_iter().next() {
-                Some(e) => Err(e),
-                None => Ok(Action::requeue(spec.poll_interval)),
-            };
-        }
-        Ok(Plan::CreateGroup { start, vanished }) => {
-            ctx.metrics.observe_delay(scg, None);
-            if let Err(e) = act::create_group(ctx, scg, &mut conn, &spec, &start, vanished).await {
-                return Err(report_failure(scg, ctx, e).await);
-            }
-            return Ok(Action::requeue(AFTER_GROUP_CREATED));
-        }
-        Err(e) => return Err(report_failure(scg, ctx, e).await),
-    };
-    let outcome = act::converge(ctx, scg, &mut conn, &spec, &plan).await;
+        Ok(Plan::Conflict(plan)) => stand_down(scg, ctx, &spec, &plan).await,
+        Ok(Plan::CreateGroup { start, vanished }) => create_group(scg, ctx, &mut conn, &spec, &start, vanished).await,
+        Ok(Plan::Converge(plan)) => converge(scg, ctx, &mut conn, &spec, &plan).await,
+        Err(e) => Err(report_failure(scg, ctx, e).await),
+    }
+}
+
+async fn validate_and_observe(
+    scg: &StreamConsumerGroup,
+    ctx: &Context,
+) -> Result<(validate::ValidSpec, StreamConnection, observe::Observation), Error> {
+    let spec = validate::validate(scg)?;
+    let (conn, observed) = observe::observe(ctx, scg, &spec).await?;
+    Ok((spec, conn, observed))
+}
+
+/// Another resource runs the group: what this one has is scaled to zero.
+async fn stand_down(
+    scg: &StreamConsumerGroup,
+    ctx: &Context,
+    spec: &validate::ValidSpec,
+    plan: &decide::Conflict,
+) -> Result<Action, Error> {
+    let refused = act::stand_down(ctx, scg, plan).await;
+    ctx.metrics.observe_delay(scg, None);
+    status::write(ctx, scg, status::conflicted(scg, plan, &refused, &now())).await?;
+    ctx.health_written(scg, streamfleet_crd::Health::Unknown);
+    match refused.into_iter().next() {
+        Some(e) => Err(e),
+        None => Ok(Action::requeue(spec.poll_interval)),
+    }
+}
+
+/// The group is missing: created, then looked at again shortly.
+async fn create_group(
+    scg: &StreamConsumerGroup,
+    ctx: &Context,
+    conn: &mut StreamConnection,
+    spec: &validate::ValidSpec,
+    start: &str,
+    vanished: bool,
+) -> Result<Action, Error> {
+    ctx.metrics.observe_delay(scg, None);
+    if let Err(e) = act::create_group(ctx, scg, conn, spec, start, vanished).await {
+        return Err(report_failure(scg, ctx, e).await);
+    }
+    Ok(Action::requeue(AFTER_GROUP_CREATED))
+}
+
+/// The group exists: act on the plan, then write the status.
+async fn converge(
+    scg: &StreamConsumerGroup,
+    ctx: &Context,
+    conn: &mut StreamConnection,
+    spec: &validate::ValidSpec,
+    plan: &decide::Convergence,
+) -> Result<Action, Error> {
+    let wall_now = now();
+    let outcome = act::converge(ctx, scg, conn, spec, plan).await;
     ctx.metrics.observe_delay(scg, plan.figures.snapshot.delay.ms().map(Duration::from_millis));
     status::write(ctx, scg, status::converged(scg, &plan.figures, &outcome, &wall_now)).await?;
     if let Some(refused) = outcome.refused.into_iter().next() {
