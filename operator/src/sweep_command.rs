@@ -8,13 +8,15 @@ use streamfleet_streams::sweep::{SweepSettings, sweep};
 
 /// `streamfleet sweep`: one pass over the PEL of every stream in the env
 /// contract; writes the report the operator shows as `status.lastRecovery`,
-/// and prints it as JSON.
+/// and prints it as JSON. Fails when anything was left unsettled, after
+/// sweeping everything else.
 pub async fn run_sweep() -> Result<()> {
     let config = WorkerConfig::from_env().context("the recovery Job's environment")?;
     let mut conn = StreamConnection::connect(&config.endpoint).await?;
     // One run over every shard: each shard's figures are printed, and the
     // run's total is the report every shard carries (the operator shows one).
     let mut total = streamfleet_streams::recovery::RecoveryReport::default();
+    let mut left_pending = Vec::new();
     for stream in &config.streams {
         let dead_letter_stream = config.dead_letter_stream_of(stream);
         let settings = SweepSettings {
@@ -26,12 +28,20 @@ pub async fn run_sweep() -> Result<()> {
             max_deliveries: config.max_deliveries,
             batch: config.batch_size,
         };
-        let report = sweep(&mut conn, &settings).await?;
+        // One shard that fails does not keep the others from being swept.
+        let report = match sweep(&mut conn, &settings).await {
+            Ok(report) => report,
+            Err(e) => {
+                left_pending.push(format!("{stream}: {e}"));
+                continue;
+            }
+        };
+        left_pending.extend(report.left_pending.iter().map(|why| format!("{stream}: {why}")));
         println!(
             "{}",
             serde_json::json!({
                 "stream": stream, "group": config.group, "scanned": report.scanned, "claimed": report.claimed,
-                "deadLettered": report.dead_lettered, "payloadLost": report.payload_lost,
+                "deadLettered": report.dead_lettered, "payloadLost": report.payload_lost, "leftPending": report.left_pending,
             })
         );
         total.scanned += report.scanned;
@@ -42,6 +52,13 @@ pub async fn run_sweep() -> Result<()> {
     }
     for stream in &config.streams {
         write_report(&mut conn, stream, &config.group, &total).await?;
+    }
+    // The run fails (its Job shows `RecoveryFailing`), naming what it left.
+    if let Some(first) = left_pending.first() {
+        anyhow::bail!(
+            "{} entries or pages could not be settled and were left pending for the next run; the first: {first}",
+            left_pending.len()
+        );
     }
     Ok(())
 }

@@ -30,6 +30,35 @@ pub async fn ensure_group<C: ConnectionLike + Send>(
     }
 }
 
+/// The keys that describe the entries pending in `group` (their records,
+/// the retry index and its cursors): meaningless once that PEL is gone.
+fn pending_records(stream: &str, group: &str) -> [String; 3] {
+    [
+        crate::keys::last_error_key(stream, group),
+        crate::keys::retry_due_key(stream, group),
+        crate::keys::retry_index_cursor_key(stream, group),
+    ]
+}
+
+/// Drops what was kept about the entries pending in `group`, for a group
+/// that vanished with its PEL (its stream deleted, or Redis restarted
+/// without persistence) and is about to be created again: an entry
+/// delivered again is not judged by its old delivery's records (a start, a
+/// crash count, or a business key that, with producer-set IDs reused, was
+/// another entry's). Only the operator creates groups, so nothing can have
+/// written a new record before the group exists again.
+pub async fn forget_pending_records<C: ConnectionLike + Send>(
+    conn: &mut C,
+    stream: &str,
+    group: &str,
+) -> Result<(), StreamError> {
+    let mut pipe = redis::pipe();
+    for key in &pending_records(stream, group) {
+        pipe.cmd("DEL").arg(key).ignore();
+    }
+    pipe.query_async(conn).await.map_err(|e| StreamError::new("forgetting a vanished group's entry records", e))
+}
+
 /// Destroys `group`; returns whether it existed. Its pending entries are dropped.
 pub async fn destroy_group<C: ConnectionLike + Send>(
     conn: &mut C,
@@ -45,15 +74,12 @@ pub async fn destroy_group<C: ConnectionLike + Send>(
         crate::payload_loss::count_key(stream, group),
         crate::payload_loss::ids_key(stream, group),
         crate::recovery::report_key(stream, group),
-        crate::keys::last_error_key(stream, group),
-        crate::keys::retry_due_key(stream, group),
-        crate::keys::retry_index_cursor_key(stream, group),
         crate::keys::dead_consumers_key(stream, group),
         crate::keys::alive_key(stream, group),
         crate::keys::suppressed_key(stream, group),
     ];
     let mut pipe = redis::pipe();
-    for key in &side_keys {
+    for key in side_keys.iter().chain(&pending_records(stream, group)) {
         pipe.cmd("DEL").arg(key).ignore();
     }
     let () = pipe.query_async(conn).await.map_err(|e| StreamError::new("removing the group's bookkeeping", e))?;

@@ -18,6 +18,10 @@ pub struct RecoveryReport {
     pub dead_lettered: u64,
     /// Pending entries whose payload was gone (recorded, never success).
     pub payload_lost: u64,
+    /// What this run could not settle and left pending for the next one
+    /// (one line per entry or page, naming it); not kept in Redis: the run
+    /// prints it and fails, so its Job shows `RecoveryFailing`.
+    pub left_pending: Vec<String>,
 }
 
 pub fn report_key(stream: &str, group: &str) -> String {
@@ -66,6 +70,7 @@ pub async fn read_report<C: ConnectionLike + Send>(
         claimed: get("claimed"),
         dead_lettered: get("dead-lettered"),
         payload_lost: get("payload-lost"),
+        left_pending: Vec::new(),
     }))
 }
 

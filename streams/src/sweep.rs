@@ -43,7 +43,9 @@ const PRESENT: &str = r"
 type PendingRow = (String, String, u64, u64);
 
 /// One full pass over the PEL, a page at a time: scan, judge who may be
-/// claimed, check which payloads exist, classify, settle.
+/// claimed, check which payloads exist, classify, settle. What cannot be
+/// settled is left pending and named in `left_pending`; only a scan that
+/// fails ends the pass early.
 pub async fn sweep<C: ConnectionLike + Send>(
     conn: &mut C,
     s: &SweepSettings<'_>,
@@ -53,18 +55,15 @@ pub async fn sweep<C: ConnectionLike + Send>(
     let mut start = "-".to_string();
     loop {
         let page = scan_page(conn, s, min_idle_ms, &start).await?;
-        let Some((last, ..)) = page.last() else { break };
+        let (Some((first, ..)), Some((last, ..))) = (page.first(), page.last()) else { break };
+        let span = format!("{first} to {last}");
         start = format!("({last}");
         report.scanned += u64::try_from(page.len()).unwrap_or(u64::MAX);
         let full_page = page.len() >= s.batch;
-        let (page, owner_alive) = judge(conn, s, min_idle_ms, page).await?;
-        if !page.is_empty() {
-            let present = payloads_present(conn, s, &page).await?;
-            let (lost, poison) = classify(s, &page, &present, &owner_alive);
-            let settled = settle(conn, s, min_idle_ms, &page, &lost, &poison).await?;
-            report.payload_lost += u64::try_from(lost.len()).unwrap_or(u64::MAX);
-            report.claimed += settled;
-            report.dead_lettered += settled;
+        // A page that cannot be settled is left pending for the next run
+        // and named; the pages after it are still swept.
+        if let Err(e) = sweep_page(conn, s, min_idle_ms, page, &mut report).await {
+            report.left_pending.push(format!("the pending entries {span}: {e}"));
         }
         if !full_page {
             break;
@@ -73,6 +72,27 @@ pub async fn sweep<C: ConnectionLike + Send>(
     crate::consumers::delete_if_empty(conn, s.stream, s.group, s.consumer).await?;
     report.finished_at_ms = now_ms();
     Ok(report)
+}
+
+/// Judge, check, classify and settle one scanned page.
+async fn sweep_page<C: ConnectionLike + Send>(
+    conn: &mut C,
+    s: &SweepSettings<'_>,
+    min_idle_ms: u64,
+    page: Vec<PendingRow>,
+    report: &mut RecoveryReport,
+) -> Result<(), StreamError> {
+    let (page, owner_alive) = judge(conn, s, min_idle_ms, page).await?;
+    if page.is_empty() {
+        return Ok(());
+    }
+    let present = payloads_present(conn, s, &page).await?;
+    let (lost, poison) = classify(s, &page, &present, &owner_alive);
+    let settled = settle(conn, s, min_idle_ms, &page, &lost, &poison, &mut report.left_pending).await?;
+    report.payload_lost += u64::try_from(lost.len()).unwrap_or(u64::MAX);
+    report.claimed += settled;
+    report.dead_lettered += settled;
+    Ok(())
 }
 
 /// Scan: the next page of entries nobody has touched for min-idle-time
@@ -203,6 +223,7 @@ async fn settle<C: ConnectionLike + Send>(
     page: &[PendingRow],
     lost: &[usize],
     poison: &[usize],
+    left_pending: &mut Vec<String>,
 ) -> Result<u64, StreamError> {
     let err = |what| move |e| StreamError::new(what, e);
     let entry = |i: usize| {
@@ -285,16 +306,22 @@ async fn settle<C: ConnectionLike + Send>(
         .collect();
     let mut errors: Vec<Option<String>> = redis::from_redis_value(next()).map_err(parsed("reading last errors"))?;
     let business_keys = errors.split_off(poison.len().min(errors.len()));
-    let payloads = (0..poison.len())
-        .map(|_| redis::from_redis_value::<Payload>(next()))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(parsed("reading poison payloads"))?;
+    // One by one: an entry that cannot be read (a field name that is not
+    // UTF-8) stays pending, named, and its page-mates go on.
+    let payloads: Vec<_> = (0..poison.len()).map(|_| redis::from_redis_value::<Payload>(next())).collect();
     let mut taken = Vec::new();
     for (((&i, error), payload), key) in poison.iter().zip(errors).zip(payloads).zip(business_keys) {
         let mut e = entry(i);
         if !claimed.contains(&e.id) {
             continue;
         }
+        let payload = match payload {
+            Ok(payload) => payload,
+            Err(why) => {
+                left_pending.push(format!("entry {}: its payload could not be read ({why})", e.id));
+                continue;
+            }
+        };
         // Deleted between the check and the claim: still a dead letter, without fields.
         e.fields = payload.into_iter().next().map(|(_, map)| fields_from_map(map)).unwrap_or_default();
         let error = error.unwrap_or_else(|| format!("delivered {} times without an ack", e.deliveries));

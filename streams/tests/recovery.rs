@@ -110,6 +110,56 @@ async fn sweep_dead_letters_poison_records_lost_payloads_and_leaves_the_rest() -
     Ok(())
 }
 
+/// One poison entry the sweep cannot read (a field name that is not UTF-8,
+/// which redis-rs will not decode) is left pending and named; its page-mate
+/// and the pages after it are dead-lettered. Before, the pass stopped at
+/// that page, every run, and nothing behind it was ever swept.
+#[tokio::test]
+async fn one_unreadable_entry_is_left_pending_and_named_while_the_sweep_goes_on() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    ensure_group(&mut conn, "orders", "g", "0").await?;
+    let unreadable: String =
+        redis::cmd("XADD").arg("orders").arg("*").arg(b"order\xff".as_slice()).arg("1").query_async(&mut conn).await?;
+    let mut readable = Vec::new();
+    for i in 0..4 {
+        readable.push(conn.xadd::<_, _, _, _, String>("orders", "*", &[("order_id", format!("o{i}"))]).await?);
+    }
+    // Read raw: the reply could not be decoded as stream entries either.
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("g")
+        .arg("w1")
+        .arg("COUNT")
+        .arg(10)
+        .arg("STREAMS")
+        .arg("orders")
+        .arg(">")
+        .query_async(&mut conn)
+        .await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let settings = SweepSettings {
+        stream: "orders",
+        group: "g",
+        consumer: "sweep-pod",
+        dead_letter_stream: "{orders}:dead",
+        min_idle: Duration::from_millis(200),
+        max_deliveries: 1,
+        batch: 2,
+    };
+    let report = sweep(&mut conn, &settings).await?;
+    assert_eq!((report.scanned, report.dead_lettered), (5, 4), "{report:?}");
+    assert_eq!(report.left_pending.len(), 1, "{report:?}");
+    assert!(report.left_pending[0].contains(&unreadable), "names the entry: {:?}", report.left_pending);
+    let pel = owners(&mut conn).await?;
+    assert_eq!(pel.keys().collect::<Vec<_>>(), [&unreadable], "only the unreadable entry is still pending");
+    let mut lettered: Vec<String> =
+        letters(&mut conn).await?.into_iter().map(|(_, f)| f[dl::F_SOURCE_ID].clone()).collect();
+    lettered.sort();
+    assert_eq!(lettered, readable, "its page-mate and every later page are dead letters");
+    Ok(())
+}
+
 /// Pending entries far apart (many acked entries between them): the span
 /// read stops early, and the entries past it are still checked one by one.
 #[tokio::test]

@@ -54,8 +54,8 @@ pub async fn create_group(
 }
 
 /// Creates `group` on `stream` at `start` if it is missing, with an Event:
-/// a Warning saying what happened (`vanished`) when it existed before, else
-/// a Normal one.
+/// a Warning saying what happened (`vanished`) when it existed before (its
+/// old entries' records dropped first), else a Normal one.
 async fn ensure_group_announced(
     ctx: &Context,
     scg: &StreamConsumerGroup,
@@ -65,6 +65,9 @@ async fn ensure_group_announced(
     start: &str,
     vanished: Option<String>,
 ) -> Result<(), Error> {
+    if vanished.is_some() {
+        streamfleet_streams::forget_pending_records(conn, stream, group).await?;
+    }
     if streamfleet_streams::ensure_group(conn, stream, group, start).await? != GroupCreation::Created {
         return Ok(());
     }

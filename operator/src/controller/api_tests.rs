@@ -194,3 +194,48 @@ async fn a_repeated_event_is_one_event_with_a_series_and_a_new_note_a_new_event(
     assert_eq!((news.method, news.body["note"].clone()), (Method::POST, json!("3 payloads lost")));
     no_request(&mut server).await;
 }
+
+/// A group that vanished (its stream deleted; the keys beside it stayed) is
+/// created again where it was, with one Warning, and without its old
+/// entries' records: an entry delivered again is not judged by a start, a
+/// crash count or a business key of its old delivery. A group created for
+/// the first time keeps whatever is there (nothing of a PEL can be).
+#[tokio::test]
+async fn a_vanished_group_is_created_again_without_its_old_entries_records() {
+    use redis::AsyncCommands as _;
+    let server = streamfleet_testbed::RedisServer::start().await.unwrap();
+    let endpoint = streamfleet_streams::Endpoint::new(server.url(), streamfleet_streams::Mode::Standalone);
+    let mut conn = streamfleet_streams::StreamConnection::connect(&endpoint).await.unwrap();
+    let mut admin = server.connection().await.unwrap();
+    let spec = super::validate::validate(&scg()).unwrap();
+    let (stream, group) = (spec.stream.clone(), spec.group.clone());
+    let records = streamfleet_streams::keys::last_error_key(&stream, &group);
+    let recorded = |admin: &mut redis::aio::MultiplexedConnection| {
+        let mut admin = admin.clone();
+        let records = records.clone();
+        async move { admin.hlen::<_, u64>(&records).await.unwrap() }
+    };
+    streamfleet_streams::ensure_group(&mut admin, &stream, &group, "0").await.unwrap();
+    let id: String = admin.xadd(&stream, "5-0", &[("order_id", "o1")]).await.unwrap();
+    let opts = redis::streams::StreamReadOptions::default().group(&group, "w1");
+    let _: redis::Value = admin.xread_options(&[&stream], &[">"], &opts).await.unwrap();
+    let starting = [(id.as_str(), 1, Some("order-1"))];
+    streamfleet_streams::started::record_starts(&mut admin, &stream, &group, "w1", &starting).await.unwrap();
+    assert!(recorded(&mut admin).await > 0);
+    let _: () = admin.del(&stream).await.unwrap();
+
+    let (ctx, mut api) = mocked();
+    let event = serde_json::to_value(Event {
+        metadata: ObjectMeta { name: Some("orders.1".into()), namespace: Some("shop".into()), ..ObjectMeta::default() },
+        ..Event::default()
+    })
+    .unwrap();
+    let r = resource(DeletionPolicy::Retain, &[]);
+    let (created, warning) =
+        tokio::join!(super::act::create_group(&ctx, &r, &mut conn, &spec, "4-0", true), serve(&mut api, &event));
+    created.unwrap();
+    assert_eq!((&warning.body["type"], &warning.body["reason"]), (&json!("Warning"), &json!("GroupRecreated")));
+    assert_eq!(recorded(&mut admin).await, 0, "the old entries' records are gone with their PEL");
+    let groups: redis::streams::StreamInfoGroupsReply = admin.xinfo_groups(&stream).await.unwrap();
+    assert_eq!(groups.groups[0].last_delivered_id, "4-0", "created again where it was");
+}

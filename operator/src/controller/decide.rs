@@ -1219,6 +1219,7 @@ mod tests {
             claimed: 2,
             dead_lettered: 1,
             payload_lost: 0,
+            left_pending: Vec::new(),
         });
         let mut resource = scg();
         let plan = converge(run(&resource, &seen));

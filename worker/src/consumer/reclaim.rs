@@ -28,6 +28,7 @@ impl<H: Handler> Worker<H> {
             claimed: u64::try_from(claimed).unwrap_or(u64::MAX),
             dead_lettered: Stats::get(&self.stats.dead_lettered),
             payload_lost: Stats::get(&self.stats.payload_missing),
+            left_pending: Vec::new(),
         };
         for stream in &self.config.streams {
             write_report(conn, stream, &self.config.group, &report).await?;
