@@ -1,6 +1,6 @@
 //! Claiming idle pending entries and learning their delivery counts.
 
-use crate::entry::{Entry, fields_from_map};
+use crate::entry::{Entry, entries_from_value};
 use crate::error::StreamError;
 use redis::aio::ConnectionLike;
 use std::time::Duration;
@@ -721,17 +721,16 @@ fn claimed_entries(
     deliveries: Vec<u64>,
     crashes: Vec<u32>,
 ) -> Result<Vec<Entry>, redis::RedisError> {
-    let reply: redis::streams::StreamClaimReply = redis::FromRedisValue::from_redis_value(reply)?;
-    Ok(reply
-        .ids
+    let entries = entries_from_value(reply)?;
+    Ok(entries
         .into_iter()
         .zip(deliveries.into_iter().zip(crashes))
-        .map(|(e, (deliveries, crashes))| Entry {
+        .map(|((id, fields), (deliveries, crashes))| Entry {
             deliveries,
             crashes,
             stream: stream.to_string(),
-            id: e.id,
-            fields: fields_from_map(e.map),
+            id,
+            fields,
         })
         .collect())
 }

@@ -6,7 +6,7 @@
 use crate::deadletter::{
     F_AT, F_BUSINESS_KEY, F_CONSUMER, F_DELIVERIES, F_ERROR, F_GROUP, F_REASON, F_SOURCE_ID, F_SOURCE_STREAM, PREFIX,
 };
-use crate::entry::fields_from_map;
+use crate::entry::entries_from_value;
 use crate::error::StreamError;
 use crate::retention::StreamId;
 use redis::aio::ConnectionLike;
@@ -186,7 +186,7 @@ async fn read<C: ConnectionLike + Send>(
     from: &str,
     to: &str,
 ) -> Result<Vec<DeadLetter>, StreamError> {
-    let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+    let reply: redis::Value = redis::cmd("XRANGE")
         .arg(stream)
         .arg(from)
         .arg(to)
@@ -195,7 +195,8 @@ async fn read<C: ConnectionLike + Send>(
         .query_async(conn)
         .await
         .map_err(|e| StreamError::new("reading dead letters", e))?;
-    Ok(reply.ids.into_iter().map(|e| DeadLetter::parse(e.id, fields_from_map(e.map))).collect())
+    let letters = entries_from_value(reply).map_err(|e| StreamError::new("reading dead letters", e.into()))?;
+    Ok(letters.into_iter().map(|(id, fields)| DeadLetter::parse(id, fields)).collect())
 }
 
 /// Trims `stream` to its newest `cap` letters (exactly, not `~`: the cap is

@@ -7,7 +7,7 @@
 //! cleared. The replay carries its event (`streamfleet.event-id`).
 
 use crate::deadletter::{F_BUSINESS_KEY, F_GROUP, F_REASON, F_SOURCE_ID, F_SOURCE_STREAM, PREFIX};
-use crate::entry::{F_EVENT_ID, fields_from_map};
+use crate::entry::{F_EVENT_ID, entries_from_value};
 use crate::error::StreamError;
 use redis::aio::ConnectionLike;
 
@@ -106,7 +106,7 @@ pub async fn replay<C: ConnectionLike + Send>(
             continue;
         }
         if fields.iter().any(|(k, _)| k == crate::entry::F_PACKED_FIELDS) {
-            // Still there: it did not unpack (`entry::fields_from_map`).
+            // Still there: it did not unpack (`entry::entries_from_value`).
             // Replaying would requeue an entry without its fields.
             out.push(Replayed::Skipped { dead_letter_id: id, why: "its packed fields do not unpack".into() });
             continue;
@@ -146,7 +146,7 @@ pub async fn replay<C: ConnectionLike + Send>(
             .arg(&id)
             .arg(if lock.is_some() { "1" } else { "0" });
         // A huge entry goes back packed (a script passes at most ~8,000
-        // arguments); readers unpack it (`entry::fields_from_map`).
+        // arguments); readers unpack it (`entry::entries_from_value`).
         for (k, v) in crate::entry::field_args(&original) {
             script.arg(k.as_ref()).arg(v.as_ref());
         }
@@ -201,12 +201,13 @@ async fn select<C: ConnectionLike + Send>(
             for id in ids {
                 pipe.cmd("XRANGE").arg(stream).arg(id).arg(id);
             }
-            let found: Vec<redis::streams::StreamRangeReply> = pipe.query_async(conn).await.map_err(err)?;
-            return Ok(ids
-                .iter()
-                .zip(found)
-                .map(|(id, r)| (id.clone(), r.ids.into_iter().next().map(|e| fields_from_map(e.map))))
-                .collect());
+            let found: Vec<redis::Value> = pipe.query_async(conn).await.map_err(err)?;
+            let mut out = Vec::with_capacity(ids.len());
+            for (id, r) in ids.iter().zip(found) {
+                let letter = entries_from_value(r).map_err(|e| err(e.into()))?.into_iter().next();
+                out.push((id.clone(), letter.map(|(_, fields)| fields)));
+            }
+            return Ok(out);
         }
         Selection::Range { from, to } => range(from.clone(), to.clone()),
         Selection::All => range("-".into(), "+".into()),
@@ -215,7 +216,7 @@ async fn select<C: ConnectionLike + Send>(
     let mut out = Vec::new();
     let mut start = from;
     loop {
-        let page: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+        let page: redis::Value = redis::cmd("XRANGE")
             .arg(stream)
             .arg(&start)
             .arg(&to)
@@ -224,12 +225,12 @@ async fn select<C: ConnectionLike + Send>(
             .query_async(conn)
             .await
             .map_err(err)?;
-        let n = page.ids.len();
-        let Some(last) = page.ids.last().map(|e| e.id.clone()) else { break };
-        for e in page.ids {
-            let fields = fields_from_map(e.map);
-            if filter.is_none_or(|f| f.matches(&crate::dlq::DeadLetter::parse(e.id.clone(), fields.clone()))) {
-                out.push((e.id, Some(fields)));
+        let page = entries_from_value(page).map_err(|e| err(e.into()))?;
+        let n = page.len();
+        let Some(last) = page.last().map(|(id, _)| id.clone()) else { break };
+        for (id, fields) in page {
+            if filter.is_none_or(|f| f.matches(&crate::dlq::DeadLetter::parse(id.clone(), fields.clone()))) {
+                out.push((id, Some(fields)));
             }
         }
         if n < PAGE {

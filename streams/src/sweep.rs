@@ -10,7 +10,7 @@
 //! Handlers are never run here.
 
 use crate::deadletter::{self, Letter, Reason};
-use crate::entry::{Entry, fields_from_map};
+use crate::entry::Entry;
 use crate::error::StreamError;
 use crate::keys;
 use crate::recovery::{RecoveryReport, now_ms};
@@ -295,7 +295,6 @@ async fn settle<C: ConnectionLike + Send>(
         pipe.cmd("XRANGE").arg(s.stream).arg(&page[i].0).arg(&page[i].0);
     }
     // The claim, the last errors and keys, then one payload per poison entry.
-    type Payload = Vec<(String, std::collections::HashMap<String, redis::Value>)>;
     let replies: Vec<redis::Value> = pipe.query_async(conn).await.map_err(err("claiming poison entries"))?;
     let mut replies = replies.into_iter();
     let mut next = || replies.next().unwrap_or(redis::Value::Nil);
@@ -306,9 +305,9 @@ async fn settle<C: ConnectionLike + Send>(
         .collect();
     let mut errors: Vec<Option<String>> = redis::from_redis_value(next()).map_err(parsed("reading last errors"))?;
     let business_keys = errors.split_off(poison.len().min(errors.len()));
-    // One by one: an entry that cannot be read (a field name that is not
-    // UTF-8) stays pending, named, and its page-mates go on.
-    let payloads: Vec<_> = (0..poison.len()).map(|_| redis::from_redis_value::<Payload>(next())).collect();
+    // One by one: an entry that cannot be read stays pending, named, and
+    // its page-mates go on.
+    let payloads: Vec<_> = (0..poison.len()).map(|_| crate::entry::entries_from_value(next())).collect();
     let mut taken = Vec::new();
     for (((&i, error), payload), key) in poison.iter().zip(errors).zip(payloads).zip(business_keys) {
         let mut e = entry(i);
@@ -323,7 +322,7 @@ async fn settle<C: ConnectionLike + Send>(
             }
         };
         // Deleted between the check and the claim: still a dead letter, without fields.
-        e.fields = payload.into_iter().next().map(|(_, map)| fields_from_map(map)).unwrap_or_default();
+        e.fields = payload.into_iter().next().map(|(_, fields)| fields).unwrap_or_default();
         let error = error.unwrap_or_else(|| format!("delivered {} times without an ack", e.deliveries));
         taken.push((e, page[i].1.as_str(), error, key));
     }

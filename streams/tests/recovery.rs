@@ -110,35 +110,66 @@ async fn sweep_dead_letters_poison_records_lost_payloads_and_leaves_the_rest() -
     Ok(())
 }
 
-/// One poison entry the sweep cannot read (a field name that is not UTF-8,
-/// which redis-rs will not decode) is left pending and named; its page-mate
-/// and the pages after it are dead-lettered. Before, the pass stopped at
-/// that page, every run, and nothing behind it was ever swept.
+/// Poison entries the sweep settles, one with a field name that is not
+/// UTF-8 (redis-rs's typed replies refuse the whole page for it): each is
+/// dead-lettered, that one with its field name as it was. Before, the pass
+/// stopped at its page, every run, and nothing behind it was ever swept.
 #[tokio::test]
-async fn one_unreadable_entry_is_left_pending_and_named_while_the_sweep_goes_on() -> Result<()> {
+async fn a_poison_entry_with_a_binary_field_name_is_dead_lettered_as_it_was_and_the_sweep_goes_on() -> Result<()> {
     let server = RedisServer::start().await?;
     let mut conn = server.connection().await?;
     ensure_group(&mut conn, "orders", "g", "0").await?;
-    let unreadable: String =
+    let binary: String =
         redis::cmd("XADD").arg("orders").arg("*").arg(b"order\xff".as_slice()).arg("1").query_async(&mut conn).await?;
-    let mut readable = Vec::new();
+    let mut ids = vec![binary.clone()];
     for i in 0..4 {
-        readable.push(conn.xadd::<_, _, _, _, String>("orders", "*", &[("order_id", format!("o{i}"))]).await?);
+        ids.push(conn.xadd::<_, _, _, _, String>("orders", "*", &[("order_id", format!("o{i}"))]).await?);
     }
-    // Read raw: the reply could not be decoded as stream entries either.
+    read_raw(&mut conn, "w1").await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let report = sweep(&mut conn, &poison_sweep()).await?;
+    assert_eq!((report.scanned, report.dead_lettered), (5, 5), "{report:?}");
+    assert!(report.left_pending.is_empty(), "{report:?}");
+    assert!(owners(&mut conn).await?.is_empty(), "all settled");
+    let letters: redis::Value =
+        redis::cmd("XRANGE").arg("{orders}:dead").arg("-").arg("+").query_async(&mut conn).await?;
+    let letters = streamfleet_streams::entry::entries_from_value(letters)?;
+    let mut lettered: Vec<String> = letters
+        .iter()
+        .map(|(_, f)| {
+            f.iter().find(|(k, _)| k == dl::F_SOURCE_ID).map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+        })
+        .collect::<Option<_>>()
+        .unwrap();
+    lettered.sort();
+    assert_eq!(lettered, ids, "every page swept");
+    // On the server, the letter's field name is the entry's own bytes.
+    let raw: Vec<(String, Vec<Vec<u8>>)> =
+        redis::cmd("XRANGE").arg("{orders}:dead").arg("-").arg("+").query_async(&mut conn).await?;
+    let with_raw_name = raw.iter().filter(|(_, f)| f.iter().step_by(2).any(|k| k.as_slice() == b"order\xff")).count();
+    assert_eq!(with_raw_name, 1, "the binary entry's letter keeps its field name as it was");
+    Ok(())
+}
+
+/// Reads every new entry as `consumer`, without decoding the reply.
+async fn read_raw(conn: &mut Conn, consumer: &str) -> Result<()> {
     let _: redis::Value = redis::cmd("XREADGROUP")
         .arg("GROUP")
         .arg("g")
-        .arg("w1")
+        .arg(consumer)
         .arg("COUNT")
-        .arg(10)
+        .arg(100)
         .arg("STREAMS")
         .arg("orders")
         .arg(">")
-        .query_async(&mut conn)
+        .query_async(conn)
         .await?;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let settings = SweepSettings {
+    Ok(())
+}
+
+/// A sweep in pages of two that dead-letters whatever was delivered once.
+fn poison_sweep() -> SweepSettings<'static> {
+    SweepSettings {
         stream: "orders",
         group: "g",
         consumer: "sweep-pod",
@@ -146,17 +177,76 @@ async fn one_unreadable_entry_is_left_pending_and_named_while_the_sweep_goes_on(
         min_idle: Duration::from_millis(200),
         max_deliveries: 1,
         batch: 2,
-    };
-    let report = sweep(&mut conn, &settings).await?;
-    assert_eq!((report.scanned, report.dead_lettered), (5, 4), "{report:?}");
+    }
+}
+
+/// A real connection that refuses the first script call carrying `needle`.
+struct RefusesOnce {
+    conn: Conn,
+    needle: &'static str,
+    refused: bool,
+}
+
+impl redis::aio::ConnectionLike for RefusesOnce {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, redis::Value> {
+        if !self.refused && String::from_utf8_lossy(&cmd.get_packed_command()).contains(self.needle) {
+            self.refused = true;
+            return Box::pin(async {
+                Err(redis::RedisError::from((
+                    redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError),
+                    "OOM injected",
+                )))
+            });
+        }
+        self.conn.req_packed_command(cmd)
+    }
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        if !self.refused && String::from_utf8_lossy(&cmd.get_packed_pipeline()).contains(self.needle) {
+            self.refused = true;
+            return Box::pin(async {
+                Err(redis::RedisError::from((
+                    redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError),
+                    "OOM injected",
+                )))
+            });
+        }
+        self.conn.req_packed_commands(cmd, offset, count)
+    }
+    fn get_db(&self) -> i64 {
+        self.conn.get_db()
+    }
+}
+
+/// A page whose dead letters Redis refuses (out of memory, say) is left
+/// pending and named; the pages after it are still swept. Before, the
+/// whole pass ended there.
+#[tokio::test]
+async fn a_page_that_cannot_be_settled_is_left_pending_and_named_while_the_sweep_goes_on() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    ensure_group(&mut conn, "orders", "g", "0").await?;
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        ids.push(conn.xadd::<_, _, _, _, String>("orders", "*", &[("order_id", format!("o{i}"))]).await?);
+    }
+    read_raw(&mut conn, "w1").await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The first page's dead letters are the first script to write one.
+    let mut refusing = RefusesOnce { conn: conn.clone(), needle: dl::F_SOURCE_ID, refused: false };
+    let report = sweep(&mut refusing, &poison_sweep()).await?;
+    assert!(refusing.refused, "the failure was injected");
+    assert_eq!((report.scanned, report.dead_lettered), (5, 3), "{report:?}");
     assert_eq!(report.left_pending.len(), 1, "{report:?}");
-    assert!(report.left_pending[0].contains(&unreadable), "names the entry: {:?}", report.left_pending);
+    assert!(report.left_pending[0].contains(&ids[0]) && report.left_pending[0].contains("OOM injected"), "{report:?}");
     let pel = owners(&mut conn).await?;
-    assert_eq!(pel.keys().collect::<Vec<_>>(), [&unreadable], "only the unreadable entry is still pending");
-    let mut lettered: Vec<String> =
-        letters(&mut conn).await?.into_iter().map(|(_, f)| f[dl::F_SOURCE_ID].clone()).collect();
-    lettered.sort();
-    assert_eq!(lettered, readable, "its page-mate and every later page are dead letters");
+    let mut left: Vec<&String> = pel.keys().collect();
+    left.sort();
+    assert_eq!(left, [&ids[0], &ids[1]], "the refused page is still pending, the rest settled");
     Ok(())
 }
 

@@ -110,3 +110,88 @@ async fn a_worker_reads_every_shard_across_the_cluster() -> Result<()> {
     tokio::time::timeout(Duration::from_secs(10), run).await???;
     Ok(())
 }
+
+/// The stream's slot migrates to another master while a worker holds a
+/// batch of it: the ten running handlers' commits and the holds' renewals
+/// meet `TRYAGAIN` (the stream has moved, its companion keys have not) and
+/// are retried, the done entries held. Then it migrates back while new
+/// orders arrive: the worker's reads and claims are refused (`ASK`,
+/// `TRYAGAIN`) until it ends. Every entry runs once, at its first
+/// delivery; all are acked; nothing is dead-lettered. (A batch read just
+/// before a migration starts: `interleavings.rs`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_migrating_mid_batch_runs_every_entry_once_and_settles_on_the_new_master() -> Result<()> {
+    const N: usize = 10;
+    let cluster = RedisCluster::start(3).await?;
+    let mut conn = cluster.connection().await?;
+    streamfleet_streams::ensure_group(&mut conn, "orders", "g", "0").await?;
+    add_orders(&mut conn, 0..N).await?;
+    let vars: HashMap<&str, String> = HashMap::from([
+        (env::REDIS_URL, cluster.urls()[0].clone()),
+        (env::REDIS_MODE, "Cluster".into()),
+        (env::STREAMS, "orders".into()),
+        (env::GROUP, "g".into()),
+        (env::CONSUMER, "c1".into()),
+        (env::MIN_IDLE_MS, "3000".into()),
+    ]);
+    let mut config = WorkerConfig::from_lookup(|k| vars.get(k).cloned()).unwrap();
+    config.block = Duration::from_millis(200);
+    config.batch_size = N;
+    config.concurrency = N;
+    let (gate, open) = tokio::sync::watch::channel(false);
+    let handler = Gated { open, runs: Default::default() };
+    let runs = handler.runs.clone();
+    let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+    let worker = Worker::new(config, handler).with_idempotency_guard(Duration::from_secs(600));
+    let run = tokio::spawn(worker.run(async move {
+        let _ = rx.await;
+    }));
+    let watcher = conn.clone();
+    let settled = |n: usize| {
+        let (runs, conn) = (runs.clone(), watcher.clone());
+        move || {
+            let (runs, mut conn) = (runs.clone(), conn.clone());
+            async move {
+                let p: redis::streams::StreamPendingReply =
+                    redis::cmd("XPENDING").arg("orders").arg("g").query_async(&mut conn).await?;
+                Ok((p.count() == 0 && runs.lock().unwrap().len() >= n).then_some(()))
+            }
+        }
+    };
+    eventually("the first batch running", T, || async { Ok((runs.lock().unwrap().len() == N).then_some(())) }).await?;
+
+    // Out, while the batch runs: its commits meet the half-moved slot.
+    let from = cluster.master_of("orders").await?;
+    let to = cluster.nodes.iter().map(|n| n.port).find(|p| *p != from).expect("another master");
+    let slot: u16 = redis::cmd("CLUSTER").arg("KEYSLOT").arg("orders").query_async(&mut conn).await?;
+    begin_migration(&cluster, slot, from, to).await?;
+    let refused = half_moved_refusals(&cluster, from).await?;
+    gate.send(true)?;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(half_moved_refusals(&cluster, from).await? > refused, "the commits met the half-moved slot (TRYAGAIN)");
+    finish_migration(&cluster, slot, from, to).await?;
+    eventually("the first batch acked on the new master", T, settled(N)).await?;
+
+    // Back, while new orders arrive: the worker's reads meet the half-moved slot.
+    begin_migration(&cluster, slot, to, from).await?;
+    let refused = half_moved_refusals(&cluster, to).await?;
+    add_orders(&mut conn, N..2 * N).await?;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(half_moved_refusals(&cluster, to).await? > refused, "the worker met the half-moved slot (TRYAGAIN, ASK)");
+    finish_migration(&cluster, slot, to, from).await?;
+    eventually("every entry acked", T, settled(2 * N)).await?;
+
+    // Past min-idle-time: nothing runs again.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(10), run).await???;
+    let mut per_entry: HashMap<String, Vec<u64>> = HashMap::new();
+    for (id, deliveries) in runs.lock().unwrap().iter() {
+        per_entry.entry(id.clone()).or_default().push(*deliveries);
+    }
+    assert_eq!(per_entry.len(), 2 * N, "every entry ran");
+    assert!(per_entry.values().all(|d| d == &[1]), "each ran once, at its first delivery: {per_entry:?}");
+    let dead: usize = redis::cmd("XLEN").arg("{orders}:dead:g").query_async(&mut conn).await?;
+    assert_eq!(dead, 0, "nothing dead-lettered");
+    Ok(())
+}

@@ -324,3 +324,91 @@ async fn ids_a_claim_finds_without_payload_are_recorded_by_the_claim_itself() ->
     scenario.teardown();
     Ok(())
 }
+
+/// Failpoint: `worker::before-guard` (a pause between reading a batch and
+/// taking its guard). A slot starts migrating in that pause (the stream
+/// moved, its companion keys not yet): the guard is refused (`TRYAGAIN`),
+/// and so is handing the batch back, until the migration ends. Before, the
+/// hand-back was tried once and the batch sat unheld in the PEL until it
+/// was idle past min-idle-time (6 s here), then was claimed (uncounted: it
+/// never started). Now the hand-back is tried again until min-idle-time
+/// has passed: the batch runs as soon as the migration ends, each entry
+/// once, at its first delivery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_read_as_its_slot_starts_migrating_is_handed_back_uncounted() -> Result<()> {
+    const N: usize = 5;
+    let scenario = fail::FailScenario::setup();
+    let cluster = streamfleet_testbed::RedisCluster::start(3).await?;
+    let mut conn = cluster.connection().await?;
+    streamfleet_streams::ensure_group(&mut conn, "orders", "g", "0").await?;
+    let min_idle = Duration::from_secs(6);
+    let mut cfg = config_at(&cluster.urls()[0], "c1", 6_000, 5);
+    cfg.endpoint.mode = streamfleet_streams::Mode::Cluster;
+    let (gate, open) = tokio::sync::watch::channel(true);
+    let handler = Gated { open, runs: Default::default() };
+    let runs = handler.runs.clone();
+    let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+    let worker = Worker::new(cfg, handler).with_idempotency_guard(Duration::from_secs(600));
+    let run = tokio::spawn(worker.run(async move {
+        let _ = rx.await;
+    }));
+    let pending = |conn: &redis::cluster_async::ClusterConnection| {
+        let mut conn = conn.clone();
+        async move {
+            let p: redis::streams::StreamPendingReply =
+                redis::cmd("XPENDING").arg("orders").arg("g").query_async(&mut conn).await?;
+            anyhow::Ok(p.count())
+        }
+    };
+    // A first order, handled as usual: the guard's fence counter now exists
+    // in the slot, so the next batch's guard needs keys on both sides.
+    add_orders(&mut conn, 0..1).await?;
+    eventually("the first order acked", T, || async {
+        Ok((pending(&conn).await? == 0 && runs.lock().unwrap().len() == 1).then_some(()))
+    })
+    .await?;
+    fail::cfg("worker::before-guard", "1*sleep(500)->off").unwrap();
+    // In one command, so they are read as one batch.
+    let _: () = redis::cmd("EVAL")
+        .arg("for i = 1, ARGV[1] do redis.call('XADD', KEYS[1], '*', 'key', 'k' .. i) end")
+        .arg(1)
+        .arg("orders")
+        .arg(N)
+        .query_async(&mut conn)
+        .await?;
+    eventually("the batch read", T, || async { Ok((pending(&conn).await? == N).then_some(())) }).await?;
+    let read = std::time::Instant::now();
+    let from = cluster.master_of("orders").await?;
+    let to = cluster.nodes.iter().map(|n| n.port).find(|p| *p != from).expect("another master");
+    let slot: u16 = redis::cmd("CLUSTER").arg("KEYSLOT").arg("orders").query_async(&mut conn).await?;
+    begin_migration(&cluster, slot, from, to).await?;
+    let refused = half_moved_refusals(&cluster, from).await? + half_moved_refusals(&cluster, to).await?;
+    // The guard is tried, refused, the hand-back too; the migration ends
+    // well before min-idle-time.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let refused_now = half_moved_refusals(&cluster, from).await? + half_moved_refusals(&cluster, to).await?;
+    finish_migration(&cluster, slot, from, to).await?;
+    eventually("every order acked", T, || async {
+        Ok((pending(&conn).await? == 0 && runs.lock().unwrap().len() > N).then_some(()))
+    })
+    .await?;
+    let took = read.elapsed();
+    // Past min-idle-time: nothing runs again.
+    tokio::time::sleep(min_idle + Duration::from_secs(1)).await;
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(10), run).await???;
+    drop(gate);
+    scenario.teardown();
+    assert!(refused_now > refused, "the half-moved slot refused the worker's scripts (TRYAGAIN, ASK)");
+    assert!(
+        took < min_idle - Duration::from_secs(1),
+        "the batch ran {took:?} after it was read: it waited out min-idle-time ({min_idle:?}) unheld"
+    );
+    let runs = runs.lock().unwrap().clone();
+    let mut ids: Vec<&String> = runs.iter().map(|(id, _)| id).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), N + 1, "every order ran");
+    assert!(runs.iter().all(|(_, d)| *d == 1) && runs.len() == N + 1, "each ran once, at its first delivery: {runs:?}");
+    Ok(())
+}

@@ -58,6 +58,62 @@ async fn acks_successes_and_dead_letters_refusals_atomically_with_metadata() -> 
     Ok(())
 }
 
+/// Field names are binary on the server. One that is not UTF-8 no longer
+/// fails the whole read: before, redis-rs refused the reply, so the batch
+/// sat unheld in the PEL and every claim of its page failed the same way,
+/// for ever. The handler sees it as `streamfleet-raw-name:<hex>`; its dead
+/// letter and its replay carry the name as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_with_a_binary_field_name_is_handled_dead_lettered_and_replayed_as_it_was() -> Result<()> {
+    let (server, mut conn) = setup().await?;
+    let before = add(&mut conn, &[("kind", "ok")]).await?;
+    let refused: String = redis::cmd("XADD")
+        .arg("orders")
+        .arg("*")
+        .arg("kind")
+        .arg("refused")
+        .arg(b"note\xff".as_slice())
+        .arg("x")
+        .query_async(&mut conn)
+        .await?;
+    let after = add(&mut conn, &[("kind", "ok")]).await?;
+    let handler = Scripted::default();
+    let worker = Worker::new(config(&server, "c1", 60_000, 5), handler.clone());
+    let stats = worker.stats();
+    let (stop, run) = spawn(worker);
+    eventually("all settled", T, || async {
+        Ok((Stats::get(&stats.processed) == 2 && Stats::get(&stats.dead_lettered) == 1).then_some(()))
+    })
+    .await?;
+    let _ = stop.send(());
+    run.await??;
+    assert_eq!(pending(&mut conn).await?, 0);
+    assert_eq!((handler.calls(&before), handler.calls(&refused), handler.calls(&after)), (1, 1, 1));
+    let letters = dead_letters(&mut conn).await?;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0][dl::F_REASON], "permanent");
+    assert_eq!(letters[0]["streamfleet-raw-name:6e6f7465ff"], "x", "read as its hex");
+    let has_raw_name = |entries: &[(String, Vec<Vec<u8>>)]| {
+        entries.iter().any(|(_, f)| f.chunks(2).any(|kv| kv[0].as_slice() == b"note\xff" && kv[1].as_slice() == b"x"))
+    };
+    let raw: Vec<(String, Vec<Vec<u8>>)> =
+        redis::cmd("XRANGE").arg("{orders}:dead:g").arg("-").arg("+").query_async(&mut conn).await?;
+    assert!(has_raw_name(&raw), "the letter keeps the name's own bytes");
+    let replayed = streamfleet_streams::replay::replay(
+        &mut conn,
+        "{orders}:dead:g",
+        &streamfleet_streams::replay::Selection::All,
+        false,
+    )
+    .await?;
+    assert_eq!(replayed.len(), 1);
+    let requeued: Vec<(String, Vec<Vec<u8>>)> =
+        redis::cmd("XREVRANGE").arg("orders").arg("+").arg("-").arg("COUNT").arg(1).query_async(&mut conn).await?;
+    assert_ne!(requeued[0].0, after, "requeued as a new entry");
+    assert!(has_raw_name(&requeued), "the replay writes the name's own bytes");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transient_failures_retry_in_process_with_backoff() -> Result<()> {
     let (server, mut conn) = setup().await?;

@@ -91,29 +91,25 @@ impl<H: Handler> Worker<H> {
         let ids: Vec<&str> = reader.streams.iter().map(|_| ">").collect();
         let mut cmd = redis::cmd("XREADGROUP");
         cmd.arg(&opts);
-        let reply: Option<StreamReadReply> = cmd
+        let reply: redis::Value = cmd
             .arg("STREAMS")
             .arg(&reader.streams)
             .arg(&ids)
             .query_async(&mut reader.conn)
             .await
             .map_err(|e| StreamError::new("reading new entries", e))?;
-        Ok(reply
-            .map(|r| {
-                r.keys
-                    .into_iter()
-                    .flat_map(|k| {
-                        let stream = k.key;
-                        k.ids.into_iter().map(move |e| Entry {
-                            stream: stream.clone(),
-                            deliveries: 1,
-                            crashes: 0,
-                            id: e.id,
-                            fields: fields_from_map(e.map),
-                        })
-                    })
-                    .collect()
+        let streams = read_reply_from_value(reply).map_err(|e| StreamError::new("reading new entries", e.into()))?;
+        Ok(streams
+            .into_iter()
+            .flat_map(|(stream, entries)| {
+                entries.into_iter().map(move |(id, fields)| Entry {
+                    stream: stream.clone(),
+                    deliveries: 1,
+                    crashes: 0,
+                    id,
+                    fields,
+                })
             })
-            .unwrap_or_default())
+            .collect())
     }
 }

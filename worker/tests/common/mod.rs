@@ -135,16 +135,10 @@ pub async fn pending(conn: &mut redis::aio::MultiplexedConnection) -> Result<usi
 pub type DeadLetters = Vec<HashMap<String, String>>;
 
 pub async fn dead_letters(conn: &mut redis::aio::MultiplexedConnection) -> Result<DeadLetters> {
-    let range: redis::streams::StreamRangeReply = conn.xrange_all("{orders}:dead:g").await?;
-    Ok(range
-        .ids
+    let range: redis::Value = redis::cmd("XRANGE").arg("{orders}:dead:g").arg("-").arg("+").query_async(conn).await?;
+    Ok(streamfleet_streams::entry::entries_from_value(range)?
         .into_iter()
-        .map(|e| {
-            streamfleet_streams::entry::fields_from_map(e.map)
-                .into_iter()
-                .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
-                .collect()
-        })
+        .map(|(_, fields)| fields.into_iter().map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned())).collect())
         .collect())
 }
 
@@ -160,3 +154,107 @@ pub fn spawn(
 }
 
 pub const T: Duration = Duration::from_secs(20);
+
+/// Runs each entry's handler until the gate opens; records each run with
+/// its delivery number.
+#[derive(Clone)]
+pub struct Gated {
+    pub open: tokio::sync::watch::Receiver<bool>,
+    pub runs: std::sync::Arc<std::sync::Mutex<Vec<(String, u64)>>>,
+}
+
+impl streamfleet_worker::Handler for Gated {
+    fn business_key(&self, entry: &streamfleet_worker::Entry) -> Option<String> {
+        entry.field_str("key").map(str::to_string)
+    }
+
+    async fn handle(&self, entry: &streamfleet_worker::Entry) -> streamfleet_worker::Outcome {
+        let deliveries = streamfleet_worker::current_delivery().map_or(0, |d| d.deliveries);
+        self.runs.lock().unwrap().push((entry.id.clone(), deliveries));
+        let _ = self.open.clone().wait_for(|open| *open).await;
+        streamfleet_worker::Outcome::Done
+    }
+}
+
+// A slot migrating on a real Redis Cluster.
+
+/// Starts moving `slot` from `from` to `to` the standard way (`IMPORTING`,
+/// `MIGRATING`) and moves the stream alone: until [`finish_migration`],
+/// every script that touches the stream and its companion keys (guard
+/// marks, start records) meets `TRYAGAIN`, and so does one that creates a
+/// key in the slot beside an existing one.
+pub async fn begin_migration(cluster: &streamfleet_testbed::RedisCluster, slot: u16, from: u16, to: u16) -> Result<()> {
+    let (mut source, mut target) = (node(cluster, from).await?, node(cluster, to).await?);
+    let (from_id, to_id) = (node_id(&mut source).await?, node_id(&mut target).await?);
+    let () =
+        redis::cmd("CLUSTER").arg("SETSLOT").arg(slot).arg("IMPORTING").arg(&from_id).query_async(&mut target).await?;
+    let () =
+        redis::cmd("CLUSTER").arg("SETSLOT").arg(slot).arg("MIGRATING").arg(&to_id).query_async(&mut source).await?;
+    migrate(&mut source, to, &["orders".to_string()]).await
+}
+
+/// Moves the slot's other keys and gives it to `to` on every master.
+pub async fn finish_migration(
+    cluster: &streamfleet_testbed::RedisCluster,
+    slot: u16,
+    from: u16,
+    to: u16,
+) -> Result<()> {
+    let mut source = node(cluster, from).await?;
+    let rest: Vec<String> =
+        redis::cmd("CLUSTER").arg("GETKEYSINSLOT").arg(slot).arg(1000).query_async(&mut source).await?;
+    assert!(!rest.is_empty(), "companion keys still on the old master mid-migration");
+    migrate(&mut source, to, &rest).await?;
+    let to_id = node_id(&mut node(cluster, to).await?).await?;
+    for n in &cluster.nodes {
+        let mut c = n.connection().await?;
+        let () = redis::cmd("CLUSTER").arg("SETSLOT").arg(slot).arg("NODE").arg(&to_id).query_async(&mut c).await?;
+    }
+    Ok(())
+}
+
+pub async fn node(cluster: &streamfleet_testbed::RedisCluster, port: u16) -> Result<redis::aio::MultiplexedConnection> {
+    cluster.nodes.iter().find(|n| n.port == port).expect("a node").connection().await
+}
+
+pub async fn node_id(c: &mut redis::aio::MultiplexedConnection) -> Result<String> {
+    Ok(redis::cmd("CLUSTER").arg("MYID").query_async(c).await?)
+}
+
+pub async fn migrate(source: &mut redis::aio::MultiplexedConnection, to: u16, keys: &[String]) -> Result<()> {
+    let _: String = redis::cmd("MIGRATE")
+        .arg("127.0.0.1")
+        .arg(to)
+        .arg("")
+        .arg(0)
+        .arg(5000)
+        .arg("KEYS")
+        .arg(keys)
+        .query_async(source)
+        .await?;
+    Ok(())
+}
+
+/// How many commands `port` has refused with `TRYAGAIN` or redirected with
+/// `ASK`: what a half-moved slot answers.
+pub async fn half_moved_refusals(cluster: &streamfleet_testbed::RedisCluster, port: u16) -> Result<u64> {
+    let info: String = redis::cmd("INFO").arg("errorstats").query_async(&mut node(cluster, port).await?).await?;
+    let count = |code: &str| {
+        info.lines()
+            .find_map(|l| l.strip_prefix(&format!("errorstat_{code}:count=")))
+            .and_then(|n| n.split(',').next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    Ok(count("TRYAGAIN") + count("ASK"))
+}
+
+pub async fn add_orders(
+    conn: &mut redis::cluster_async::ClusterConnection,
+    keys: std::ops::Range<usize>,
+) -> Result<()> {
+    for i in keys {
+        let _: String =
+            redis::cmd("XADD").arg("orders").arg("*").arg("key").arg(format!("k{i}")).query_async(conn).await?;
+    }
+    Ok(())
+}
