@@ -16,7 +16,7 @@ pub async fn run_sweep() -> Result<()> {
     // One run over every shard: each shard's figures are printed, and the
     // run's total is the report every shard carries (the operator shows one).
     let mut total = streamfleet_streams::recovery::RecoveryReport::default();
-    let mut left_pending = Vec::new();
+    let (mut left_pending, mut reported) = (Vec::new(), false);
     for stream in &config.streams {
         let dead_letter_stream = config.dead_letter_stream_of(stream);
         let settings = SweepSettings {
@@ -37,6 +37,7 @@ pub async fn run_sweep() -> Result<()> {
             }
         };
         left_pending.extend(report.left_pending.iter().map(|why| format!("{stream}: {why}")));
+        reported = true;
         println!(
             "{}",
             serde_json::json!({
@@ -50,15 +51,30 @@ pub async fn run_sweep() -> Result<()> {
         total.payload_lost += report.payload_lost;
         total.finished_at_ms = total.finished_at_ms.max(report.finished_at_ms);
     }
-    for stream in &config.streams {
-        write_report(&mut conn, stream, &config.group, &total).await?;
+    // A run that swept no shard at all leaves the last report as it was.
+    if reported && let Err(e) = write_report_everywhere(&mut conn, &config, &total).await {
+        left_pending.push(format!("the recovery report: {e}"));
     }
     // The run fails (its Job shows `RecoveryFailing`), naming what it left.
+    for why in &left_pending {
+        eprintln!("left pending: {why}");
+    }
     if let Some(first) = left_pending.first() {
         anyhow::bail!(
             "{} entries or pages could not be settled and were left pending for the next run; the first: {first}",
             left_pending.len()
         );
+    }
+    Ok(())
+}
+
+async fn write_report_everywhere(
+    conn: &mut StreamConnection,
+    config: &WorkerConfig,
+    total: &streamfleet_streams::recovery::RecoveryReport,
+) -> Result<(), streamfleet_streams::StreamError> {
+    for stream in &config.streams {
+        write_report(conn, stream, &config.group, total).await?;
     }
     Ok(())
 }

@@ -21,10 +21,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 use streamfleet_contract::{ParsedEnv, RunMode};
 use streamfleet_crd::{RedisMode, StreamConsumerGroup};
+use streamfleet_operator::controller::health::{self, HealthMemory};
+use streamfleet_operator::controller::scaling::{self, ScalingMemory};
 use streamfleet_operator::controller::validate::validate;
-use streamfleet_operator::health::{self, HealthMemory};
 use streamfleet_operator::objects::{self, ObjectSettings};
-use streamfleet_operator::scaling::{self, ScalingMemory};
 use streamfleet_streams::health::{GroupSnapshot, Lag};
 use streamfleet_streams::keys;
 

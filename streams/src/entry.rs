@@ -46,7 +46,7 @@ impl Entry {
 /// ([`pack`]), in a dead letter or a replay of an entry with more fields
 /// than a Lua script can pass to one command (Redis's Lua stops at about
 /// 8,000 arguments: an entry of 4,000 fields could otherwise never be
-/// dead-lettered nor replayed). [`fields_from_map`] unpacks it, so readers
+/// dead-lettered nor replayed). [`fields_from_value`] unpacks it, so readers
 /// see the original fields.
 pub const F_PACKED_FIELDS: &str = "streamfleet.packed-fields";
 
@@ -106,25 +106,27 @@ pub type FieldArg<'a> = (std::borrow::Cow<'a, [u8]>, std::borrow::Cow<'a, [u8]>)
 /// Outside `streamfleet.`, so a replay keeps it.
 pub const RAW_NAME_PREFIX: &str = "streamfleet-raw-name:";
 
-/// A field name as read: itself, or, when it is not UTF-8,
+/// A field name as read: itself, or, when it is not UTF-8 (or starts with
+/// [`RAW_NAME_PREFIX`] itself, so that [`name_bytes`] undoes exactly this),
 /// [`RAW_NAME_PREFIX`] and its bytes in hex.
 pub fn field_name(bytes: Vec<u8>) -> String {
-    String::from_utf8(bytes).unwrap_or_else(|e| {
-        let hex: String = e.as_bytes().iter().map(|b| format!("{b:02x}")).collect();
-        format!("{RAW_NAME_PREFIX}{hex}")
-    })
+    let hex = |b: &[u8]| format!("{RAW_NAME_PREFIX}{}", b.iter().map(|b| format!("{b:02x}")).collect::<String>());
+    match String::from_utf8(bytes) {
+        Ok(name) if name.starts_with(RAW_NAME_PREFIX) => hex(name.as_bytes()),
+        Ok(name) => name,
+        Err(e) => hex(e.as_bytes()),
+    }
 }
 
 /// The bytes a field name stands for: its own, or the original bytes of a
-/// name that was not UTF-8 ([`field_name`]).
+/// name read as [`RAW_NAME_PREFIX`] and hex ([`field_name`]).
 pub fn name_bytes(name: &str) -> std::borrow::Cow<'_, [u8]> {
     let raw = name.strip_prefix(RAW_NAME_PREFIX).filter(|hex| hex.len() % 2 == 0).and_then(|hex| {
         (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok()).collect::<Option<Vec<u8>>>()
     });
     match raw {
-        // Only bytes that are not UTF-8 ever get this form.
-        Some(bytes) if std::str::from_utf8(&bytes).is_err() => std::borrow::Cow::Owned(bytes),
-        _ => std::borrow::Cow::Borrowed(name.as_bytes()),
+        Some(bytes) => std::borrow::Cow::Owned(bytes),
+        None => std::borrow::Cow::Borrowed(name.as_bytes()),
     }
 }
 
@@ -306,9 +308,14 @@ mod tests {
         let args = field_args(&refs);
         assert_eq!(args[1].0.as_ref(), b"order\xff", "written back as its own bytes");
         assert_eq!(unpack(&pack(fields)), Some(fields.clone()), "and packed");
-        // A text name that only looks like one stays text.
-        assert_eq!(name_bytes(&format!("{RAW_NAME_PREFIX}6f6b")).as_ref(), format!("{RAW_NAME_PREFIX}6f6b").as_bytes());
-        assert_eq!(name_bytes(&format!("{RAW_NAME_PREFIX}zz")).as_ref(), format!("{RAW_NAME_PREFIX}zz").as_bytes());
+        // A text name that starts with the prefix itself goes the same way,
+        // so reading and writing back are inverses for every name.
+        for name in [format!("{RAW_NAME_PREFIX}6f6b"), format!("{RAW_NAME_PREFIX}zz"), RAW_NAME_PREFIX.to_string()] {
+            let read = field_name(name.clone().into_bytes());
+            assert_ne!(read, name);
+            assert_eq!(name_bytes(&read).as_ref(), name.as_bytes(), "{name}");
+        }
+        assert_eq!(name_bytes("plain").as_ref(), b"plain");
         assert!(entries_from_value(Value::Array(vec![Value::Int(1)])).is_err());
         let read = Value::Array(vec![Value::Array(vec![
             Value::BulkString(b"orders".to_vec()),

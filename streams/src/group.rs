@@ -40,23 +40,43 @@ fn pending_records(stream: &str, group: &str) -> [String; 3] {
     ]
 }
 
-/// Drops what was kept about the entries pending in `group`, for a group
-/// that vanished with its PEL (its stream deleted, or Redis restarted
-/// without persistence) and is about to be created again: an entry
-/// delivered again is not judged by its old delivery's records (a start, a
-/// crash count, or a business key that, with producer-set IDs reused, was
-/// another entry's). Only the operator creates groups, so nothing can have
-/// written a new record before the group exists again.
-pub async fn forget_pending_records<C: ConnectionLike + Send>(
+/// Creates `group` again on `stream` at `start_id`, for a group that
+/// vanished with its PEL (its stream deleted, or Redis restarted without
+/// persistence), dropping in the same script what was kept about the
+/// entries pending in it: an entry delivered again is not judged by its old
+/// delivery's records (a start, a crash count, or a business key that, with
+/// producer-set IDs reused, was another entry's). A group that exists by
+/// then (another operator made it) is left alone, records and all.
+pub async fn recreate_group<C: ConnectionLike + Send>(
     conn: &mut C,
     stream: &str,
     group: &str,
-) -> Result<(), StreamError> {
-    let mut pipe = redis::pipe();
-    for key in &pending_records(stream, group) {
-        pipe.cmd("DEL").arg(key).ignore();
-    }
-    pipe.query_async(conn).await.map_err(|e| StreamError::new("forgetting a vanished group's entry records", e))
+    start_id: &str,
+) -> Result<GroupCreation, StreamError> {
+    const RECREATE: &str = r"
+        local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
+        if ok then
+            for _, g in ipairs(groups) do
+                if g[2] == ARGV[1] then return 0 end
+            end
+        end
+        redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
+        redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[1], ARGV[2], 'MKSTREAM')
+        return 1";
+    let [records, due, cursor] = pending_records(stream, group);
+    let created: i64 = redis::cmd("EVAL")
+        .arg(RECREATE)
+        .arg(4)
+        .arg(stream)
+        .arg(records)
+        .arg(due)
+        .arg(cursor)
+        .arg(group)
+        .arg(start_id)
+        .query_async(conn)
+        .await
+        .map_err(|e| StreamError::new("creating the consumer group again", e))?;
+    Ok(if created == 1 { GroupCreation::Created } else { GroupCreation::AlreadyExisted })
 }
 
 /// Destroys `group`; returns whether it existed. Its pending entries are dropped.

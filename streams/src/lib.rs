@@ -27,4 +27,4 @@ pub use config::{ConfigError, RunMode, WorkerConfig};
 pub use connection::{ClientTls, Connections, Endpoint, Mode, StreamConnection};
 pub use entry::Entry;
 pub use error::{ErrorClass, StreamError};
-pub use group::{GroupCreation, destroy_group, ensure_group, forget_pending_records};
+pub use group::{GroupCreation, destroy_group, ensure_group, recreate_group};

@@ -63,7 +63,7 @@ pub async fn sweep<C: ConnectionLike + Send>(
         // A page that cannot be settled is left pending for the next run
         // and named; the pages after it are still swept.
         if let Err(e) = sweep_page(conn, s, min_idle_ms, page, &mut report).await {
-            report.left_pending.push(format!("the pending entries {span}: {e}"));
+            report.left_pending.push(format!("a page of pending entries from {span}: {e}"));
         }
         if !full_page {
             break;
@@ -88,11 +88,7 @@ async fn sweep_page<C: ConnectionLike + Send>(
     }
     let present = payloads_present(conn, s, &page).await?;
     let (lost, poison) = classify(s, &page, &present, &owner_alive);
-    let settled = settle(conn, s, min_idle_ms, &page, &lost, &poison, &mut report.left_pending).await?;
-    report.payload_lost += u64::try_from(lost.len()).unwrap_or(u64::MAX);
-    report.claimed += settled;
-    report.dead_lettered += settled;
-    Ok(())
+    settle(conn, s, min_idle_ms, &page, &lost, &poison, report).await
 }
 
 /// Scan: the next page of entries nobody has touched for min-idle-time
@@ -223,8 +219,8 @@ async fn settle<C: ConnectionLike + Send>(
     page: &[PendingRow],
     lost: &[usize],
     poison: &[usize],
-    left_pending: &mut Vec<String>,
-) -> Result<u64, StreamError> {
+    report: &mut RecoveryReport,
+) -> Result<(), StreamError> {
     let err = |what| move |e| StreamError::new(what, e);
     let entry = |i: usize| {
         let (id, _, _, deliveries) = &page[i];
@@ -265,11 +261,13 @@ async fn settle<C: ConnectionLike + Send>(
         let batch: Vec<_> = entries.iter().zip(&letters).collect();
         pipe.add_command(deadletter::command(s.dead_letter_stream, &batch)).ignore();
     }
+    let lost_count = u64::try_from(lost.len()).unwrap_or(u64::MAX);
     if poison.is_empty() {
         if !lost.is_empty() {
             let () = pipe.query_async(conn).await.map_err(err("dead-lettering lost payloads"))?;
+            report.payload_lost += lost_count;
         }
-        return Ok(0);
+        return Ok(());
     }
     let rows: Vec<(&str, u64, &str, u64)> =
         poison.iter().map(|&i| (page[i].0.as_str(), page[i].2, page[i].1.as_str(), page[i].3)).collect();
@@ -296,6 +294,7 @@ async fn settle<C: ConnectionLike + Send>(
     }
     // The claim, the last errors and keys, then one payload per poison entry.
     let replies: Vec<redis::Value> = pipe.query_async(conn).await.map_err(err("claiming poison entries"))?;
+    report.payload_lost += lost_count;
     let mut replies = replies.into_iter();
     let mut next = || replies.next().unwrap_or(redis::Value::Nil);
     let parsed = |what| move |e: redis::ParsingError| StreamError::new(what, e.into());
@@ -308,7 +307,7 @@ async fn settle<C: ConnectionLike + Send>(
     // One by one: an entry that cannot be read stays pending, named, and
     // its page-mates go on.
     let payloads: Vec<_> = (0..poison.len()).map(|_| crate::entry::entries_from_value(next())).collect();
-    let mut taken = Vec::new();
+    let (mut taken, mut unread) = (Vec::new(), Vec::new());
     for (((&i, error), payload), key) in poison.iter().zip(errors).zip(payloads).zip(business_keys) {
         let mut e = entry(i);
         if !claimed.contains(&e.id) {
@@ -317,7 +316,8 @@ async fn settle<C: ConnectionLike + Send>(
         let payload = match payload {
             Ok(payload) => payload,
             Err(why) => {
-                left_pending.push(format!("entry {}: its payload could not be read ({why})", e.id));
+                report.left_pending.push(format!("entry {}: its payload could not be read ({why})", e.id));
+                unread.push(&page[i]);
                 continue;
             }
         };
@@ -332,12 +332,54 @@ async fn settle<C: ConnectionLike + Send>(
             .map(|(_, owner, error, key)| letter(owner, Reason::MaxDeliveries, error.as_str(), key.as_deref()))
             .collect();
         let batch: Vec<_> = taken.iter().map(|(e, ..)| e).zip(&letters).collect();
-        let _: redis::Value = deadletter::command(s.dead_letter_stream, &batch)
-            .query_async(conn)
-            .await
-            .map_err(err("dead-lettering poison entries"))?;
+        let written: Result<redis::Value, _> =
+            deadletter::command(s.dead_letter_stream, &batch).query_async(conn).await;
+        if let Err(e) = written {
+            let rows: Vec<&PendingRow> =
+                taken.iter().filter_map(|(e, ..)| page.iter().find(|row| row.0 == e.id)).chain(unread).collect();
+            restore_idle(conn, s, &rows, &mut report.left_pending).await;
+            return Err(StreamError::new("dead-lettering poison entries", e));
+        }
     }
-    Ok(u64::try_from(taken.len()).unwrap_or(u64::MAX))
+    restore_idle(conn, s, &unread, &mut report.left_pending).await;
+    let settled = u64::try_from(taken.len()).unwrap_or(u64::MAX);
+    report.claimed += settled;
+    report.dead_lettered += settled;
+    Ok(())
+}
+
+/// Gives entries this sweep claimed but could not settle their idle time
+/// back, while they are still its own: the claim reset it, which would hide
+/// them from the next sweep's scan and the workers' claims for another
+/// min-idle-time. The sweep's consumer keeps them (it is never alive, so
+/// they are claimable).
+const RESTORE_IDLE: &str = r"
+    for i = 1, #ARGV - 2, 2 do
+        local p = redis.call('XPENDING', KEYS[1], ARGV[#ARGV - 1], ARGV[i], ARGV[i], 1)[1]
+        if p and p[2] == ARGV[#ARGV] then
+            redis.call('XCLAIM', KEYS[1], ARGV[#ARGV - 1], ARGV[#ARGV], 0, ARGV[i], 'IDLE', ARGV[i + 1], 'JUSTID')
+        end
+    end
+    return 0";
+
+async fn restore_idle<C: ConnectionLike + Send>(
+    conn: &mut C,
+    s: &SweepSettings<'_>,
+    rows: &[&PendingRow],
+    left_pending: &mut Vec<String>,
+) {
+    if rows.is_empty() {
+        return;
+    }
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(RESTORE_IDLE).arg(1).arg(s.stream);
+    for (id, _, idle, _) in rows {
+        cmd.arg(id).arg(idle);
+    }
+    cmd.arg(s.group).arg(s.consumer);
+    if let Err(e) = cmd.query_async::<i64>(conn).await {
+        left_pending.push(format!("{} claimed entries keep a reset idle time: {e}", rows.len()));
+    }
 }
 
 #[cfg(test)]

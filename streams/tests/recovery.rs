@@ -223,8 +223,9 @@ impl redis::aio::ConnectionLike for RefusesOnce {
 }
 
 /// A page whose dead letters Redis refuses (out of memory, say) is left
-/// pending and named; the pages after it are still swept. Before, the
-/// whole pass ended there.
+/// pending and named, with the idle time its claim had reset given back;
+/// the pages after it are still swept. Before, the whole pass ended there.
+/// The next run, at once, settles it.
 #[tokio::test]
 async fn a_page_that_cannot_be_settled_is_left_pending_and_named_while_the_sweep_goes_on() -> Result<()> {
     let server = RedisServer::start().await?;
@@ -247,6 +248,9 @@ async fn a_page_that_cannot_be_settled_is_left_pending_and_named_while_the_sweep
     let mut left: Vec<&String> = pel.keys().collect();
     left.sort();
     assert_eq!(left, [&ids[0], &ids[1]], "the refused page is still pending, the rest settled");
+    let again = sweep(&mut conn, &poison_sweep()).await?;
+    assert_eq!((again.scanned, again.dead_lettered), (2, 2), "found again at once: {again:?}");
+    assert!(owners(&mut conn).await?.is_empty());
     Ok(())
 }
 

@@ -117,8 +117,9 @@ async fn a_worker_reads_every_shard_across_the_cluster() -> Result<()> {
 /// are retried, the done entries held. Then it migrates back while new
 /// orders arrive: the worker's reads and claims are refused (`ASK`,
 /// `TRYAGAIN`) until it ends. Every entry runs once, at its first
-/// delivery; all are acked; nothing is dead-lettered. (A batch read just
-/// before a migration starts: `interleavings.rs`.)
+/// delivery; all are acked; nothing is dead-lettered. (A batch whose
+/// guard is refused is handed back unstarted:
+/// `timelines.rs::a_batch_whose_guard_cannot_be_taken_is_handed_back_uncounted`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_migrating_mid_batch_runs_every_entry_once_and_settles_on_the_new_master() -> Result<()> {
     const N: usize = 10;

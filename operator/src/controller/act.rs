@@ -65,10 +65,11 @@ async fn ensure_group_announced(
     start: &str,
     vanished: Option<String>,
 ) -> Result<(), Error> {
-    if vanished.is_some() {
-        streamfleet_streams::forget_pending_records(conn, stream, group).await?;
-    }
-    if streamfleet_streams::ensure_group(conn, stream, group, start).await? != GroupCreation::Created {
+    let created = match vanished {
+        Some(_) => streamfleet_streams::recreate_group(conn, stream, group, start).await?,
+        None => streamfleet_streams::ensure_group(conn, stream, group, start).await?,
+    };
+    if created != GroupCreation::Created {
         return Ok(());
     }
     let event = match vanished {
@@ -188,7 +189,7 @@ async fn write_redis(
 /// The pods priced for a scale-down, then the Deployment and the CronJob
 /// applied. Returns the Deployment's available replicas and what the API
 /// server refused.
-async fn apply_objects(ctx: &Context, scg: &StreamConsumerGroup, owned: &OwnedObjects) -> (i32, Vec<Error>) {
+pub(super) async fn apply_objects(ctx: &Context, scg: &StreamConsumerGroup, owned: &OwnedObjects) -> (i32, Vec<Error>) {
     // Before the Deployment shrinks: the pods holding least go first.
     for (pod, cost) in &owned.deletion_costs {
         price_pod(ctx, scg, pod, *cost).await;

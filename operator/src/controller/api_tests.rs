@@ -197,9 +197,8 @@ async fn a_repeated_event_is_one_event_with_a_series_and_a_new_note_a_new_event(
 
 /// A group that vanished (its stream deleted; the keys beside it stayed) is
 /// created again where it was, with one Warning, and without its old
-/// entries' records: an entry delivered again is not judged by a start, a
-/// crash count or a business key of its old delivery. A group created for
-/// the first time keeps whatever is there (nothing of a PEL can be).
+/// entries' records or retry index: an entry delivered again is not judged
+/// by a start, a crash count or a business key of its old delivery.
 #[tokio::test]
 async fn a_vanished_group_is_created_again_without_its_old_entries_records() {
     use redis::AsyncCommands as _;
@@ -222,6 +221,8 @@ async fn a_vanished_group_is_created_again_without_its_old_entries_records() {
     let starting = [(id.as_str(), 1, Some("order-1"))];
     streamfleet_streams::started::record_starts(&mut admin, &stream, &group, "w1", &starting).await.unwrap();
     assert!(recorded(&mut admin).await > 0);
+    let due = streamfleet_streams::keys::retry_due_key(&stream, &group);
+    let _: () = admin.zadd(&due, &id, 1).await.unwrap();
     let _: () = admin.del(&stream).await.unwrap();
 
     let (ctx, mut api) = mocked();
@@ -236,6 +237,59 @@ async fn a_vanished_group_is_created_again_without_its_old_entries_records() {
     created.unwrap();
     assert_eq!((&warning.body["type"], &warning.body["reason"]), (&json!("Warning"), &json!("GroupRecreated")));
     assert_eq!(recorded(&mut admin).await, 0, "the old entries' records are gone with their PEL");
+    assert!(!admin.exists::<_, bool>(&due).await.unwrap(), "and so is their retry index");
     let groups: redis::streams::StreamInfoGroupsReply = admin.xinfo_groups(&stream).await.unwrap();
     assert_eq!(groups.groups[0].last_delivered_id, "4-0", "created again where it was");
+}
+
+/// The apply step: the pods to go first priced, then the Deployment and the
+/// CronJob each applied by its own field manager (server-side apply, forced:
+/// the operator owns those fields); a refused CronJob is reported by kind
+/// and does not keep the Deployment from being applied.
+#[tokio::test]
+async fn owned_objects_are_applied_each_by_its_own_field_manager_and_a_refusal_is_named() {
+    let (ctx, mut api) = mocked();
+    let r = resource(DeletionPolicy::Retain, &[]);
+    let spec = super::validate::validate(&scg()).unwrap();
+    let owned = super::decide::OwnedObjects {
+        deletion_costs: vec![("orders-worker-1".into(), 3)],
+        deployment: crate::objects::worker_deployment(&spec, 2).unwrap(),
+        cronjob: crate::objects::recovery_cronjob(&spec, &ctx.settings).unwrap(),
+    };
+    let mut deployment = serde_json::to_value(&owned.deployment).unwrap();
+    deployment["status"] = json!({"availableReplicas": 2});
+    let server = async {
+        let priced =
+            serve(&mut api, &json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "orders-worker-1"}})).await;
+        let applied = serve(&mut api, &deployment).await;
+        // The CronJob is refused.
+        let (request, respond) = api.next_request().await.expect("the CronJob's request");
+        let path = request.uri().path().to_string();
+        let status = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Invalid",
+                            "message": "CronJob.batch \"orders-recovery\" is invalid", "code": 422});
+        respond.send_response(
+            Response::builder().status(422).body(Body::from(serde_json::to_vec(&status).unwrap())).unwrap(),
+        );
+        (priced, applied, path)
+    };
+    let ((available, refused), (priced, applied, cronjob_path)) =
+        tokio::join!(super::act::apply_objects(&ctx, &r, &owned), server);
+    assert_eq!((priced.method, priced.path.as_str()), (Method::PATCH, "/api/v1/namespaces/shop/pods/orders-worker-1"));
+    assert!(priced.query.contains("fieldManager=streamfleet-pod-deletion-cost"), "{:?}", priced.query);
+    assert_eq!(priced.body["metadata"]["annotations"]["controller.kubernetes.io/pod-deletion-cost"], json!("3"));
+    assert_eq!(applied.method, Method::PATCH);
+    assert!(applied.path.starts_with("/apis/apps/v1/namespaces/shop/deployments/"), "{}", applied.path);
+    assert_eq!(applied.content_type, "application/apply-patch+yaml");
+    assert!(
+        applied.query.contains("fieldManager=streamfleet-worker-deployment") && applied.query.contains("force=true"),
+        "{:?}",
+        applied.query
+    );
+    assert_eq!(applied.body["spec"]["replicas"], json!(2));
+    assert!(cronjob_path.starts_with("/apis/batch/v1/namespaces/shop/cronjobs/"), "{cronjob_path}");
+    assert_eq!(available, 2, "the Deployment's available replicas, as applied");
+    assert_eq!(refused.len(), 1);
+    assert!(refused[0].to_string().contains("CronJob"), "{}", refused[0]);
+    assert_eq!((writes(&ctx, "streamfleet-worker-deployment"), writes(&ctx, "streamfleet-recovery-cronjob")), (1, 0));
+    no_request(&mut api).await;
 }

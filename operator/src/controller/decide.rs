@@ -6,12 +6,12 @@
 use super::observe::Observation;
 use super::recovery_runs::{self, LastRun};
 use super::validate::ValidSpec;
+use crate::controller::health::{self, HealthMemory};
+use crate::controller::reaper;
+use crate::controller::scaling::{self, ScalingMemory};
 use crate::error::Error;
 use crate::events::EventType;
-use crate::health::{self, HealthMemory};
 use crate::objects::{self, ObjectSettings};
-use crate::reaper;
-use crate::scaling::{self, ScalingMemory};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::CronJob;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -32,7 +32,7 @@ use streamfleet_streams::version::Eviction;
 #[derive(Default)]
 pub struct PolicyMemory {
     pub scaling: ScalingMemory,
-    pub throughput: crate::throughput::ThroughputMemory,
+    pub throughput: crate::controller::throughput::ThroughputMemory,
     pub health: HealthMemory,
     /// The payload-loss total already announced (the status forgets it while
     /// the group cannot be inspected).
@@ -144,7 +144,7 @@ pub struct StatusFigures {
     /// Per-shard figures for the status (empty for one shard).
     pub shard_figures: Vec<ShardStatus>,
     /// Arrival and completion rates over every shard (`None`: not yet, or unreadable).
-    pub throughput: Option<crate::throughput::Throughput>,
+    pub throughput: Option<crate::controller::throughput::Throughput>,
     /// Whether a dead-letter stream is at its cap (`None`: no cap).
     pub dead_letter_cap_reached: Option<bool>,
     /// The server's eviction setting, for the `EvictionPossible` condition.
@@ -503,7 +503,7 @@ fn recovery_failure_event(
 fn deletion_costs(snapshot: &GroupSnapshot, pods: &[(String, Option<String>)]) -> Vec<(String, i32)> {
     pods.iter()
         .map(|(name, uid)| {
-            let identities: Vec<String> = crate::reaper::identities(name, uid.as_deref()).collect();
+            let identities: Vec<String> = crate::controller::reaper::identities(name, uid.as_deref()).collect();
             let held = snapshot
                 .consumers
                 .iter()

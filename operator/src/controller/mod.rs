@@ -7,7 +7,9 @@
 //! 4. [`act`]: Redis writes, server-side applies, Events;
 //! 5. [`status`]: the status, built purely and written only when it changed.
 //!
-//! [`finalizer`] handles deletion. This file wires the steps and the watches.
+//! [`decide`]'s policies are pure modules of their own: [`scaling`],
+//! [`health`], [`reaper`], [`throughput`]. [`finalizer`] handles deletion.
+//! This file wires the steps and the watches.
 
 pub mod act;
 #[cfg(test)]
@@ -16,11 +18,15 @@ pub mod decide;
 pub mod finalizer;
 #[cfg(test)]
 mod fixtures;
+pub mod health;
 pub mod observe;
+pub mod reaper;
 pub mod recovery_runs;
+pub mod scaling;
 pub mod secrets;
 pub mod slim;
 pub mod status;
+pub mod throughput;
 pub mod validate;
 
 use crate::error::Error;

@@ -107,7 +107,10 @@ pub async fn observe(
         deployment: ctx.deployments.get(&ObjectRef::new(&objects::worker_deployment_name(scg)).within(&ns)),
         cronjob: ctx.cronjobs.get(&ObjectRef::new(&objects::recovery_cronjob_name(scg)).within(&ns)),
         recovery_jobs: recovery_jobs(ctx, scg, &ns),
-        live_pods: pods.iter().flat_map(|(name, uid)| crate::reaper::identities(name, uid.as_deref())).collect(),
+        live_pods: pods
+            .iter()
+            .flat_map(|(name, uid)| crate::controller::reaper::identities(name, uid.as_deref()))
+            .collect(),
         pods,
         claimants: ctx.claimants(scg, &endpoint),
         eviction,

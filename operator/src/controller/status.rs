@@ -151,7 +151,7 @@ pub fn time_of_ms(ms: u64) -> Option<Time> {
 }
 
 /// The rates to a tenth, and the drain time of the lag and pending at them.
-fn throughput_status(t: &crate::throughput::Throughput, s: &GroupSnapshot) -> ThroughputStatus {
+fn throughput_status(t: &crate::controller::throughput::Throughput, s: &GroupSnapshot) -> ThroughputStatus {
     let tenth = |x: f64| (x * 10.0).round() / 10.0;
     let outstanding = s.lag.floor().map(|lag| lag.saturating_add(s.pending));
     ThroughputStatus {

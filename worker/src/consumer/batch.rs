@@ -107,8 +107,6 @@ impl<H: Handler> Worker<H> {
         let items: Vec<(&str, &str)> =
             entries.iter().zip(&tokens).map(|(e, t)| (e.stream.as_str(), t.as_str())).collect();
         let acquired = |state| Acquisition { state, fence: None };
-        // (Tests: a slot starts migrating between the read and the guard.)
-        fail::fail_point!("worker::before-guard");
         let acquisitions = match &self.guard {
             Some(Idempotency::Redis(guard)) => {
                 let with_events: Vec<(&str, &str, &str)> =

@@ -222,34 +222,18 @@ impl<H: Handler> Worker<H> {
     }
 
     /// Hands back entries read or claimed but never started (no guard mark
-    /// taken): claimable at once, their delivery not counted. One that is
-    /// refused (a slot half-migrated answers `TRYAGAIN` or `ASK`, Redis is
-    /// away) is tried again with backoff until min-idle-time has passed:
-    /// by then another consumer may claim it anyway, counted. (Running the
-    /// script twice is harmless: it gives back only what is still ours.)
+    /// taken): claimable at once, their delivery not counted. Best effort:
+    /// one that fails is claimed once idle past min-idle-time, and counted.
     pub(super) async fn hand_back_unstarted(&self, conn: &mut StreamConnection, entries: &[Entry]) {
         if self.at_most_once {
             return;
         }
         let idle = crate::guard::millis(self.config.min_idle).saturating_add(1);
-        let since = Instant::now();
-        let mut delay = RETRY_FIRST;
-        let mut open: Vec<&Entry> = entries.iter().collect();
-        loop {
-            let mut refused = Vec::new();
-            for entry in open {
-                let held = Held { id: &entry.id, mark: None };
-                if let Err(e) = self.lease(&entry.stream).hand_back(conn, &held, idle, entry.deliveries, false).await {
-                    tracing::warn!(stream = %entry.stream, id = %entry.id, error = %e, "handing an entry back");
-                    refused.push(entry);
-                }
+        for entry in entries {
+            let held = Held { id: &entry.id, mark: None };
+            if let Err(e) = self.lease(&entry.stream).hand_back(conn, &held, idle, entry.deliveries, false).await {
+                tracing::warn!(stream = %entry.stream, id = %entry.id, error = %e, "handing an entry back");
             }
-            if refused.is_empty() || since.elapsed() + delay >= self.config.min_idle {
-                return;
-            }
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(RETRY_MAX);
-            open = refused;
         }
     }
 

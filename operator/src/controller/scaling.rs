@@ -24,7 +24,7 @@
 //!   max(100%, 4 pods) at a time (the HPA's default); rates unknown for a
 //!   poll: hold.
 
-use crate::throughput::Throughput;
+use crate::controller::throughput::Throughput;
 use std::collections::VecDeque;
 use std::time::Duration;
 use streamfleet_crd::ScalingSpec;
