@@ -184,6 +184,19 @@ async fn failed_startup_and_liveness_probes_restart_the_container_and_a_deadline
         serde_json::json!({}),
     )
     .await?;
+    // Exec probes run their command, with the container's environment: a
+    // liveness command that fails restarts the container, a readiness
+    // command that needs the container's variable passes.
+    let exec = |script: &str| serde_json::json!({"exec": {"command": ["sh", "-c", script]}, "periodSeconds": 1, "failureThreshold": 2});
+    create("exec-unlive", &["run"], serde_json::json!({"livenessProbe": exec("exit 3")}), serde_json::json!({}))
+        .await?;
+    create(
+        "exec-ready",
+        &["run"],
+        serde_json::json!({"readinessProbe": exec("test -d \"$TESTPROC_DIR\""), "livenessProbe": exec("true")}),
+        serde_json::json!({}),
+    )
+    .await?;
     // A pod past its activeDeadlineSeconds fails with DeadlineExceeded.
     create(
         "overdue",
@@ -193,7 +206,7 @@ async fn failed_startup_and_liveness_probes_restart_the_container_and_a_deadline
     )
     .await?;
 
-    for name in ["unlive", "unstarted"] {
+    for name in ["unlive", "unstarted", "exec-unlive"] {
         let s = eventually(&format!("{name} restarted by its probe"), T, || async {
             Ok(container_status(&pods.get(name).await?).filter(|s| s.restart_count >= 1).cloned())
         })
@@ -212,5 +225,10 @@ async fn failed_startup_and_liveness_probes_restart_the_container_and_a_deadline
     let healthy = container_status(&pods.get("healthy").await?).cloned().unwrap();
     assert!(healthy.ready && healthy.started == Some(true), "{healthy:?}");
     assert_eq!(healthy.restart_count, 0, "passing probes restarted the container");
+    let ready = eventually("exec-ready ready", T, || async {
+        Ok(container_status(&pods.get("exec-ready").await?).filter(|s| s.ready).cloned())
+    })
+    .await?;
+    assert_eq!(ready.restart_count, 0, "a passing exec liveness probe restarted the container");
     Ok(())
 }

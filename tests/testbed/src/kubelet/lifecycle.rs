@@ -196,9 +196,41 @@ pub(super) struct ContainerRuntime {
 
 impl ContainerRuntime {
     fn command(&self) -> Result<Command> {
-        let mut cmd = Command::new(&self.binary);
+        let mut cmd = self.exec_context().command(self.binary.as_os_str());
         cmd.args(self.spec.command.iter().flatten().skip(1));
         cmd.args(self.spec.args.iter().flatten());
+        let log = std::fs::File::options().create(true).append(true).open(&self.log)?;
+        cmd.stdout(log.try_clone()?).stderr(log);
+        Ok(cmd)
+    }
+
+    /// How a process runs in this container: its environment, working
+    /// directory and user (the container's own command, an exec probe).
+    pub(super) fn exec_context(&self) -> ExecContext {
+        ExecContext {
+            env: self.env.clone(),
+            home: self.home.clone(),
+            working_dir: self.spec.working_dir.as_deref().map(PathBuf::from),
+            kubeconfig: self.kubeconfig.clone(),
+            user: self.user,
+        }
+    }
+}
+
+/// What a process in a container runs with ([`ContainerRuntime::exec_context`]).
+pub(super) struct ExecContext {
+    env: Vec<(String, String)>,
+    home: PathBuf,
+    working_dir: Option<PathBuf>,
+    kubeconfig: Option<PathBuf>,
+    user: Option<(u32, u32)>,
+}
+
+impl ExecContext {
+    /// `program` with the container's environment, working directory and
+    /// user; no stdin, and killed if dropped.
+    pub(super) fn command(&self, program: &std::ffi::OsStr) -> Command {
+        let mut cmd = Command::new(program);
         cmd.env_clear();
         cmd.env("PATH", std::env::var_os("PATH").unwrap_or_default());
         cmd.env("HOME", &self.home);
@@ -207,18 +239,13 @@ impl ContainerRuntime {
             cmd.env("KUBECONFIG", k);
         }
         cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
-        if let Some(dir) = self.spec.working_dir.as_deref() {
-            cmd.current_dir(dir);
-        } else {
-            cmd.current_dir(&self.home);
-        }
-        let log = std::fs::File::options().create(true).append(true).open(&self.log)?;
-        cmd.stdout(log.try_clone()?).stderr(log).stdin(std::process::Stdio::null());
+        cmd.current_dir(self.working_dir.as_deref().unwrap_or(&self.home));
+        cmd.stdin(std::process::Stdio::null());
         if let Some((uid, gid)) = self.user {
             cmd.uid(uid).gid(gid);
         }
         cmd.kill_on_drop(true);
-        Ok(cmd)
+        cmd
     }
 }
 

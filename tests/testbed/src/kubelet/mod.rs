@@ -25,10 +25,12 @@
 //!   does: 1 s by default (`TESTBED_POD_START_MS`); the pod shows
 //!   `ContainerCreating` meanwhile.
 //! * **Probes.** Startup, liveness and readiness probes (`httpGet`,
-//!   `tcpSocket`) run against the pod IP with their delays, periods and
-//!   thresholds; a failed startup or liveness probe kills the container, which
-//!   restarts under `restartPolicy`; a container without a readiness probe is
-//!   ready once started.
+//!   `tcpSocket` against the pod IP; `exec` as a process with the
+//!   container's environment, working directory and user, on this machine's
+//!   filesystem) run with their delays, periods and thresholds; a failed
+//!   startup or liveness probe kills the container, which restarts under
+//!   `restartPolicy`; a container without a readiness probe is ready once
+//!   started.
 //! * **Lifecycle.** Exits follow `restartPolicy` with the kubelet's
 //!   CrashLoopBackOff (10 s doubling to 5 minutes) and end the pod
 //!   `Succeeded`/`Failed`. On deletion: SIGTERM, the grace period (never less
@@ -36,8 +38,8 @@
 //!   object is gone at once), SIGKILL, then the pod object is removed.
 //!   `activeDeadlineSeconds` ends the pod `Failed` with `DeadlineExceeded`.
 //!
-//! Exec and gRPC probes, volumes, init containers, security contexts and
-//! resource limits are not emulated.
+//! gRPC probes, volumes, init containers, security contexts and resource
+//! limits are not emulated.
 
 mod env;
 mod identity;

@@ -1,10 +1,11 @@
 //! Probes as the kubelet runs them: a startup probe first (liveness and
 //! readiness wait for it), then liveness and readiness, each with its initial
-//! delay, period and thresholds; `httpGet` and `tcpSocket` against the pod IP.
+//! delay, period and thresholds; `httpGet` and `tcpSocket` against the pod
+//! IP, `exec` as a process with the container's environment and user.
 //! A container whose startup or liveness probe fails `failureThreshold`
 //! times in a row is killed and restarted under `restartPolicy`.
 
-use super::lifecycle::PodRuntime;
+use super::lifecycle::{ExecContext, PodRuntime};
 use k8s_openapi::api::core::v1::{Container, Probe};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -108,10 +109,11 @@ impl PodRuntime {
             if c.child.is_none() {
                 continue;
             }
+            let exec = c.exec_context();
             let (spec, pod_ip, p) = (&c.spec, self.pod_ip.as_str(), &mut c.probes);
             if !p.started {
                 if let Some(run) = p.startup.as_mut().filter(|r| r.next <= now) {
-                    run.record(probe_once(&run.probe, spec, pod_ip).await, now);
+                    run.record(probe_once(&run.probe, spec, &exec, pod_ip).await, now);
                     if run.succeeded() {
                         p.started = true;
                         p.ready = p.readiness.is_none();
@@ -124,14 +126,14 @@ impl PodRuntime {
                 continue;
             }
             if let Some(run) = p.liveness.as_mut().filter(|r| r.next <= now) {
-                run.record(probe_once(&run.probe, spec, pod_ip).await, now);
+                run.record(probe_once(&run.probe, spec, &exec, pod_ip).await, now);
                 if run.failed() {
                     outcome.kill.push(index);
                     continue;
                 }
             }
             if let Some(run) = p.readiness.as_mut().filter(|r| r.next <= now) {
-                run.record(probe_once(&run.probe, spec, pod_ip).await, now);
+                run.record(probe_once(&run.probe, spec, &exec, pod_ip).await, now);
                 let ready = if run.succeeded() {
                     true
                 } else if run.failed() {
@@ -155,8 +157,11 @@ pub(super) async fn sleep_until_opt(at: Option<Instant>) {
 }
 
 /// One probe: `httpGet` (HTTP only; 200-399 passes) and `tcpSocket` are run
-/// against the pod IP; `exec` and `grpc` are not emulated and pass.
-async fn probe_once(probe: &Probe, c: &Container, pod_ip: &str) -> bool {
+/// against the pod IP; `exec` runs its command with the container's
+/// environment, working directory and user (on this machine: a pod's image
+/// is not a filesystem of its own here) and passes on exit code 0; `grpc` is
+/// not emulated and passes.
+async fn probe_once(probe: &Probe, c: &Container, exec: &ExecContext, pod_ip: &str) -> bool {
     use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let port_of = |p: &IntOrString| match p {
@@ -186,6 +191,12 @@ async fn probe_once(probe: &Probe, c: &Container, pod_ip: &str) -> bool {
             let host = tcp.host.clone().unwrap_or_else(|| pod_ip.to_string());
             let port = port_of(&tcp.port)?;
             return Some(tokio::net::TcpStream::connect((host.as_str(), port)).await.is_ok());
+        }
+        if let Some(command) = probe.exec.as_ref().and_then(|e| e.command.as_ref()) {
+            let (program, args) = command.split_first()?;
+            let mut cmd = exec.command(program.as_ref());
+            cmd.args(args).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+            return Some(cmd.status().await.is_ok_and(|s| s.success()));
         }
         Some(true)
     };
