@@ -214,10 +214,16 @@ async fn redis_and_secret_failures_become_conditions_and_heal() -> Result<()> {
         assert!(reasons.iter().any(|x| x == r), "no {r} Event in {reasons:?}");
     }
     let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), &ns.name);
-    for e in events.list(&ListParams::default()).await?.items {
-        let note = e.note.unwrap_or_default();
+    let events = events.list(&ListParams::default()).await?.items;
+    for e in &events {
+        let note = e.note.clone().unwrap_or_default();
         assert!(!note.contains("wrong-pw") && !note.contains("s3cret"), "secret in Event: {note}");
     }
+    // The old server's Warning names its version and what is needed.
+    let unsupported = events.iter().find(|e| e.reason.as_deref() == Some("RedisUnsupported")).expect("the Event");
+    let note = unsupported.note.clone().unwrap_or_default();
+    assert_eq!(unsupported.type_.as_deref(), Some("Warning"));
+    assert!(note.contains("6.2.14") && note.contains("7.0 or later"), "{note}");
     Ok(())
 }
 
