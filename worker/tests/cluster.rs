@@ -14,8 +14,13 @@ use streamfleet_worker::{Worker, WorkerConfig};
 mod common;
 use common::*;
 
+/// One cluster at a time: three clusters of three servers and their workers
+/// at once on two cores made a 3 s test time out at 20 s (Valkey, once).
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_on_a_cluster_handles_acks_and_dead_letters() -> Result<()> {
+    let _one = ONE_AT_A_TIME.lock().await;
     let cluster = RedisCluster::start(3).await?;
     let mut conn = cluster.connection().await?;
     streamfleet_streams::ensure_group(&mut conn, "orders", "g", "0").await?;
@@ -33,16 +38,7 @@ async fn a_worker_on_a_cluster_handles_acks_and_dead_letters() -> Result<()> {
             .await?;
         ids.push(id);
     }
-    let vars: HashMap<&str, String> = HashMap::from([
-        (env::REDIS_URL, cluster.urls()[0].clone()),
-        (env::REDIS_MODE, "Cluster".into()),
-        (env::STREAMS, "orders".into()),
-        (env::GROUP, "g".into()),
-        (env::CONSUMER, "c1".into()),
-        (env::MIN_IDLE_MS, "1000".into()),
-    ]);
-    let mut config = WorkerConfig::from_lookup(|k| vars.get(k).cloned()).unwrap();
-    config.block = Duration::from_millis(200);
+    let config = cluster_config(&cluster, 1000);
     let handler = Scripted::default();
     let (stop, run) = spawn(Worker::new(config, handler.clone()).with_idempotency_guard(Duration::from_secs(600)));
     eventually("all settled", T, || async {
@@ -62,6 +58,7 @@ async fn a_worker_on_a_cluster_handles_acks_and_dead_letters() -> Result<()> {
 /// handles, acks and dead-letters on every shard.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_reads_every_shard_across_the_cluster() -> Result<()> {
+    let _one = ONE_AT_A_TIME.lock().await;
     use streamfleet_streams::shard::{send, shard_keys};
     let cluster = RedisCluster::start(3).await?;
     let mut conn = cluster.connection().await?;
@@ -122,21 +119,13 @@ async fn a_worker_reads_every_shard_across_the_cluster() -> Result<()> {
 /// `timelines.rs::a_batch_whose_guard_cannot_be_taken_is_handed_back_uncounted`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_migrating_mid_batch_runs_every_entry_once_and_settles_on_the_new_master() -> Result<()> {
+    let _one = ONE_AT_A_TIME.lock().await;
     const N: usize = 10;
     let cluster = RedisCluster::start(3).await?;
     let mut conn = cluster.connection().await?;
     streamfleet_streams::ensure_group(&mut conn, "orders", "g", "0").await?;
     add_orders(&mut conn, 0..N).await?;
-    let vars: HashMap<&str, String> = HashMap::from([
-        (env::REDIS_URL, cluster.urls()[0].clone()),
-        (env::REDIS_MODE, "Cluster".into()),
-        (env::STREAMS, "orders".into()),
-        (env::GROUP, "g".into()),
-        (env::CONSUMER, "c1".into()),
-        (env::MIN_IDLE_MS, "3000".into()),
-    ]);
-    let mut config = WorkerConfig::from_lookup(|k| vars.get(k).cloned()).unwrap();
-    config.block = Duration::from_millis(200);
+    let mut config = cluster_config(&cluster, 3000);
     config.batch_size = N;
     config.concurrency = N;
     let (gate, open) = tokio::sync::watch::channel(false);

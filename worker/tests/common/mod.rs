@@ -142,6 +142,13 @@ pub async fn dead_letters(conn: &mut redis::aio::MultiplexedConnection) -> Resul
         .collect())
 }
 
+/// [`config_at`] for a worker `c1` on a Redis Cluster.
+pub fn cluster_config(cluster: &streamfleet_testbed::RedisCluster, min_idle_ms: u64) -> WorkerConfig {
+    let mut c = config_at(&cluster.urls()[0], "c1", min_idle_ms, 5);
+    c.endpoint.mode = streamfleet_streams::Mode::Cluster;
+    c
+}
+
 /// Runs a worker in the background; the returned sender stops it.
 pub fn spawn(
     worker: Worker<Scripted>,
