@@ -24,7 +24,7 @@
 //! * `EXAMPLE_CRASH_PERCENT`: chance of aborting after the charge, before the ack;
 //! * `EXAMPLE_STALL_PERCENT`, `EXAMPLE_STALL_MS`: chance of stalling that
 //!   long after the charge, before the ack, announced first in the list
-//!   `{ledger}:stalls` as `<pid> <consumer> <entry ID> <order>`, so a drill
+//!   `{ledger}:stalls` as `<pid> <consumer> <entry ID> <order> <stream>`, so a drill
 //!   can aim a SIGKILL between the effect and the ack;
 //! * `EXAMPLE_HANDLER_MS`: time each charge takes;
 //! * `EXAMPLE_GUARD=off`: no idempotency guard (the ledger's own idempotency alone);
@@ -201,7 +201,7 @@ impl Handler for Orders {
             Err(e) => return Outcome::Transient(format!("ledger: {e}")),
         }
         if self.stall_percent > 0.0 && rand::rng().random_range(0.0..100.0) < self.stall_percent {
-            let stall = format!("{} {} {} {order}", std::process::id(), self.consumer, entry.id);
+            let stall = format!("{} {} {} {order} {}", std::process::id(), self.consumer, entry.id, entry.stream);
             let _: redis::RedisResult<i64> =
                 redis::cmd("RPUSH").arg("{ledger}:stalls").arg(stall).query_async(&mut ledger).await;
             tokio::time::sleep(self.stall_time).await;

@@ -5,7 +5,10 @@
 //! gateway timeout, 1% of orders are poison, one slow but alive worker
 //! shares the group, Redis crashes and restarts from its AOF (`appendfsync
 //! always`), the kube-apiserver restarts, the leading operator is SIGKILLed,
-//! and an outside `XTRIM` deletes the payloads of entries pending in a
+//! the pipeline grows from one shard to two mid-run (the workers roll over
+//! to read both; from then on the producer sends each order to its shard;
+//! the example's ledger refuses any fence that goes backwards), and an
+//! outside `XTRIM` deletes the payloads of entries pending in a
 //! vanished consumer's hands. For the first part of the run the producer
 //! trims by length (`XADD … MAXLEN ~`, keeping every undelivered entry), so
 //! entries still pending go too: in a live worker's hands (shown to happen)
@@ -41,6 +44,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use streamfleet_e2e::*;
 use streamfleet_streams::deadletter as dl;
+use streamfleet_streams::shard::{shard_key, shard_keys, shard_of};
 use streamfleet_testbed::eventually;
 
 const MIN_IDLE_MS: u64 = 3000;
@@ -51,6 +55,8 @@ const TRANSIENT_PERCENT: u32 = 3;
 /// Chance of a stall per charge: often enough that the aimed kills, which
 /// wait for one, land while the orders are produced.
 const STALL_PERCENT: f64 = 1.0;
+/// Shards the full drill grows to mid-run (from one).
+const SHARDS_AFTER: u32 = 2;
 /// Pending entries whose payloads the outside trim deletes.
 const TRIMMED: usize = 25;
 /// A stall after the charge, before the ack: 0.8 × min-idle-time, so an
@@ -150,21 +156,32 @@ async fn crash_drill_without_the_guard_the_handlers_idempotency_holds_alone() ->
     drill("e2e-drill-noguard", plan).await
 }
 
+/// An entry's ID as the drill names it: on the first shard (`orders`) its
+/// ID, on another `<shard>@<ID>` (IDs repeat across streams).
+fn qualified(stream: &str, id: &str) -> String {
+    if stream == "orders" { id.to_string() } else { format!("{stream}@{id}") }
+}
+
 /// Produces orders `range` (1% poison; `killer`, if in range, kills each
-/// worker that runs it) in batches, trimming the stream by length to `keep`
-/// entries when given; returns (entry ID, order) per order.
+/// worker that runs it) in batches, each to its order's shard among
+/// `shards`, trimming the first shard by length to `keep` entries when
+/// given; returns (qualified entry ID, order) per order.
 async fn produce(
     conn: &mut redis::aio::MultiplexedConnection,
     range: std::ops::Range<usize>,
     killer: usize,
     keep: Option<usize>,
+    shards: u32,
 ) -> Result<Vec<(String, usize)>> {
     let mut pipe = redis::pipe();
+    let mut streams = Vec::new();
     for i in range.clone() {
-        pipe.cmd("XADD").arg("orders");
-        if let Some(keep) = keep {
+        let stream = shard_key("orders", shard_of(&i.to_string(), shards));
+        pipe.cmd("XADD").arg(&stream);
+        if let (Some(keep), "orders") = (keep, stream.as_str()) {
             pipe.arg("MAXLEN").arg("~").arg(keep);
         }
+        streams.push(stream);
         pipe.arg("*").arg("order_id").arg(i).arg("amount_cents").arg(100 + i);
         if i % 100 == 42 {
             pipe.arg("poison").arg("1");
@@ -174,7 +191,7 @@ async fn produce(
         }
     }
     let ids: Vec<String> = pipe.query_async(conn).await?;
-    Ok(ids.into_iter().zip(range).collect())
+    Ok(ids.iter().zip(&streams).map(|(id, stream)| qualified(stream, id)).zip(range).collect())
 }
 
 /// Entries the group has not delivered yet (`XINFO GROUPS` lag; unknown
@@ -219,20 +236,25 @@ struct Letters {
 async fn read_letters(
     conn: &mut redis::aio::MultiplexedConnection,
     order_of: &HashMap<String, usize>,
+    shards: &[String],
 ) -> Result<Letters> {
-    let range: redis::streams::StreamRangeReply = conn.xrange_all("{orders}:dead:billing").await?;
+    let mut entries = Vec::new();
+    for shard in shards {
+        let dead = streamfleet_streams::keys::dead_letter_stream(shard, "billing");
+        let range: redis::Value = redis::cmd("XRANGE").arg(&dead).arg("-").arg("+").query_async(conn).await?;
+        entries.extend(streamfleet_streams::entry::entries_from_value(range)?.into_iter().map(|e| (shard.clone(), e)));
+    }
     let mut letters = Letters::default();
-    for e in range.ids {
-        let f: HashMap<String, String> = streamfleet_streams::entry::fields_from_map(e.map)
-            .into_iter()
-            .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
-            .collect();
-        assert_eq!(f[dl::F_SOURCE_STREAM], "orders");
+    for (shard, (_, fields)) in entries {
+        let f: HashMap<String, String> =
+            fields.into_iter().map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned())).collect();
+        assert_eq!(f[dl::F_SOURCE_STREAM], shard, "a shard's letters are its own");
         assert_eq!(f[dl::F_GROUP], "billing");
         assert!(!f[dl::F_SOURCE_ID].is_empty() && !f[dl::F_CONSUMER].is_empty() && !f[dl::F_AT].is_empty());
         match f[dl::F_REASON].as_str() {
             "payload-missing" => {
-                let order = order_of.get(&f[dl::F_SOURCE_ID]).unwrap_or_else(|| panic!("{f:?}: never produced"));
+                let id = qualified(&f[dl::F_SOURCE_STREAM], &f[dl::F_SOURCE_ID]);
+                let order = order_of.get(&id).unwrap_or_else(|| panic!("{f:?}: never produced"));
                 letters.lost.push((order.to_string(), f[dl::F_AT].parse()?));
             }
             "crashed-worker" => {
@@ -265,6 +287,8 @@ struct Observed {
     redis_restart: Option<(String, String)>,
     apiserver_restart: Option<(u32, u32)>,
     leader_killed: Option<String>,
+    /// The pipeline grown to [`SHARDS_AFTER`] shards, when (from the first order).
+    grown: Option<Duration>,
 }
 
 /// SIGKILLs a running worker, the least killed so far; returns its consumer name.
@@ -294,6 +318,7 @@ async fn kill_a_worker(client: &kube::Client, ns: &str, kills: &mut HashMap<Stri
 /// One look, in one script: is `id` pending with `consumer`, and is `order` charged?
 async fn charged_and_held(
     conn: &mut redis::aio::MultiplexedConnection,
+    stream: &str,
     id: &str,
     consumer: &str,
     order: &str,
@@ -304,7 +329,7 @@ async fn charged_and_held(
         local held = (#p == 1 and p[1][2] == ARGV[3]) and 1 or 0
         return {held, redis.call('HEXISTS', KEYS[2], ARGV[4])}",
     )
-    .key("orders")
+    .key(stream)
     .key("{ledger}:charges")
     .arg("billing")
     .arg(id)
@@ -335,17 +360,17 @@ async fn aimed_kill(
         // The newest stall first: the one most likely still stalled.
         for stall in fresh.iter().rev() {
             let parts: Vec<&str> = stall.split(' ').collect();
-            let [pid, consumer, id, order] = parts[..] else { continue };
+            let [pid, consumer, id, order, stream] = parts[..] else { continue };
             let pod = consumer.split_once('.').map_or(consumer, |(pod, _)| pod);
             let Some(p) = pods.get_opt(pod).await? else { continue };
             let container = streamfleet_testbed::kubelet::container_pid(&p, "worker");
             if container.map(|c| c.to_string()).as_deref() != Some(pid)
-                || !charged_and_held(conn, id, consumer, order).await?
+                || !charged_and_held(conn, stream, id, consumer, order).await?
             {
                 continue;
             }
             sigkill_container(client, ns, pod).await?;
-            let landed = charged_and_held(conn, id, consumer, order).await?;
+            let landed = charged_and_held(conn, stream, id, consumer, order).await?;
             return Ok(Some((consumer.to_string(), order.to_string(), landed)));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -385,7 +410,7 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
     // Mid-run, while the faults land: the order that kills its worker.
     let killer = (orders / 2 / 100 * 100 + 17).max(first + 17);
     anyhow::ensure!(killer < orders, "DRILL_ORDERS {orders}: too few for the killer order");
-    let mut produced = produce(&mut conn, 0..first, usize::MAX, None).await?;
+    let mut produced = produce(&mut conn, 0..first, usize::MAX, None, 1).await?;
     let opts = redis::streams::StreamReadOptions::default().group("billing", "vanished").count(TRIMMED);
     let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
     let trimmed: u64 =
@@ -406,8 +431,11 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
     // their holder (`trimmed_in_hand`).
     let trim_until = killer.saturating_sub(1000);
     let producing = std::sync::Arc::new(tokio::sync::Mutex::new(()));
+    // The shards the producer sends to: one, until the growth is done.
+    let shards_now = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(1));
     let producer = {
         let producing = producing.clone();
+        let shards_now = shards_now.clone();
         let url = f.redis.url();
         tokio::spawn(async move {
             let batches = (orders - first).div_ceil(100).max(1);
@@ -422,7 +450,8 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
                     true => undelivered(&mut c).await?.map(|unread| unread + (end - next) + TRIM_KEEP),
                     false => None,
                 };
-                out.extend(produce(&mut c, next..end, killer, keep).await?);
+                let shards = shards_now.load(std::sync::atomic::Ordering::SeqCst);
+                out.extend(produce(&mut c, next..end, killer, keep, shards).await?);
                 if keep.is_some() {
                     trimmed_in_hand.extend(pending_without_payload(&mut c).await?);
                 }
@@ -435,11 +464,13 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
     };
 
     // The faults, spread over the production window.
-    let steps = plan.random_kills + plan.aimed_kills + if plan.infrastructure { 3 } else { 0 };
+    let steps = plan.random_kills + plan.aimed_kills + if plan.infrastructure { 4 } else { 0 };
     let gap = Duration::from_millis(seconds * 1000 / (steps as u64 + 1));
     let mut schedule: Vec<&str> = std::iter::repeat_n("kill", plan.random_kills).collect();
     if plan.infrastructure {
-        for (at, fault) in [(steps / 4, "redis"), (steps / 2, "apiserver"), (3 * steps / 4, "leader")] {
+        for (at, fault) in
+            [(steps / 5, "redis"), (2 * steps / 5, "grow"), (3 * steps / 5, "apiserver"), (4 * steps / 5, "leader")]
+        {
             schedule.insert(at.min(schedule.len()), fault);
         }
     }
@@ -463,7 +494,8 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
             if step >= schedule.len() && producer.is_finished() {
                 let _producing = producing.lock().await;
                 let more = orders + top_ups.len()..orders + top_ups.len() + 500;
-                top_ups.extend(produce(&mut conn, more, usize::MAX, None).await?);
+                let shards = shards_now.load(std::sync::atomic::Ordering::SeqCst);
+                top_ups.extend(produce(&mut conn, more, usize::MAX, None, shards).await?);
             }
             if let Some((consumer, order, landed)) = aimed_kill(&client, &ns, &mut conn, &mut stalls_seen).await? {
                 observed.killed_consumers.push((consumer.clone(), unix_ms()));
@@ -520,6 +552,22 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
                 );
                 observed.redis_restart = Some((before, after));
             }
+            "grow" => {
+                // The resource grows; once the new shard's group exists the
+                // producer sends each order to its shard.
+                let scgs: Api<streamfleet_crd::StreamConsumerGroup> = Api::namespaced(client.clone(), &ns);
+                let patch = serde_json::json!({"spec": {"shards": SHARDS_AFTER}});
+                scgs.patch("orders", &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch)).await?;
+                let last = shard_key("orders", SHARDS_AFTER - 1);
+                eventually("the new shard's group", Duration::from_secs(60), || async {
+                    let groups: redis::RedisResult<redis::streams::StreamInfoGroupsReply> =
+                        f.redis.connection().await?.xinfo_groups(&last).await;
+                    Ok(groups.ok().filter(|g| g.groups.iter().any(|g| g.name == "billing")).map(|_| ()))
+                })
+                .await?;
+                shards_now.store(SHARDS_AFTER, std::sync::atomic::Ordering::SeqCst);
+                observed.grown = Some(started.elapsed());
+            }
             "apiserver" => {
                 let (before, after) = f.bed.restart_apiserver().await?;
                 assert_ne!(before, after);
@@ -560,15 +608,26 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
 
     // Settled: nothing pending, and every order charged or dead-lettered
     // (a lost payload counts once, charged or not).
+    let shards = shard_keys("orders", shards_now.load(std::sync::atomic::Ordering::SeqCst));
+    let pending_in = |mut c: redis::aio::MultiplexedConnection| {
+        let shards = shards.clone();
+        async move {
+            let mut n = 0;
+            for shard in &shards {
+                let pending: redis::streams::StreamPendingReply = c.xpending(shard, "billing").await?;
+                n += pending.count();
+            }
+            anyhow::Ok(n)
+        }
+    };
     let settled = eventually("every order settled", Duration::from_secs(900), || async {
         let mut c = f.redis.connection().await?;
         c.set_response_timeout(Duration::from_secs(120));
-        let pending: redis::streams::StreamPendingReply = c.xpending("orders", "billing").await?;
-        if pending.count() > 0 {
+        if pending_in(c.clone()).await? > 0 {
             return Ok(None);
         }
         let charged: std::collections::HashSet<String> = c.hkeys("{ledger}:charges").await?;
-        let letters = read_letters(&mut c, &order_of).await?;
+        let letters = read_letters(&mut c, &order_of, &shards).await?;
         let lost_uncharged = letters.lost.iter().filter(|(o, _)| !charged.contains(o)).count();
         let done = charged.len() + letters.permanent.len() + letters.crashed.len() + lost_uncharged;
         // (More than `orders` is settled too: the checks below say what is wrong.)
@@ -580,8 +639,8 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
     // Whole ledgers of 100,000 orders come back in one reply.
     conn.set_response_timeout(Duration::from_secs(120));
     let ledger: HashMap<String, u64> = conn.hgetall("{ledger}:charges").await?;
-    let letters = read_letters(&mut conn, &order_of).await?;
-    let pending: redis::streams::StreamPendingReply = conn.xpending("orders", "billing").await?;
+    let letters = read_letters(&mut conn, &order_of, &shards).await?;
+    let pending = pending_in(conn.clone()).await?;
     settled.map_err(|e| {
         e.context(format!(
             "charged {}, permanent {}, crashed {}, lost {}, pending {} of {orders} orders; {observed:?}",
@@ -589,7 +648,7 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
             letters.permanent.len(),
             letters.crashed.len(),
             letters.lost.len(),
-            pending.count()
+            pending
         ))
     })?;
 
@@ -634,9 +693,13 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
     for (_, i) in produced.iter().filter(|(_, i)| expected_set.contains(&i.to_string())) {
         assert_eq!(ledger[&i.to_string()], 100 + u64::try_from(*i)?, "order {i} charged the wrong amount");
     }
-    // Every entry acked or dead-lettered: nothing pending, nothing undelivered.
-    let info: redis::streams::StreamInfoGroupsReply = conn.xinfo_groups("orders").await?;
-    assert_eq!((info.groups[0].pending, info.groups[0].lag), (0, Some(0)));
+    // Every entry acked or dead-lettered: nothing pending, nothing
+    // undelivered, on every shard.
+    for shard in &shards {
+        let info: redis::streams::StreamInfoGroupsReply = conn.xinfo_groups(shard).await?;
+        let billing = info.groups.iter().find(|g| g.name == "billing").expect("the group");
+        assert_eq!((billing.pending, billing.lag), (0, Some(0)), "{shard}");
+    }
     // The resource says exactly how much was lost.
     let scgs: Api<streamfleet_crd::StreamConsumerGroup> = Api::namespaced(client.clone(), &ns);
     let status = eventually("payloadLost in status", Duration::from_secs(60), || async {
@@ -653,7 +716,14 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
     let faults: HashMap<String, u64> = conn.hgetall("{ledger}:faults").await?;
     let by_consumer: HashMap<String, u64> = conn.hgetall("{ledger}:by-consumer").await?;
     let slow_charges: u64 = by_consumer.iter().filter(|(c, _)| c.starts_with("slow-worker-")).map(|(_, n)| n).sum();
-    let suppressed: Option<u64> = conn.get(streamfleet_worker::guard::suppressed_key("orders", "billing")).await?;
+    let mut suppressed = None;
+    for shard in &shards {
+        let n: Option<u64> = conn.get(streamfleet_worker::guard::suppressed_key(shard, "billing")).await?;
+        suppressed = match (suppressed, n) {
+            (None, None) => None,
+            (a, b) => Some(a.unwrap_or(0) + b.unwrap_or(0)),
+        };
+    }
     let refused: HashMap<String, u64> = conn.hgetall("{ledger}:duplicates").await?;
     let own_retries: HashMap<String, u64> = conn.hgetall("{ledger}:own-retries").await?;
     let charged_by: HashMap<String, String> = conn.hgetall("{ledger}:charged-by").await?;
@@ -769,6 +839,12 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
     assert_eq!(observed.redis_restart.is_some(), plan.infrastructure, "the Redis restart");
     assert_eq!(observed.apiserver_restart.is_some(), plan.infrastructure, "the kube-apiserver restart");
     assert_eq!(observed.leader_killed.is_some(), plan.infrastructure, "the leader's SIGKILL");
+    assert_eq!(observed.grown.is_some(), plan.infrastructure, "the growth to {SHARDS_AFTER} shards");
+    if plan.infrastructure {
+        let on_new_shard = produced.iter().filter(|(id, _)| id.contains('@')).count();
+        assert!(on_new_shard > 0, "no order was sent to the new shard");
+        assert_eq!(faults.get("stale-fence").copied().unwrap_or(0), 0, "a fence went backwards after the growth");
+    }
     let transient = faults.get("transient").copied().unwrap_or(0);
     assert!(transient * 100 >= expected as u64, "transient failures {transient} for {expected} charges: under 1%");
     assert!(slow_charges > 0, "the slow worker took no part");
@@ -795,6 +871,7 @@ async fn drill(namespace: &str, plan: Plan) -> Result<()> {
         row("Redis crash-restarts from its AOF", usize::from(observed.redis_restart.is_some()).to_string()),
         row("kube-apiserver restarts", usize::from(observed.apiserver_restart.is_some()).to_string()),
         row("leading operator SIGKILLed", usize::from(observed.leader_killed.is_some()).to_string()),
+        row("shards at the end (grown from 1 mid-run, the workers rolled over)", shards.len().to_string()),
         row("transient gateway failures", transient.to_string()),
         row("payloads trimmed under a vanished consumer, reported payload-missing", TRIMMED.to_string()),
         row(
