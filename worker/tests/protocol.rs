@@ -788,8 +788,9 @@ async fn a_blocking_handler_runs_on_the_blocking_pool_and_sees_its_delivery() ->
 
 /// Two groups on one stream (two resources) dead-letter apart by default,
 /// each into its own `{orders}:dead:<group>`: a cap, a purge or a count on
-/// one resource's letters never touches the other's. Before, both wrote
-/// into `{orders}:dead`, and a cap on one trimmed the other's letters.
+/// one resource's letters never touches the other's (a cap of 0 on one
+/// leaves the other's letter). Before, both wrote into `{orders}:dead`, and
+/// a cap on one trimmed the other's letters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_groups_on_one_stream_dead_letter_into_their_own_streams() -> Result<()> {
     let (server, mut conn) = setup().await?;
@@ -812,18 +813,19 @@ async fn two_groups_on_one_stream_dead_letter_into_their_own_streams() -> Result
         let _ = stop.send(());
         run.await??;
     }
+    let mut capper = conn.clone();
+    let mut letters_of = async |group: &str| -> Result<Vec<Option<String>>> {
+        let stream = format!("{{orders}}:dead:{group}");
+        let page = streamfleet_streams::dlq::page(&mut conn, &stream, &Default::default(), None, 10).await?;
+        Ok(page.letters.into_iter().map(|l| l.group).collect())
+    };
     for group in ["g", "audit"] {
-        let letters = streamfleet_streams::dlq::page(
-            &mut conn,
-            &format!("{{orders}}:dead:{group}"),
-            &Default::default(),
-            None,
-            10,
-        )
-        .await?;
-        let groups: Vec<_> = letters.letters.iter().map(|l| l.group.as_deref()).collect();
-        assert_eq!(groups, vec![Some(group)], "{group}'s own letter only");
+        assert_eq!(letters_of(group).await?, vec![Some(group.to_string())], "{group}'s own letter only");
     }
+    // The audit resource's cap (deadLetters.maxLength 0) trims its letters only.
+    streamfleet_streams::dlq::cap(&mut capper, "{orders}:dead:audit", 0).await?;
+    assert_eq!(letters_of("audit").await?, Vec::<Option<String>>::new(), "the capped group's letters are gone");
+    assert_eq!(letters_of("g").await?, vec![Some("g".to_string())], "the other group's letter survives its cap");
     assert_eq!(length("{orders}:dead").await?, 0, "no shared stream");
     Ok(())
 }
