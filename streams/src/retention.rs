@@ -24,6 +24,15 @@ impl StreamId {
         Some(Self { ms: ms.parse().ok()?, seq: seq.parse().ok()? })
     }
 
+    /// The lowest and highest of `ids`, as range bounds. An ID that does not
+    /// parse widens the span to the whole stream (`-`, `+`): never a
+    /// narrower, wrong answer.
+    pub fn span<'a>(ids: impl IntoIterator<Item = &'a str>) -> (String, String) {
+        let parsed: Option<Vec<StreamId>> = ids.into_iter().map(StreamId::parse).collect();
+        let span = parsed.and_then(|ids| Some((ids.iter().min()?.to_string(), ids.iter().max()?.to_string())));
+        span.unwrap_or_else(|| ("-".into(), "+".into()))
+    }
+
     /// The largest ID before this one (`0-0` stays `0-0`).
     pub fn prev(self) -> Self {
         match self.seq.checked_sub(1) {

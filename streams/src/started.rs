@@ -71,6 +71,26 @@ pub fn record_fields_lua() -> String {
     )
 }
 
+/// Lua: `held_by(stream, group, consumer, low, high, wanted, n)`: which of
+/// the `n` IDs of the set `wanted`, all between `low` and `high`, `consumer`
+/// holds in the PEL. Read from its own PEL over that span, in pages of `n`
+/// (`XPENDING … <consumer>`): one call for entries read together, not one
+/// point lookup each.
+pub const HELD_BY_LUA: &str = r"
+        local function held_by(stream, group, consumer, low, high, wanted, n)
+            local held, from = {}, low
+            while n > 0 do
+                local page = redis.call('XPENDING', stream, group, from, high, n, consumer)
+                for _, p in ipairs(page) do
+                    if wanted[p[1]] then held[p[1]] = true end
+                end
+                if #page < n then break end
+                from = '(' .. page[#page][1]
+            end
+            return held
+        end
+        ";
+
 /// The value [`run_field`] holds once delivery `deliveries`'s handler returned.
 pub fn ended(deliveries: u64) -> String {
     format!("{deliveries}:end")
@@ -122,17 +142,23 @@ pub async fn record_starts<C: ConnectionLike + Send>(
 /// holder whose hold lapsed never leaves a record for an entry that has
 /// left the PEL (where nothing would ever delete it) or that another
 /// consumer now runs. KEYS: the stream, the entry-record hash. ARGV: group,
-/// consumer, then per entry its ID, value and business key ('' for none).
-/// Returns per entry 1 written, 0 not held. One `XPENDING` per entry (a
-/// point lookup) and one `HSET` for all.
+/// consumer, the lowest and highest of the IDs, then per entry its ID,
+/// value and business key ('' for none). Returns per entry 1 written, 0 not
+/// held. Which are held comes from one `XPENDING` over the IDs' span
+/// ([`HELD_BY_LUA`]), and one `HSET` writes them all.
 static RECORD_RUNS: std::sync::LazyLock<redis::Script> =
-    std::sync::LazyLock::new(|| redis::Script::new(RECORD_RUNS_LUA));
+    std::sync::LazyLock::new(|| redis::Script::new(&format!("{HELD_BY_LUA}{RECORD_RUNS_LUA}")));
 
 const RECORD_RUNS_LUA: &str = r"
-        local out, fields = {}, {}
-        for j = 3, #ARGV, 3 do
+        local out, fields, wanted, n = {}, {}, {}, 0
+        for j = 5, #ARGV, 3 do
+            wanted[ARGV[j]] = true
+            n = n + 1
+        end
+        local held = held_by(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], wanted, n)
+        for j = 5, #ARGV, 3 do
             local id = ARGV[j]
-            if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) > 0 then
+            if held[id] then
                 fields[#fields + 1] = id .. ':run'
                 fields[#fields + 1] = ARGV[j + 1]
                 if ARGV[j + 2] ~= '' then
@@ -161,7 +187,8 @@ async fn record_runs<C: ConnectionLike + Send>(
         return Ok(Vec::new());
     }
     let mut script = RECORD_RUNS.prepare_invoke();
-    script.key(stream).key(keys::last_error_key(stream, group)).arg(group).arg(consumer);
+    let (low, high) = crate::retention::StreamId::span(runs.iter().map(|(id, _, _)| *id));
+    script.key(stream).key(keys::last_error_key(stream, group)).arg(group).arg(consumer).arg(low).arg(high);
     for (id, value, key) in runs {
         script.arg(*id).arg(value).arg(key.unwrap_or_default());
     }

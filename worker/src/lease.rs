@@ -71,14 +71,14 @@ static EXTEND: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
 /// delivery's mark; it happens whether or not the entry is still ours (its
 /// effect happened); the ack (and the entry's last error cleared) only when
 /// it is. Which are ours comes from this consumer's own PEL over the
-/// entries' ID span, read in pages (`XPENDING … <consumer>`: one call for a
-/// batch read together, not one per entry). Returns the IDs another
+/// entries' ID span (`started::HELD_BY_LUA`). Returns the IDs another
 /// consumer holds now (not acked here); run twice, the second run acks
 /// nothing and reports those IDs again
 /// (`protocol::a_commit_sent_twice_acks_once_and_never_acks_what_another_holds`).
 static COMMIT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         &(streamfleet_streams::started::record_fields_lua()
+            + streamfleet_streams::started::HELD_BY_LUA
             + r"
         local wanted, n = {}, 0
         for j = 6, #ARGV, 3 do
@@ -86,15 +86,7 @@ static COMMIT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
             n = n + 1
         end
         if n == 0 then return {} end
-        local ours, from = {}, ARGV[4]
-        while true do
-            local page = redis.call('XPENDING', KEYS[1], ARGV[1], from, ARGV[5], n, ARGV[2])
-            for _, p in ipairs(page) do
-                if wanted[p[1]] then ours[p[1]] = true end
-            end
-            if #page < n then break end
-            from = '(' .. page[#page][1]
-        end
+        local ours = held_by(KEYS[1], ARGV[1], ARGV[2], ARGV[4], ARGV[5], wanted, n)
         local acked, lost, m = {}, {}, 3
         local function ack()
             redis.call('XACK', KEYS[1], ARGV[1], unpack(acked))
@@ -209,11 +201,7 @@ impl Lease<'_> {
         completed_ttl_ms: u64,
         settled: &[(&str, Option<Completion>)],
     ) -> Result<Vec<String>, StreamError> {
-        // The span of the IDs; an ID that does not parse widens it to the
-        // whole of this consumer's PEL (never a narrower, wrong answer).
-        let parsed: Option<Vec<StreamId>> = settled.iter().map(|(id, _)| StreamId::parse(id)).collect();
-        let span = parsed.and_then(|ids| Some((ids.iter().min()?.to_string(), ids.iter().max()?.to_string())));
-        let (low, high) = span.unwrap_or_else(|| ("-".into(), "+".into()));
+        let (low, high) = StreamId::span(settled.iter().map(|(id, _)| *id));
         let mut script = COMMIT.prepare_invoke();
         script
             .key(self.stream)

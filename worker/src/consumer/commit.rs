@@ -32,7 +32,12 @@ impl<H: Handler> Worker<H> {
             if open {
                 if ready.is_empty() {
                     match settled.recv().await {
-                        Some(first) => ready.push(first),
+                        Some(first) => {
+                            ready.push(first);
+                            // Its wave-mates are settling now: let them
+                            // queue, so they share this flush.
+                            tokio::task::yield_now().await;
+                        }
                         None => open = false,
                     }
                 } else {

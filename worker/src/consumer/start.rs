@@ -34,6 +34,10 @@ impl<H: Handler> Worker<H> {
                     Some(first) => waiting.push(first),
                     None => return,
                 }
+                // The handlers that start beside this one are being polled
+                // now (one reply woke them all): let them queue, so they
+                // share this write rather than wait for the next.
+                tokio::task::yield_now().await;
             }
             while let Ok(more) = requests.try_recv() {
                 waiting.push(more);
