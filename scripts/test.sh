@@ -145,6 +145,9 @@ step "alert rules: promtool check and unit tests"
 step "benchmark tables match their figure files"
 bash scripts/docs-figures.sh --check
 
+step "the chart README's values table matches values.yaml"
+bash scripts/chart-readme.sh --check
+
 step "build binaries (the kubelet stand-in runs them as pods)"
 cargo build --workspace --bins --locked
 step "build the images (OCI layouts in target/images; tests/e2e/tests/images.rs checks and runs them)"
