@@ -2,6 +2,7 @@
 
 use crate::entry::{Entry, entries_from_value};
 use crate::error::StreamError;
+use crate::group_ref::ConsumerRef;
 use redis::aio::ConnectionLike;
 use std::time::Duration;
 
@@ -512,14 +513,13 @@ pub(crate) fn prepare<'a>(
 #[allow(clippy::too_many_arguments)]
 pub async fn autoclaim<C: ConnectionLike + Send>(
     conn: &mut C,
-    stream: &str,
-    group: &str,
-    consumer: &str,
+    who: ConsumerRef<'_>,
     loss: &LossRecord<'_>,
     min_idle: Duration,
     start: &str,
     count: usize,
 ) -> Result<Claimed, StreamError> {
+    let ConsumerRef { stream, group, consumer } = who;
     let min_idle_ms = u64::try_from(min_idle.as_millis()).unwrap_or(u64::MAX);
     let mut script = prepare(&CLAIM_IDLE, stream, group, loss);
     script
@@ -687,14 +687,13 @@ pub struct Due {
 #[allow(clippy::too_many_arguments)]
 pub async fn claim_due<C: ConnectionLike + Send>(
     conn: &mut C,
-    stream: &str,
-    group: &str,
-    consumer: &str,
+    who: ConsumerRef<'_>,
     loss: &LossRecord<'_>,
     schedule: &crate::retry::Schedule,
     max_deliveries: u64,
     count: usize,
 ) -> Result<Due, StreamError> {
+    let ConsumerRef { stream, group, consumer } = who;
     let mut script = prepare(&CLAIM_DUE, stream, group, loss);
     script
         .key(crate::keys::last_error_key(stream, group))
@@ -791,15 +790,14 @@ pub async fn claim_ids<C: ConnectionLike + Send>(
 #[allow(clippy::too_many_arguments)]
 pub async fn claim_own<C: ConnectionLike + Send>(
     conn: &mut C,
-    stream: &str,
-    group: &str,
-    consumer: &str,
+    who: ConsumerRef<'_>,
     loss: &LossRecord<'_>,
     after: &str,
     count: usize,
 ) -> Result<Claimed, StreamError> {
+    let ConsumerRef { stream, group, consumer } = who;
     let start = if after == "-" { after.to_string() } else { format!("({after}") };
-    let pending = crate::consumers::pending_of(conn, stream, group, consumer, &start, count).await?;
+    let pending = crate::consumers::pending_of(conn, who, &start, count).await?;
     let Some((last, ..)) = pending.last() else {
         return Ok(Claimed { entries: Vec::new(), deleted: Vec::new(), next: "0-0".into(), deferred: false });
     };

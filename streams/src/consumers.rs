@@ -1,6 +1,7 @@
 //! Consumers left behind by pods that no longer exist.
 
 use crate::error::StreamError;
+use crate::group_ref::ConsumerRef;
 use redis::aio::ConnectionLike;
 use std::time::Duration;
 
@@ -15,12 +16,11 @@ pub type PendingEntry = (String, String, u64, u64);
 /// for after it, or `-`), oldest first.
 pub async fn pending_of<C: ConnectionLike + Send>(
     conn: &mut C,
-    stream: &str,
-    group: &str,
-    consumer: &str,
+    who: ConsumerRef<'_>,
     start: &str,
     count: usize,
 ) -> Result<Vec<PendingEntry>, StreamError> {
+    let ConsumerRef { stream, group, consumer } = who;
     redis::cmd("XPENDING")
         .arg(stream)
         .arg(group)
@@ -110,12 +110,8 @@ static HEARTBEAT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(
 
 /// Tells `stream`'s group that `consumer` is alive now (`keys::alive_key`).
 /// Returns whether it had been declared dead (and no longer is).
-pub async fn heartbeat<C: ConnectionLike + Send>(
-    conn: &mut C,
-    stream: &str,
-    group: &str,
-    consumer: &str,
-) -> Result<bool, StreamError> {
+pub async fn heartbeat<C: ConnectionLike + Send>(conn: &mut C, who: ConsumerRef<'_>) -> Result<bool, StreamError> {
+    let ConsumerRef { stream, group, consumer } = who;
     let revived: i64 = HEARTBEAT
         .key(crate::keys::alive_key(stream, group))
         .key(crate::keys::dead_consumers_key(stream, group))
@@ -150,12 +146,8 @@ static DECLARE_DEAD: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::n
 /// ([`heartbeat`]): `XINFO CONSUMERS` idle time is no proof of death (on
 /// Redis 7.0 an idle reader's empty reads do not refresh it), and a pod
 /// missing from a cache is no proof either. Returns whether it was declared.
-pub async fn declare_dead<C: ConnectionLike + Send>(
-    conn: &mut C,
-    stream: &str,
-    group: &str,
-    consumer: &str,
-) -> Result<bool, StreamError> {
+pub async fn declare_dead<C: ConnectionLike + Send>(conn: &mut C, who: ConsumerRef<'_>) -> Result<bool, StreamError> {
+    let ConsumerRef { stream, group, consumer } = who;
     let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
     let declared: i64 = DECLARE_DEAD
         .key(crate::keys::alive_key(stream, group))
@@ -178,18 +170,17 @@ pub async fn declare_dead<C: ConnectionLike + Send>(
 /// released earlier are left as they are).
 pub async fn release_pending<C: ConnectionLike + Send>(
     conn: &mut C,
-    stream: &str,
-    group: &str,
-    consumer: &str,
+    who: ConsumerRef<'_>,
     dead_letter_stream: &str,
     min_idle: Duration,
     count: usize,
 ) -> Result<Released, StreamError> {
-    let pending = pending_of(conn, stream, group, consumer, "-", count).await?;
+    let ConsumerRef { stream, group, consumer } = who;
+    let pending = pending_of(conn, who, "-", count).await?;
     let idle_ms = u64::try_from(min_idle.as_millis()).unwrap_or(u64::MAX).saturating_add(1);
     // First void its guard marks, so whoever claims its entries does not
     // wait them out; a consumer still alive is left alone.
-    if !declare_dead(conn, stream, group, consumer).await? {
+    if !declare_dead(conn, who).await? {
         return Ok(Released { alive: true, ..Released::default() });
     }
     let stale: Vec<&str> =
@@ -228,10 +219,9 @@ pub struct Released {
 /// a consumer drops its PEL, which would lose those entries for good.
 pub async fn delete_if_empty<C: ConnectionLike + Send>(
     conn: &mut C,
-    stream: &str,
-    group: &str,
-    consumer: &str,
+    who: ConsumerRef<'_>,
 ) -> Result<bool, StreamError> {
+    let ConsumerRef { stream, group, consumer } = who;
     let script = redis::Script::new(
         r"
         local owned = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])

@@ -31,6 +31,7 @@
 
 use crate::entry::Entry;
 use crate::error::StreamError;
+use crate::group_ref::ConsumerRef;
 use crate::keys;
 use redis::aio::ConnectionLike;
 
@@ -127,11 +128,10 @@ pub async fn record_not_started<C: ConnectionLike + Send>(
 /// must not start.
 pub async fn record_starts<C: ConnectionLike + Send>(
     conn: &mut C,
-    stream: &str,
-    group: &str,
-    consumer: &str,
+    who: ConsumerRef<'_>,
     starting: &[(&str, u64, Option<&str>)],
 ) -> Result<Vec<bool>, StreamError> {
+    let ConsumerRef { stream, group, consumer } = who;
     let runs: Vec<(&str, String, Option<&str>)> =
         starting.iter().map(|(id, deliveries, key)| (*id, deliveries.to_string(), *key)).collect();
     record_runs(conn, stream, group, consumer, &runs, "recording handlers' start").await

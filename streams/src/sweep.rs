@@ -31,6 +31,13 @@ pub struct SweepSettings<'a> {
     pub batch: usize,
 }
 
+impl<'a> SweepSettings<'a> {
+    /// The sweep's consumer of the group.
+    pub fn sweeper(&self) -> crate::ConsumerRef<'a> {
+        crate::ConsumerRef::new(self.stream, self.group, self.consumer)
+    }
+}
+
 /// `1` for each ARGV entry ID present in KEYS[1], `0` for each one gone.
 const PRESENT: &str = r"
     local out = {}
@@ -69,7 +76,7 @@ pub async fn sweep<C: ConnectionLike + Send>(
             break;
         }
     }
-    crate::consumers::delete_if_empty(conn, s.stream, s.group, s.consumer).await?;
+    crate::consumers::delete_if_empty(conn, s.sweeper()).await?;
     report.finished_at_ms = now_ms();
     Ok(report)
 }

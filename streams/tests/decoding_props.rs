@@ -468,11 +468,28 @@ async fn every_reader(replies: impl Fn(&str) -> Vec<Value>) -> Vec<(&'static str
     ));
     seen.push((
         "claim::autoclaim",
-        claim::autoclaim(&mut conn("claim::autoclaim"), "s", "g", "c1", &loss, idle, "0-0", 10).await.is_ok(),
+        claim::autoclaim(
+            &mut conn("claim::autoclaim"),
+            streamfleet_streams::ConsumerRef::new("s", "g", "c1"),
+            &loss,
+            idle,
+            "0-0",
+            10,
+        )
+        .await
+        .is_ok(),
     ));
     seen.push((
         "claim::claim_own",
-        claim::claim_own(&mut conn("claim::claim_own"), "s", "g", "c1", &loss, "-", 2).await.is_ok(),
+        claim::claim_own(
+            &mut conn("claim::claim_own"),
+            streamfleet_streams::ConsumerRef::new("s", "g", "c1"),
+            &loss,
+            "-",
+            2,
+        )
+        .await
+        .is_ok(),
     ));
     seen.push((
         "claim::claim_ids",
@@ -480,21 +497,44 @@ async fn every_reader(replies: impl Fn(&str) -> Vec<Value>) -> Vec<(&'static str
     ));
     seen.push((
         "consumers::pending_of",
-        consumers::pending_of(&mut conn("consumers::pending_of"), "s", "g", "c1", "-", 10).await.is_ok(),
+        consumers::pending_of(
+            &mut conn("consumers::pending_of"),
+            streamfleet_streams::ConsumerRef::new("s", "g", "c1"),
+            "-",
+            10,
+        )
+        .await
+        .is_ok(),
     ));
     seen.push((
         "consumers::declare_dead",
-        consumers::declare_dead(&mut conn("consumers::declare_dead"), "s", "g", "c1").await.is_ok(),
+        consumers::declare_dead(
+            &mut conn("consumers::declare_dead"),
+            streamfleet_streams::ConsumerRef::new("s", "g", "c1"),
+        )
+        .await
+        .is_ok(),
     ));
     seen.push((
         "consumers::release_pending",
-        consumers::release_pending(&mut conn("consumers::release_pending"), "s", "g", "c1", "{s}:dead", idle, 10)
-            .await
-            .is_ok(),
+        consumers::release_pending(
+            &mut conn("consumers::release_pending"),
+            streamfleet_streams::ConsumerRef::new("s", "g", "c1"),
+            "{s}:dead",
+            idle,
+            10,
+        )
+        .await
+        .is_ok(),
     ));
     seen.push((
         "consumers::delete_if_empty",
-        consumers::delete_if_empty(&mut conn("consumers::delete_if_empty"), "s", "g", "c1").await.is_ok(),
+        consumers::delete_if_empty(
+            &mut conn("consumers::delete_if_empty"),
+            streamfleet_streams::ConsumerRef::new("s", "g", "c1"),
+        )
+        .await
+        .is_ok(),
     ));
     seen.push(("sweep::sweep", sweep::sweep(&mut conn("sweep::sweep"), &settings).await.is_ok()));
     seen.push(("version::server_version", version::server_version(&mut conn("version::server_version")).await.is_ok()));

@@ -62,7 +62,12 @@ async fn sweep_dead_letters_poison_records_lost_payloads_and_leaves_the_rest() -
     // The poison and the lost entry's handlers started, as a worker records
     // it: their letters can name the business key without the payload.
     let starting = [(ids[1].as_str(), 5, Some("order-poison")), (ids[2].as_str(), 1, Some("order-lost"))];
-    let held = streamfleet_streams::started::record_starts(&mut conn, "orders", "g", "w1", &starting).await?;
+    let held = streamfleet_streams::started::record_starts(
+        &mut conn,
+        streamfleet_streams::ConsumerRef::new("orders", "g", "w1"),
+        &starting,
+    )
+    .await?;
     assert_eq!(held, vec![true, true]);
     let _: i64 = conn.xdel("orders", &[&ids[2]]).await?; // lost: trimmed while pending
     tokio::time::sleep(Duration::from_millis(300)).await;

@@ -74,7 +74,9 @@ async fn a_parked_entry_waits_out_its_delay_unseen_by_idle_claims_and_keeps_its_
     );
 
     // Idle claims take the two others, never the parked one.
-    let claimed = autoclaim(&mut conn, "s", "g", "x", &LOSS, Duration::ZERO, "0-0", 10).await?;
+    let claimed =
+        autoclaim(&mut conn, streamfleet_streams::ConsumerRef::new("s", "g", "x"), &LOSS, Duration::ZERO, "0-0", 10)
+            .await?;
     let taken: Vec<&str> = claimed.entries.iter().map(|e| e.id.as_str()).collect();
     assert_eq!(taken, vec![ids[1].as_str(), ids[2].as_str()]);
     assert_eq!(claimed.next, "0-0");
@@ -82,7 +84,8 @@ async fn a_parked_entry_waits_out_its_delay_unseen_by_idle_claims_and_keeps_its_
     // Due claims: nothing until its delay is over, then it, counted.
     let mut first_taken = None;
     while first_taken.is_none() {
-        let due = claim_due(&mut conn, "s", "g", "x", &LOSS, &schedule, 5, 10).await?;
+        let due =
+            claim_due(&mut conn, streamfleet_streams::ConsumerRef::new("s", "g", "x"), &LOSS, &schedule, 5, 10).await?;
         if let Some(e) = due.entries.first() {
             first_taken = Some((parked_at.elapsed(), e.id.clone(), e.deliveries, due.waiting));
         } else {
@@ -129,7 +132,7 @@ async fn due_claims_read_the_index_and_the_pel_stays_the_truth() -> Result<()> {
         assert!(matches!(park(&mut conn, &entry(id, 1), "g", "w", &LOSS, &hour, "down", 0.0).await?, Parked::Until(_)));
     }
     let before = command_calls(&mut counter).await?;
-    let due = claim_due(&mut conn, "s", "g", "x", &LOSS, &hour, 5, 10).await?;
+    let due = claim_due(&mut conn, streamfleet_streams::ConsumerRef::new("s", "g", "x"), &LOSS, &hour, 5, 10).await?;
     let calls = calls_between(&before, &command_calls(&mut counter).await?);
     assert_eq!((due.entries.len(), due.waiting, due.indexed), (0, 200, true));
     assert_eq!(calls.get("xpending"), None, "no scan of the parked entries: {calls:?}");
@@ -139,7 +142,7 @@ async fn due_claims_read_the_index_and_the_pel_stays_the_truth() -> Result<()> {
     let span = streamfleet_streams::retry::INDEX_SPAN_MS;
     let (secs, _): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await?;
     let _: () = conn.zadd(&index, &ids[0], span).await?;
-    let due = claim_due(&mut conn, "s", "g", "x", &LOSS, &hour, 5, 10).await?;
+    let due = claim_due(&mut conn, streamfleet_streams::ConsumerRef::new("s", "g", "x"), &LOSS, &hour, 5, 10).await?;
     assert!(due.entries.is_empty(), "taken early on the index's word");
     let score: u64 = conn.zscore(&index, &ids[0]).await?;
     assert!((span + (secs - 5) * 1000..=span + (secs + 5) * 1000).contains(&score), "re-scored: {score}");
@@ -151,7 +154,7 @@ async fn due_claims_read_the_index_and_the_pel_stays_the_truth() -> Result<()> {
     }
     tokio::time::sleep(Duration::from_millis(1_100)).await;
     let before = command_calls(&mut counter).await?;
-    let due = claim_due(&mut conn, "s", "g", "x", &LOSS, &hour, 5, 10).await?;
+    let due = claim_due(&mut conn, streamfleet_streams::ConsumerRef::new("s", "g", "x"), &LOSS, &hour, 5, 10).await?;
     let calls = calls_between(&before, &command_calls(&mut counter).await?);
     // (In due order: two parked in the same millisecond tie, then go by ID text.)
     let mut taken: Vec<(&str, u64)> = due.entries.iter().map(|e| (e.id.as_str(), e.deliveries)).collect();
@@ -168,7 +171,7 @@ async fn due_claims_read_the_index_and_the_pel_stays_the_truth() -> Result<()> {
     }
     park(&mut conn, &entry(&ids[202], 1), "g", "w", &LOSS, &soon, "down", 0.0).await?;
     tokio::time::sleep(Duration::from_millis(1_100)).await;
-    let due = claim_due(&mut conn, "s", "g", "x", &LOSS, &hour, 5, 10).await?;
+    let due = claim_due(&mut conn, streamfleet_streams::ConsumerRef::new("s", "g", "x"), &LOSS, &hour, 5, 10).await?;
     let taken: Vec<&str> = due.entries.iter().map(|e| e.id.as_str()).collect();
     assert_eq!((taken, due.indexed), (vec![ids[202].as_str()], true));
     assert_eq!(conn.zcard::<_, u64>(&index).await?, 200, "the stale IDs dropped");
@@ -187,12 +190,12 @@ async fn due_claims_read_the_index_and_the_pel_stays_the_truth() -> Result<()> {
         park(&mut conn, &Entry { stream: "t".into(), ..entry(id, 1) }, "g", "w", &LOSS, &soon, "down", 0.0).await?;
     }
     let _: () = conn.del(&t_index).await?;
-    let due = claim_due(&mut conn, "t", "g", "x", &LOSS, &hour, 5, 10).await?;
+    let due = claim_due(&mut conn, streamfleet_streams::ConsumerRef::new("t", "g", "x"), &LOSS, &hour, 5, 10).await?;
     assert_eq!((due.entries.len(), due.waiting, due.indexed), (0, 2, false), "none due yet");
     assert_eq!(conn.zcard::<_, u64>(&t_index).await?, 2, "indexed again from the PEL");
     let _: () = conn.del(&t_index).await?;
     tokio::time::sleep(Duration::from_millis(1_100)).await;
-    let due = claim_due(&mut conn, "t", "g", "x", &LOSS, &hour, 5, 10).await?;
+    let due = claim_due(&mut conn, streamfleet_streams::ConsumerRef::new("t", "g", "x"), &LOSS, &hour, 5, 10).await?;
     let taken: Vec<&String> = due.entries.iter().map(|e| &e.id).collect();
     assert_eq!((taken, due.indexed), (lone.iter().collect(), false));
     assert_eq!(conn.zcard::<_, u64>(&t_index).await?, 0, "taken, not left in the index");
@@ -204,7 +207,7 @@ async fn due_claims_read_the_index_and_the_pel_stays_the_truth() -> Result<()> {
     assert_eq!(parked.len(), 200);
     let _: u64 = conn.xack("s", "g", &parked).await?;
     assert_eq!(conn.zcard::<_, u64>(&index).await?, 200, "stale IDs in the index");
-    let due = claim_due(&mut conn, "s", "g", "x", &LOSS, &hour, 5, 10).await?;
+    let due = claim_due(&mut conn, streamfleet_streams::ConsumerRef::new("s", "g", "x"), &LOSS, &hour, 5, 10).await?;
     assert_eq!((due.entries.len(), due.waiting), (0, 0));
     assert!(!conn.exists::<_, bool>(&index).await?, "the stale index dropped");
     Ok(())
@@ -230,8 +233,9 @@ async fn the_most_overdue_retries_are_taken_first_across_delivery_counts() -> Re
     tokio::time::sleep(Duration::from_millis(600)).await;
     park(&mut conn, &entry(&b, 10), "g", "w", &LOSS, &soon, "down", 0.0).await?;
     tokio::time::sleep(Duration::from_millis(1_100)).await;
-    let first = claim_due(&mut conn, "s", "g", "x", &LOSS, &hour, 10, 1).await?;
-    let second = claim_due(&mut conn, "s", "g", "x", &LOSS, &hour, 10, 1).await?;
+    let first = claim_due(&mut conn, streamfleet_streams::ConsumerRef::new("s", "g", "x"), &LOSS, &hour, 10, 1).await?;
+    let second =
+        claim_due(&mut conn, streamfleet_streams::ConsumerRef::new("s", "g", "x"), &LOSS, &hour, 10, 1).await?;
     let taken: Vec<&str> = first.entries.iter().chain(&second.entries).map(|e| e.id.as_str()).collect();
     assert_eq!(taken, vec![a.as_str(), b.as_str()], "the longer overdue first");
     Ok(())
@@ -302,7 +306,9 @@ async fn idle_claims_page_through_every_consumer_once_and_skip_the_parked() -> R
     let mut cursor = "0-0".to_string();
     let mut steps = 0;
     loop {
-        let claimed = autoclaim(&mut conn, "s", "g", "x", &LOSS, min_idle, &cursor, 2).await?;
+        let claimed =
+            autoclaim(&mut conn, streamfleet_streams::ConsumerRef::new("s", "g", "x"), &LOSS, min_idle, &cursor, 2)
+                .await?;
         taken.extend(claimed.entries.iter().map(|e| e.id.clone()));
         steps += 1;
         if steps == 2 {

@@ -29,7 +29,7 @@ async fn start_records_are_written_for_exactly_the_entries_the_consumer_holds() 
         redis::cmd("XCLAIM").arg("orders").arg("g").arg("other").arg(0).arg(&ids[6]).query_async(&mut conn).await?;
     // Three asked, six of w's entries between the lowest and the highest.
     let starting = [(ids[7].as_str(), 1, None), (ids[0].as_str(), 1, Some("k0")), (ids[6].as_str(), 1, None)];
-    let held = record_starts(&mut conn, "orders", "g", "w", &starting).await?;
+    let held = record_starts(&mut conn, streamfleet_streams::ConsumerRef::new("orders", "g", "w"), &starting).await?;
     assert_eq!(held, vec![true, true, false], "held: the last and the first; the claimed one is not");
     let records: std::collections::HashMap<String, String> = conn.hgetall(last_error_key("orders", "g")).await?;
     let mut fields: Vec<&str> = records.keys().map(String::as_str).collect();

@@ -16,7 +16,7 @@
 //!   delivery (`started`).
 
 use streamfleet_streams::retention::StreamId;
-use streamfleet_streams::{StreamConnection, StreamError};
+use streamfleet_streams::{ConsumerRef, StreamConnection, StreamError};
 
 /// KEYS: stream, the group's alive registry, the stream's server epoch,
 /// then the marks of the entries that have one (in order). ARGV: group,
@@ -153,9 +153,7 @@ pub struct Held<'a> {
 
 /// This consumer's hold on one stream's entries.
 pub struct Lease<'a> {
-    pub stream: &'a str,
-    pub group: &'a str,
-    pub consumer: &'a str,
+    pub holder: ConsumerRef<'a>,
 }
 
 impl Lease<'_> {
@@ -171,11 +169,11 @@ impl Lease<'_> {
         }
         let mut script = EXTEND.prepare_invoke();
         script
-            .key(self.stream)
-            .key(streamfleet_streams::keys::alive_key(self.stream, self.group))
-            .key(streamfleet_streams::keys::server_epoch_key(self.stream))
-            .arg(self.group)
-            .arg(self.consumer)
+            .key(self.holder.stream)
+            .key(streamfleet_streams::keys::alive_key(self.holder.stream, self.holder.group))
+            .key(streamfleet_streams::keys::server_epoch_key(self.holder.stream))
+            .arg(self.holder.group)
+            .arg(self.holder.consumer)
             .arg(mark_ttl_ms);
         for h in held {
             script.arg(h.id);
@@ -204,10 +202,10 @@ impl Lease<'_> {
         let (low, high) = StreamId::span(settled.iter().map(|(id, _)| *id));
         let mut script = COMMIT.prepare_invoke();
         script
-            .key(self.stream)
-            .key(streamfleet_streams::keys::last_error_key(self.stream, self.group))
-            .arg(self.group)
-            .arg(self.consumer)
+            .key(self.holder.stream)
+            .key(streamfleet_streams::keys::last_error_key(self.holder.stream, self.holder.group))
+            .arg(self.holder.group)
+            .arg(self.holder.consumer)
             .arg(completed_ttl_ms)
             .arg(low)
             .arg(high);
@@ -245,18 +243,18 @@ impl Lease<'_> {
         started: bool,
     ) -> Result<bool, StreamError> {
         let mut script = HAND_BACK.prepare_invoke();
-        let (key, value) = held.mark.clone().unwrap_or_else(|| (self.stream.to_string(), String::new()));
+        let (key, value) = held.mark.clone().unwrap_or_else(|| (self.holder.stream.to_string(), String::new()));
         let ended = if started {
             streamfleet_streams::started::ended(deliveries)
         } else {
             streamfleet_streams::started::handed_back(deliveries)
         };
         script
-            .key(self.stream)
+            .key(self.holder.stream)
             .key(key)
-            .key(streamfleet_streams::keys::last_error_key(self.stream, self.group))
-            .arg(self.group)
-            .arg(self.consumer)
+            .key(streamfleet_streams::keys::last_error_key(self.holder.stream, self.holder.group))
+            .arg(self.holder.group)
+            .arg(self.holder.consumer)
             .arg(held.id)
             .arg(idle_ms)
             .arg(value)

@@ -237,7 +237,14 @@ impl Flows {
             .await?;
         self.delete(&released[1]).await?;
         let idle = Duration::from_millis(300);
-        let r = consumers::release_pending(&mut self.conn, "orders", "g", "dead-pod-2", DEAD, idle, 10).await?;
+        let r = consumers::release_pending(
+            &mut self.conn,
+            streamfleet_streams::ConsumerRef::new("orders", "g", "dead-pod-2"),
+            DEAD,
+            idle,
+            10,
+        )
+        .await?;
         assert_eq!((r.released, r.payload_lost), (1, 1));
         // The worker's own entry from before it restarted.
         let own = self.add("ok", "own").await?;
@@ -356,7 +363,10 @@ impl Flows {
         assert!(trim.blocked && trim.trimmed > 0, "{trim:?}");
         assert_eq!(retention::trim_to(conn, "orders", StreamId { ms: now, seq: 0 }).await?, 0, "held at the floor");
         assert_eq!(dlq::cap(conn, DEAD, 1000).await?, 0);
-        assert!(consumers::delete_if_empty(conn, "orders", "g", "dead-pod").await?, "owns nothing any more");
+        assert!(
+            consumers::delete_if_empty(conn, streamfleet_streams::ConsumerRef::new("orders", "g", "dead-pod")).await?,
+            "owns nothing any more"
+        );
 
         // The dead-letter tool: list, show, stats, replay, purge.
         let page =

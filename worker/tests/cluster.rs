@@ -21,6 +21,9 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_on_a_cluster_handles_acks_and_dead_letters() -> Result<()> {
     let _one = ONE_AT_A_TIME.lock().await;
+    // It timed out once in a while (20 s for a 3 s test): a failure shows
+    // the worker's log and the last state seen.
+    streamfleet_testbed::test_logs();
     let cluster = RedisCluster::start(3).await?;
     let mut conn = cluster.connection().await?;
     streamfleet_streams::ensure_group(&mut conn, "orders", "g", "0").await?;
@@ -41,13 +44,27 @@ async fn a_worker_on_a_cluster_handles_acks_and_dead_letters() -> Result<()> {
     let config = cluster_config(&cluster, 1000);
     let handler = Scripted::default();
     let (stop, run) = spawn(Worker::new(config, handler.clone()).with_idempotency_guard(Duration::from_secs(600)));
-    eventually("all settled", T, || async {
-        let p: redis::streams::StreamPendingReply =
-            redis::cmd("XPENDING").arg("orders").arg("g").query_async(&mut conn.clone()).await?;
+    let seen = std::sync::Mutex::new(String::new());
+    let settled = eventually("all settled", T, || async {
+        let pending: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+            .arg("orders")
+            .arg("g")
+            .arg("-")
+            .arg("+")
+            .arg(100)
+            .query_async(&mut conn.clone())
+            .await?;
         let dead: usize = redis::cmd("XLEN").arg("{orders}:dead:g").query_async(&mut conn.clone()).await?;
-        Ok((handler.total() == 20 && p.count() == 0 && dead == 1).then_some(()))
+        if let Ok(mut seen) = seen.lock() {
+            *seen = format!(
+                "handled {}, pending (id, owner, idle ms, deliveries) {pending:?}, dead letters {dead}",
+                handler.total()
+            );
+        }
+        Ok((handler.total() == 20 && pending.is_empty() && dead == 1).then_some(()))
     })
-    .await?;
+    .await;
+    settled.map_err(|e| anyhow::anyhow!("{e}; last seen: {}", seen.lock().map(|s| s.clone()).unwrap_or_default()))?;
     let _ = stop.send(());
     tokio::time::timeout(Duration::from_secs(10), run).await???;
     Ok(())

@@ -360,9 +360,7 @@ async fn entries_of_a_consumer_declared_dead_are_handled_at_once_despite_its_gua
     // lost one is recorded, not silently dropped.
     let released = streamfleet_streams::consumers::release_pending(
         &mut conn,
-        "orders",
-        "g",
-        "dead-pod",
+        streamfleet_streams::ConsumerRef::new("orders", "g", "dead-pod"),
         "{orders}:dead:g",
         Duration::from_secs(60),
         10,
@@ -661,8 +659,15 @@ async fn shutdown_starts_no_new_handler_and_releases_what_it_did_not_start() -> 
         streamfleet_streams::claim::LossRecord { dead_letter_stream: "{orders}:dead:g", consumer: "c2", why: "gone" };
     // (With no min idle: on a server younger than min-idle-time a claim
     // waits for holders to renew, `claim::claim_rules_lua`.)
-    let claimed =
-        streamfleet_streams::claim::autoclaim(&mut conn, "orders", "g", "c2", &loss, Duration::ZERO, "0-0", 10).await?;
+    let claimed = streamfleet_streams::claim::autoclaim(
+        &mut conn,
+        streamfleet_streams::ConsumerRef::new("orders", "g", "c2"),
+        &loss,
+        Duration::ZERO,
+        "0-0",
+        10,
+    )
+    .await?;
     let deliveries: Vec<(String, u64)> = claimed.entries.into_iter().map(|e| (e.id, e.deliveries)).collect();
     assert_eq!(deliveries, waiting.iter().map(|id| (id.clone(), 1)).collect::<Vec<_>>());
     Ok(())
@@ -857,7 +862,7 @@ async fn a_commit_sent_twice_acks_once_and_never_acks_what_another_holds() -> Re
     let settled = [(ours.as_str(), Some(completion(&ours, "k0"))), (taken.as_str(), Some(completion(&taken, "k1")))];
     let endpoint = streamfleet_streams::Endpoint::new(server.url(), streamfleet_streams::Mode::Standalone);
     let mut stream_conn = streamfleet_streams::StreamConnection::connect(&endpoint).await?;
-    let lease = Lease { stream: "orders", group: "g", consumer: "w" };
+    let lease = Lease { holder: streamfleet_streams::ConsumerRef::new("orders", "g", "w") };
     let state = |mut c: redis::aio::MultiplexedConnection| async move {
         let pending: redis::streams::StreamPendingCountReply = c.xpending_count("orders", "g", "-", "+", 10).await?;
         let owners: Vec<(String, String)> = pending.ids.into_iter().map(|p| (p.id, p.consumer)).collect();

@@ -34,7 +34,16 @@ async fn claims_by_another(url: &str, min_idle: Duration, window: Duration) -> R
             continue;
         };
         while Instant::now() < until {
-            match autoclaim(&mut conn, "orders", "g", "b", &LOSS, min_idle, "0-0", 100).await {
+            match autoclaim(
+                &mut conn,
+                streamfleet_streams::ConsumerRef::new("orders", "g", "b"),
+                &LOSS,
+                min_idle,
+                "0-0",
+                100,
+            )
+            .await
+            {
                 Ok(claimed) => taken.extend(claimed.entries.into_iter().map(|e| e.id)),
                 Err(_) => break,
             }
@@ -148,7 +157,9 @@ async fn a_server_stall_longer_than_min_idle_hands_no_live_holders_entry_to_anot
         tokio::time::sleep(Duration::from_millis(300)).await;
         let conn = &mut other;
         let min_idle = Duration::from_millis(min_idle_ms);
-        match autoclaim(conn, "orders", "g", "c", &LOSS, min_idle, "0-0", 10).await {
+        match autoclaim(conn, streamfleet_streams::ConsumerRef::new("orders", "g", "c"), &LOSS, min_idle, "0-0", 10)
+            .await
+        {
             Ok(claimed) => anyhow::Ok(claimed.entries.into_iter().map(|e| e.id).collect::<Vec<_>>()),
             // Valkey refuses a script while another runs (BUSY): nothing taken.
             Err(e) if e.to_string().contains("BUSY") => Ok(Vec::new()),
@@ -511,9 +522,14 @@ async fn an_idle_live_worker_without_its_pod_is_not_declared_dead() -> Result<()
     .await?;
     tokio::time::sleep(Duration::from_secs(3)).await;
     // What the operator's reaper does for a consumer without a pod.
-    let released =
-        consumers::release_pending(&mut conn, "orders", "g", "pod-a", "{orders}:dead:g", Duration::from_secs(60), 10)
-            .await?;
+    let released = consumers::release_pending(
+        &mut conn,
+        streamfleet_streams::ConsumerRef::new("orders", "g", "pod-a"),
+        "{orders}:dead:g",
+        Duration::from_secs(60),
+        10,
+    )
+    .await?;
     let declared: Option<f64> = conn.zscore(&dead, "pod-a").await?;
     let _ = stop.send(());
     running.await??;
@@ -548,14 +564,30 @@ async fn a_delivery_that_died_before_recording_anything_counts_and_one_handed_ba
     // Three more workers claim it and die before writing a word.
     let mut seen = Vec::new();
     for claimer in ["w2", "w3", "w4"] {
-        let claimed = autoclaim(&mut conn, "orders", "g", claimer, &LOSS, Duration::ZERO, "0-0", 10).await?;
+        let claimed = autoclaim(
+            &mut conn,
+            streamfleet_streams::ConsumerRef::new("orders", "g", claimer),
+            &LOSS,
+            Duration::ZERO,
+            "0-0",
+            10,
+        )
+        .await?;
         seen.extend(claimed.entries.into_iter().map(|e| e.deliveries));
     }
     assert_eq!(seen, vec![2, 3, 4], "each claim of an entry nobody recorded counts");
     // A fifth takes it and hands it back unstarted (shutting down).
-    let fifth = autoclaim(&mut conn, "orders", "g", "w5", &LOSS, Duration::ZERO, "0-0", 10).await?;
+    let fifth = autoclaim(
+        &mut conn,
+        streamfleet_streams::ConsumerRef::new("orders", "g", "w5"),
+        &LOSS,
+        Duration::ZERO,
+        "0-0",
+        10,
+    )
+    .await?;
     assert_eq!(fifth.entries.iter().map(|e| e.deliveries).collect::<Vec<_>>(), vec![5]);
-    let lease = streamfleet_worker::lease::Lease { stream: "orders", group: "g", consumer: "w5" };
+    let lease = streamfleet_worker::lease::Lease { holder: streamfleet_streams::ConsumerRef::new("orders", "g", "w5") };
     let held = streamfleet_worker::lease::Held { id: &huge, mark: None };
     let endpoint = streamfleet_streams::Endpoint::new(server.url(), streamfleet_streams::Mode::Standalone);
     let mut w5 = streamfleet_streams::StreamConnection::connect(&endpoint).await?;
@@ -575,7 +607,15 @@ async fn a_delivery_that_died_before_recording_anything_counts_and_one_handed_ba
     let report = sweep(&mut conn, &sweep_at(5)).await?;
     assert_eq!((report.dead_lettered, dead_letters(&mut conn).await?.len()), (0, 0));
     // The next claim does not count it either.
-    let next = autoclaim(&mut conn, "orders", "g", "w6", &LOSS, Duration::ZERO, "0-0", 10).await?;
+    let next = autoclaim(
+        &mut conn,
+        streamfleet_streams::ConsumerRef::new("orders", "g", "w6"),
+        &LOSS,
+        Duration::ZERO,
+        "0-0",
+        10,
+    )
+    .await?;
     assert_eq!(next.entries.iter().map(|e| e.deliveries).collect::<Vec<_>>(), vec![5]);
     // w6 dies before recording anything: now five counted, the sweep takes it.
     tokio::time::sleep(Duration::from_millis(20)).await;

@@ -14,7 +14,7 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Resource as _, ResourceExt as _};
 use std::sync::Arc;
 use streamfleet_crd::StreamConsumerGroup;
-use streamfleet_streams::{GroupCreation, StreamConnection};
+use streamfleet_streams::{ConsumerRef, GroupCreation, StreamConnection};
 
 /// Field managers, one per call site, so `managedFields` says who set what.
 const MANAGER_DEPLOYMENT: &str = "streamfleet-worker-deployment";
@@ -265,9 +265,7 @@ async fn reap_consumer(
     let result = match reap {
         Reap::Release(name) => consumers::release_pending(
             conn,
-            stream,
-            &spec.group,
-            name,
+            ConsumerRef::new(stream, &spec.group, name),
             &spec.dead_letter_stream_of(stream),
             spec.min_idle,
             spec.batch,
@@ -303,9 +301,11 @@ async fn reap_consumer(
                 )
             })
         }),
-        Reap::Delete(name) => consumers::delete_if_empty(conn, stream, &spec.group, name).await.map(|deleted| {
-            deleted.then(|| ("DeadConsumerDeleted", format!("deleted consumer {name} (pod gone, owned nothing)")))
-        }),
+        Reap::Delete(name) => {
+            consumers::delete_if_empty(conn, ConsumerRef::new(stream, &spec.group, name)).await.map(|deleted| {
+                deleted.then(|| ("DeadConsumerDeleted", format!("deleted consumer {name} (pod gone, owned nothing)")))
+            })
+        }
     };
     match result {
         Ok(Some((reason, note))) => {

@@ -219,7 +219,13 @@ async fn a_vanished_group_is_created_again_without_its_old_entries_records() {
     let opts = redis::streams::StreamReadOptions::default().group(&group, "w1");
     let _: redis::Value = admin.xread_options(&[&stream], &[">"], &opts).await.unwrap();
     let starting = [(id.as_str(), 1, Some("order-1"))];
-    streamfleet_streams::started::record_starts(&mut admin, &stream, &group, "w1", &starting).await.unwrap();
+    streamfleet_streams::started::record_starts(
+        &mut admin,
+        streamfleet_streams::ConsumerRef::new(&stream, &group, "w1"),
+        &starting,
+    )
+    .await
+    .unwrap();
     assert!(recorded(&mut admin).await > 0);
     let due = streamfleet_streams::keys::retry_due_key(&stream, &group);
     let _: () = admin.zadd(&due, &id, 1).await.unwrap();

@@ -232,6 +232,13 @@ pub fn write_figure(name: &str, figure: &serde_json::Value) -> Result<()> {
 /// `docs/figures/<name>.json` (see [`write_figure`]). Refused on an
 /// uncommitted tree (the figure would name no commit that has its code)
 /// unless `STREAMFLEET_FIGURES_DIRTY=1`.
+/// Shows the libraries' logs (info and up; `RUST_LOG` overrides) in a test's
+/// captured output, so a failing test prints what the worker saw and did.
+pub fn test_logs() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(false).with_test_writer().try_init();
+}
+
 pub fn publish_figure(name: &str, figure: &serde_json::Value) -> Result<()> {
     let commit = environment()["commit"].as_str().unwrap_or_default().to_string();
     if commit.ends_with("-dirty") && std::env::var("STREAMFLEET_FIGURES_DIRTY").as_deref() != Ok("1") {

@@ -262,7 +262,12 @@ impl<H: Handler> Worker<H> {
     }
 
     pub(super) fn lease<'a>(&'a self, stream: &'a str) -> Lease<'a> {
-        Lease { stream, group: &self.config.group, consumer: &self.config.consumer }
+        Lease { holder: self.me(stream) }
+    }
+
+    /// This worker's consumer of the group on `stream`.
+    pub(super) fn me<'a>(&'a self, stream: &'a str) -> ConsumerRef<'a> {
+        ConsumerRef::new(stream, &self.config.group, &self.config.consumer)
     }
 
     /// An entry in hand, with its guard mark when the Redis guard gave it one.

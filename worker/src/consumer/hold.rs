@@ -106,7 +106,7 @@ impl HoldSite {
                 Ok(conn) => futures::future::join_all(site.streams.iter().map(|stream| {
                     let mut conn = conn.clone();
                     async move {
-                        let beat = consumers::heartbeat(&mut conn, stream, &site.group, &site.consumer);
+                        let beat = consumers::heartbeat(&mut conn, ConsumerRef::new(stream, &site.group, &site.consumer));
                         match tokio::time::timeout(HEARTBEAT_EVERY, beat).await {
                             Ok(Ok(true)) => {
                                 tracing::warn!(stream = %stream, consumer = %site.consumer, "this consumer had been declared dead while alive; no longer");
@@ -167,7 +167,7 @@ impl HoldSite {
             for (stream, open) in batch.open_by_stream() {
                 let held: Vec<Held> =
                     open.iter().map(|&i| Held { id: &batch.entries[i].id, mark: marks[i].clone() }).collect();
-                let lease = Lease { stream, group, consumer };
+                let lease = Lease { holder: ConsumerRef::new(stream, group, consumer) };
                 match lease.extend(&mut conn, ttl, &held).await {
                     Ok(owned) => {
                         for (i, ours) in open.into_iter().zip(owned) {

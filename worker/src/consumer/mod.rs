@@ -34,7 +34,7 @@ use streamfleet_streams::deadletter::{self, Letter, Reason};
 use streamfleet_streams::entry::read_reply_from_value;
 use streamfleet_streams::recovery::{RecoveryReport, now_ms, write_report};
 use streamfleet_streams::retry::Parked;
-use streamfleet_streams::{Entry, StreamConnection, StreamError};
+use streamfleet_streams::{ConsumerRef, Entry, StreamConnection, StreamError};
 
 /// What becomes of one entry of a batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -49,9 +49,7 @@ impl<H: Handler> Worker<H> {
             while !stopping(stop) {
                 let own = claim_own(
                     conn,
-                    stream,
-                    &self.config.group,
-                    &self.config.consumer,
+                    self.me(stream),
                     &self.loss_record(&dead_letter_stream),
                     &after,
                     self.config.batch_size,
@@ -131,9 +129,7 @@ impl<H: Handler> Worker<H> {
             }
             let due = match claim_due(
                 conn,
-                stream,
-                &self.config.group,
-                &self.config.consumer,
+                self.me(stream),
                 &self.loss_record(dead_letter_stream),
                 &self.config.retry,
                 self.config.max_deliveries,
@@ -185,9 +181,7 @@ impl<H: Handler> Worker<H> {
             loop {
                 let claimed = match autoclaim(
                     conn,
-                    stream,
-                    &self.config.group,
-                    &self.config.consumer,
+                    self.me(stream),
                     &self.loss_record(&dead_letter_stream),
                     self.config.min_idle,
                     &cursor,

@@ -49,7 +49,6 @@ impl<H: Handler> Worker<H> {
             // One script per stream, all at once, each stream's handlers told
             // as soon as its script returns: a shard failing over holds up no
             // other shard's handlers.
-            let (group, consumer) = (&self.config.group, &self.config.consumer);
             let mut scripts: futures::stream::FuturesUnordered<_> = by_stream
                 .iter()
                 .map(|(&stream, requests)| {
@@ -65,8 +64,7 @@ impl<H: Handler> Worker<H> {
                     let mut conn = conn.clone();
                     async move {
                         let held =
-                            streamfleet_streams::started::record_starts(&mut conn, stream, group, consumer, &starting)
-                                .await;
+                            streamfleet_streams::started::record_starts(&mut conn, self.me(stream), &starting).await;
                         (stream, held)
                     }
                 })

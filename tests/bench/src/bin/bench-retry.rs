@@ -76,10 +76,13 @@ async fn arrange(conn: &mut Conn, stream: &str, n: usize, park: bool) -> Result<
 
 /// One worker claim step: due retries, then one page of idle entries.
 async fn library_step(conn: &mut Conn, stream: &str, schedule: &Schedule) -> Result<usize> {
-    let due = claim_due(conn, stream, "g", "x", &LOSS, schedule, 5, PAGE).await?;
+    let due =
+        claim_due(conn, streamfleet_streams::ConsumerRef::new(stream, "g", "x"), &LOSS, schedule, 5, PAGE).await?;
     ensure!(due.entries.is_empty(), "nothing is due");
     ensure!(due.indexed || stream != "big", "the due-time index serves the claim, no scan");
-    let claimed = autoclaim(conn, stream, "g", "x", &LOSS, Duration::ZERO, "0-0", PAGE).await?;
+    let claimed =
+        autoclaim(conn, streamfleet_streams::ConsumerRef::new(stream, "g", "x"), &LOSS, Duration::ZERO, "0-0", PAGE)
+            .await?;
     Ok(claimed.entries.len())
 }
 
