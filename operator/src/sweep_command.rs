@@ -74,7 +74,7 @@ async fn write_report_everywhere(
     total: &streamfleet_streams::recovery::RecoveryReport,
 ) -> Result<(), streamfleet_streams::StreamError> {
     for stream in &config.streams {
-        write_report(conn, stream, &config.group, total).await?;
+        write_report(conn, streamfleet_streams::GroupRef::new(stream, &config.group), total).await?;
     }
     Ok(())
 }

@@ -3,6 +3,7 @@
 use crate::entry::{Entry, entries_from_value};
 use crate::error::StreamError;
 use crate::group_ref::ConsumerRef;
+use crate::group_ref::GroupRef;
 use redis::aio::ConnectionLike;
 use std::time::Duration;
 
@@ -209,11 +210,11 @@ pub enum Claimability {
 /// ([`claim_rules_lua`]): one round trip.
 pub async fn claimable<C: ConnectionLike + Send>(
     conn: &mut C,
-    stream: &str,
-    group: &str,
+    of: GroupRef<'_>,
     min_idle_ms: u64,
     entries: &[(u64, &str)],
 ) -> Result<Vec<Claimability>, StreamError> {
+    let GroupRef { stream, group } = of;
     if entries.is_empty() {
         return Ok(Vec::new());
     }
@@ -763,12 +764,12 @@ pub struct ClaimedIds {
 /// acked) by the same script.
 pub async fn claim_ids<C: ConnectionLike + Send>(
     conn: &mut C,
-    stream: &str,
-    group: &str,
+    of: GroupRef<'_>,
     loss: &LossRecord<'_>,
     how: &ClaimIds<'_>,
     ids: &[&str],
 ) -> Result<ClaimedIds, StreamError> {
+    let GroupRef { stream, group } = of;
     let mut script = prepare(&CLAIM_IDS, stream, group, loss);
     script
         .key(crate::keys::last_error_key(stream, group))
@@ -807,7 +808,7 @@ pub async fn claim_own<C: ConnectionLike + Send>(
     // XPENDING above has a fresh idle time and is left to them.
     let least_idle = pending.iter().map(|(_, _, idle, _)| *idle).min().unwrap_or(0);
     let how = ClaimIds { consumer, min_idle_ms: least_idle, set_idle_ms: None, just_id: false };
-    let claimed = claim_ids(conn, stream, group, loss, &how, &ids).await?;
+    let claimed = claim_ids(conn, crate::GroupRef::new(stream, group), loss, &how, &ids).await?;
     let entries = claimed_entries(stream, claimed.reply, claimed.deliveries, claimed.crashes)
         .map_err(|e| StreamError::new("taking back own pending entries", e))?;
     Ok(Claimed { entries, deleted: claimed.lost, next, deferred: false })

@@ -196,7 +196,7 @@ pub async fn release_pending<C: ConnectionLike + Send>(
         why: "payload trimmed or deleted while pending (found releasing a dead consumer)",
     };
     let how = crate::claim::ClaimIds { consumer, min_idle_ms: 0, set_idle_ms: Some(idle_ms), just_id: true };
-    let claimed = crate::claim::claim_ids(conn, stream, group, &loss, &how, &stale).await?;
+    let claimed = crate::claim::claim_ids(conn, crate::GroupRef::new(stream, group), &loss, &how, &stale).await?;
     let lost = claimed.lost;
     let released: Vec<String> = redis::FromRedisValue::from_redis_value(claimed.reply)
         .map_err(|e| StreamError::new("releasing a dead consumer's entries", e.into()))?;

@@ -7,6 +7,7 @@
 
 use crate::entry::Entry;
 use crate::error::StreamError;
+use crate::group_ref::GroupRef;
 use crate::keys;
 use redis::aio::ConnectionLike;
 
@@ -210,10 +211,10 @@ pub async fn record_last_error<C: ConnectionLike + Send>(
 /// The recorded last error of a pending entry, if any.
 pub async fn last_error<C: ConnectionLike + Send>(
     conn: &mut C,
-    stream: &str,
-    group: &str,
+    of: GroupRef<'_>,
     id: &str,
 ) -> Result<Option<String>, StreamError> {
+    let GroupRef { stream, group } = of;
     redis::cmd("HGET")
         .arg(keys::last_error_key(stream, group))
         .arg(id)

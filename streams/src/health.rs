@@ -8,6 +8,7 @@
 //! Redis on every poll while the group is behind.
 
 use crate::error::StreamError;
+use crate::group_ref::GroupRef;
 use redis::aio::ConnectionLike;
 use redis::streams::StreamInfoConsumersReply;
 
@@ -345,10 +346,10 @@ type Positions = (u64, u64, String, i64, i64, u64, String, u64, Vec<Pending>);
 /// Inspects `group` on `stream`. `Ok(None)`: the group (or stream) does not exist.
 pub async fn inspect<C: ConnectionLike + Send>(
     conn: &mut C,
-    stream: &str,
-    group: &str,
+    of: GroupRef<'_>,
     dead_letter_stream: &str,
 ) -> Result<Option<GroupSnapshot>, StreamError> {
+    let GroupRef { stream, group } = of;
     let err = |e| StreamError::new("inspecting the group", e);
     let mut positions = POSITIONS.prepare_invoke();
     positions.key(stream).arg(group).arg(LAG_COUNT_BOUND).arg(OLDEST_SAMPLE);

@@ -9,6 +9,7 @@
 //!   (newest first, at most [`LATEST`]).
 
 use crate::error::StreamError;
+use crate::group_ref::GroupRef;
 use crate::keys;
 use redis::aio::ConnectionLike;
 
@@ -33,11 +34,8 @@ pub struct PayloadLoss {
 }
 
 /// Reads the record (one round trip).
-pub async fn read<C: ConnectionLike + Send>(
-    conn: &mut C,
-    stream: &str,
-    group: &str,
-) -> Result<PayloadLoss, StreamError> {
+pub async fn read<C: ConnectionLike + Send>(conn: &mut C, of: GroupRef<'_>) -> Result<PayloadLoss, StreamError> {
+    let GroupRef { stream, group } = of;
     let mut pipe = redis::pipe();
     pipe.cmd("HGET").arg(count_key(stream, group)).arg("count");
     pipe.cmd("LRANGE").arg(ids_key(stream, group)).arg(0).arg(LATEST - 1);

@@ -4,6 +4,7 @@
 //! bounded whatever the PEL's size.
 
 use crate::error::StreamError;
+use crate::group_ref::GroupRef;
 use crate::keys;
 use crate::retry::parked_deliveries;
 use redis::aio::ConnectionLike;
@@ -24,13 +25,13 @@ pub struct Pending {
 /// first), of one consumer if given, idle at least `min_idle_ms` if given.
 pub async fn page<C: ConnectionLike + Send>(
     conn: &mut C,
-    stream: &str,
-    group: &str,
+    of: GroupRef<'_>,
     after: Option<&str>,
     count: usize,
     consumer: Option<&str>,
     min_idle_ms: Option<u64>,
 ) -> Result<Vec<Pending>, StreamError> {
+    let GroupRef { stream, group } = of;
     let mut cmd = redis::cmd("XPENDING");
     cmd.arg(stream).arg(group);
     if let Some(idle) = min_idle_ms {

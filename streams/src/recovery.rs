@@ -3,6 +3,7 @@
 //! resource's status without the recovery Job needing any API credentials.
 
 use crate::error::StreamError;
+use crate::group_ref::GroupRef;
 use crate::keys;
 use redis::aio::ConnectionLike;
 use std::collections::HashMap;
@@ -30,10 +31,10 @@ pub fn report_key(stream: &str, group: &str) -> String {
 
 pub async fn write_report<C: ConnectionLike + Send>(
     conn: &mut C,
-    stream: &str,
-    group: &str,
+    of: GroupRef<'_>,
     report: &RecoveryReport,
 ) -> Result<(), StreamError> {
+    let GroupRef { stream, group } = of;
     let () = redis::cmd("HSET")
         .arg(report_key(stream, group))
         .arg("finished-at-ms")
@@ -55,9 +56,9 @@ pub async fn write_report<C: ConnectionLike + Send>(
 /// The last report, if a recovery ever ran.
 pub async fn read_report<C: ConnectionLike + Send>(
     conn: &mut C,
-    stream: &str,
-    group: &str,
+    of: GroupRef<'_>,
 ) -> Result<Option<RecoveryReport>, StreamError> {
+    let GroupRef { stream, group } = of;
     let fields: HashMap<String, u64> = redis::cmd("HGETALL")
         .arg(report_key(stream, group))
         .query_async(conn)

@@ -131,7 +131,7 @@ async fn judge<C: ConnectionLike + Send>(
 ) -> Result<(Vec<PendingRow>, HashSet<String>), StreamError> {
     use crate::claim::Claimability;
     let rows: Vec<(u64, &str)> = page.iter().map(|(_, owner, idle, _)| (*idle, owner.as_str())).collect();
-    let claimable = crate::claim::claimable(conn, s.stream, s.group, min_idle_ms, &rows).await?;
+    let claimable = crate::claim::claimable(conn, crate::GroupRef::new(s.stream, s.group), min_idle_ms, &rows).await?;
     let mut owner_alive = HashSet::new();
     let mut kept = Vec::new();
     for (row, c) in page.into_iter().zip(claimable) {

@@ -410,17 +410,31 @@ async fn every_reader(replies: impl Fn(&str) -> Vec<Value>) -> Vec<(&'static str
     let how = claim::ClaimIds { consumer: "c1", min_idle_ms: 0, set_idle_ms: Some(5), just_id: false };
     let filter = Filter { reasons: vec!["permanent".into()], since_ms: Some(1), ..Filter::default() };
     let mut seen = Vec::new();
-    seen.push(("health::inspect", health::inspect(&mut conn("health::inspect"), "s", "g", "{s}:dead").await.is_ok()));
-    seen.push(("payload_loss::read", payload_loss::read(&mut conn("payload_loss::read"), "s", "g").await.is_ok()));
+    seen.push((
+        "health::inspect",
+        health::inspect(&mut conn("health::inspect"), streamfleet_streams::GroupRef::new("s", "g"), "{s}:dead")
+            .await
+            .is_ok(),
+    ));
+    seen.push((
+        "payload_loss::read",
+        payload_loss::read(&mut conn("payload_loss::read"), streamfleet_streams::GroupRef::new("s", "g")).await.is_ok(),
+    ));
     seen.push((
         "recovery::read_report",
-        recovery::read_report(&mut conn("recovery::read_report"), "s", "g").await.is_ok(),
+        recovery::read_report(&mut conn("recovery::read_report"), streamfleet_streams::GroupRef::new("s", "g"))
+            .await
+            .is_ok(),
     ));
     seen.push((
         "recovery::write_report",
-        recovery::write_report(&mut conn("recovery::write_report"), "s", "g", &recovery::RecoveryReport::default())
-            .await
-            .is_ok(),
+        recovery::write_report(
+            &mut conn("recovery::write_report"),
+            streamfleet_streams::GroupRef::new("s", "g"),
+            &recovery::RecoveryReport::default(),
+        )
+        .await
+        .is_ok(),
     ));
     seen.push(("retention::safe_floor", retention::safe_floor(&mut conn("retention::safe_floor"), "s").await.is_ok()));
     seen.push((
@@ -493,7 +507,15 @@ async fn every_reader(replies: impl Fn(&str) -> Vec<Value>) -> Vec<(&'static str
     ));
     seen.push((
         "claim::claim_ids",
-        claim::claim_ids(&mut conn("claim::claim_ids"), "s", "g", &loss, &how, &["1-0", "2-0"]).await.is_ok(),
+        claim::claim_ids(
+            &mut conn("claim::claim_ids"),
+            streamfleet_streams::GroupRef::new("s", "g"),
+            &loss,
+            &how,
+            &["1-0", "2-0"],
+        )
+        .await
+        .is_ok(),
     ));
     seen.push((
         "consumers::pending_of",
@@ -555,7 +577,13 @@ async fn every_reader(replies: impl Fn(&str) -> Vec<Value>) -> Vec<(&'static str
     ));
     seen.push((
         "deadletter::last_error",
-        deadletter::last_error(&mut conn("deadletter::last_error"), "s", "g", "1-0").await.is_ok(),
+        deadletter::last_error(
+            &mut conn("deadletter::last_error"),
+            streamfleet_streams::GroupRef::new("s", "g"),
+            "1-0",
+        )
+        .await
+        .is_ok(),
     ));
     seen.push((
         "ensure_group",

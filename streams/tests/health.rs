@@ -17,7 +17,7 @@ use streamfleet_testbed::redis_server::{calls_between, command_calls};
 /// Commands one inspection sent, as the server counted them.
 async fn inspection_commands(conn: &mut redis::aio::MultiplexedConnection) -> Result<u64> {
     let before = command_calls(conn).await?;
-    inspect(conn, "s", "g", "{s}:dead").await?;
+    inspect(conn, streamfleet_streams::GroupRef::new("s", "g"), "{s}:dead").await?;
     Ok(calls_between(&before, &command_calls(conn).await?).values().sum())
 }
 
@@ -31,7 +31,11 @@ async fn read(conn: &mut redis::aio::MultiplexedConnection, consumer: &str, n: u
 async fn snapshot_matches_redis() -> Result<()> {
     let server = RedisServer::start().await?;
     let mut conn = server.connection().await?;
-    assert_eq!(inspect(&mut conn, "s", "g", "{s}:dead").await?, None, "no stream yet");
+    assert_eq!(
+        inspect(&mut conn, streamfleet_streams::GroupRef::new("s", "g"), "{s}:dead").await?,
+        None,
+        "no stream yet"
+    );
     ensure_group(&mut conn, "s", "g", "0").await?;
     for i in 0..10 {
         let _: String = conn.xadd("s", "*", &[("i", i)]).await?;
@@ -44,7 +48,7 @@ async fn snapshot_matches_redis() -> Result<()> {
     let _: redis::Value =
         redis::cmd("XCLAIM").arg("s").arg("g").arg("c2").arg(0).arg(&ids[1]).query_async(&mut conn).await?;
 
-    let snap = inspect(&mut conn, "s", "g", "{s}:dead").await?.unwrap();
+    let snap = inspect(&mut conn, streamfleet_streams::GroupRef::new("s", "g"), "{s}:dead").await?.unwrap();
     let info: redis::streams::StreamInfoGroupsReply = conn.xinfo_groups("s").await?;
     let g = &info.groups[0];
     assert_eq!(snap.lag, Lag::Known(u64::try_from(g.lag.unwrap())?));
@@ -61,10 +65,14 @@ async fn snapshot_matches_redis() -> Result<()> {
     assert_eq!(consumers, vec![("c1".to_string(), 2), ("c2".to_string(), 2)]);
     // One script (EVALSHA; XINFO GROUPS, TIME, XRANGE, XPENDING, XLEN inside), XLEN, XINFO CONSUMERS.
     assert_eq!(inspection_commands(&mut conn).await?, 8, "counted by the server");
-    assert_eq!(inspect(&mut conn, "s", "other", "{s}:dead").await?, None, "no such group");
+    assert_eq!(
+        inspect(&mut conn, streamfleet_streams::GroupRef::new("s", "other"), "{s}:dead").await?,
+        None,
+        "no such group"
+    );
     // Not a stream: an error, never taken for a missing group.
     let () = conn.set("plain", "x").await?;
-    let e = inspect(&mut conn, "plain", "g", "{plain}:dead").await.unwrap_err();
+    let e = inspect(&mut conn, streamfleet_streams::GroupRef::new("plain", "g"), "{plain}:dead").await.unwrap_err();
     assert!(e.to_string().contains("WRONGTYPE"), "{e}");
     Ok(())
 }
@@ -81,7 +89,7 @@ async fn null_lag_is_counted_or_reported_unknown_never_zero() -> Result<()> {
     ensure_group(&mut conn, "s", "g", &ids[4]).await?;
     let info: redis::streams::StreamInfoGroupsReply = conn.xinfo_groups("s").await?;
     assert_eq!(info.groups[0].lag, None, "Redis reports NULL lag here");
-    let snap = inspect(&mut conn, "s", "g", "{s}:dead").await?.unwrap();
+    let snap = inspect(&mut conn, streamfleet_streams::GroupRef::new("s", "g"), "{s}:dead").await?.unwrap();
     assert_eq!(snap.lag, Lag::Known(15));
     assert_eq!(inspection_commands(&mut conn).await?, 8, "no command more");
 
@@ -91,7 +99,7 @@ async fn null_lag_is_counted_or_reported_unknown_never_zero() -> Result<()> {
         pipe.cmd("XADD").arg("s").arg("*").arg("i").arg(i).ignore();
     }
     let () = pipe.query_async(&mut conn).await?;
-    let snap = inspect(&mut conn, "s", "g", "{s}:dead").await?.unwrap();
+    let snap = inspect(&mut conn, streamfleet_streams::GroupRef::new("s", "g"), "{s}:dead").await?.unwrap();
     assert_eq!(snap.lag, Lag::AtLeast(u64::try_from(LAG_COUNT_BOUND)? + 1));
     assert!(!snap.lag.is_known_zero());
     Ok(())
@@ -103,7 +111,7 @@ async fn command_count_does_not_grow_with_the_pel() -> Result<()> {
     let mut conn = server.connection().await?;
     ensure_group(&mut conn, "s", "g", "0").await?;
     // The script loaded once, as in any long-lived process.
-    inspect(&mut conn, "s", "g", "{s}:dead").await?;
+    inspect(&mut conn, streamfleet_streams::GroupRef::new("s", "g"), "{s}:dead").await?;
     let mut counts = Vec::new();
     for size in [10usize, 5_000] {
         let mut pipe = redis::pipe();
@@ -133,7 +141,7 @@ async fn delay_is_the_age_of_the_oldest_unfinished_entry_by_the_servers_clock() 
     let server = RedisServer::start().await?;
     let mut conn = server.connection().await?;
     ensure_group(&mut conn, "s", "g", "0").await?;
-    let snap = inspect(&mut conn, "s", "g", "{s}:dead").await?.unwrap();
+    let snap = inspect(&mut conn, streamfleet_streams::GroupRef::new("s", "g"), "{s}:dead").await?.unwrap();
     assert_eq!(snap.delay, Delay::Known(0), "nothing unfinished");
     let mut ids = Vec::new();
     for i in 0..6 {
@@ -142,7 +150,7 @@ async fn delay_is_the_age_of_the_oldest_unfinished_entry_by_the_servers_clock() 
     }
     // Undelivered only: the first entry's age, bracketed by TIME before and after.
     let before = server_ms(&mut conn).await?;
-    let snap = inspect(&mut conn, "s", "g", "{s}:dead").await?.unwrap();
+    let snap = inspect(&mut conn, streamfleet_streams::GroupRef::new("s", "g"), "{s}:dead").await?.unwrap();
     let after = server_ms(&mut conn).await?;
     let delay = snap.delay.ms().unwrap();
     assert!((before - id_ms(&ids[0])..=after - id_ms(&ids[0])).contains(&delay), "{delay} ms");
@@ -151,18 +159,29 @@ async fn delay_is_the_age_of_the_oldest_unfinished_entry_by_the_servers_clock() 
     let read = read(&mut conn, "c", 3).await?;
     let _: i64 = conn.xack("s", "g", &[&read[0]]).await?;
     let before = server_ms(&mut conn).await?;
-    let delay = inspect(&mut conn, "s", "g", "{s}:dead").await?.unwrap().delay.ms().unwrap();
+    let delay = inspect(&mut conn, streamfleet_streams::GroupRef::new("s", "g"), "{s}:dead")
+        .await?
+        .unwrap()
+        .delay
+        .ms()
+        .unwrap();
     let after = server_ms(&mut conn).await?;
     assert!((before - id_ms(&ids[1])..=after - id_ms(&ids[1])).contains(&delay), "{delay} ms");
     // All delivered and acked: on time.
     let rest = read_all(&mut conn).await?;
     let _: i64 = conn.xack("s", "g", &read[1..].iter().chain(&rest).collect::<Vec<_>>()).await?;
-    assert_eq!(inspect(&mut conn, "s", "g", "{s}:dead").await?.unwrap().delay, Delay::Known(0));
+    assert_eq!(
+        inspect(&mut conn, streamfleet_streams::GroupRef::new("s", "g"), "{s}:dead").await?.unwrap().delay,
+        Delay::Known(0)
+    );
 
     // A producer that sets its own IDs: no delay is read from them.
     let _: String = redis::cmd("XADD").arg("t").arg("5-1").arg("i").arg(1).query_async(&mut conn).await?;
     ensure_group(&mut conn, "t", "g", "0").await?;
-    assert_eq!(inspect(&mut conn, "t", "g", "{t}:dead").await?.unwrap().delay, Delay::NotTimes);
+    assert_eq!(
+        inspect(&mut conn, streamfleet_streams::GroupRef::new("t", "g"), "{t}:dead").await?.unwrap().delay,
+        Delay::NotTimes
+    );
     Ok(())
 }
 
@@ -218,7 +237,7 @@ async fn a_promoted_replicas_phantom_lag_is_not_reported() -> Result<()> {
     if !server.contains("valkey_version:") {
         assert!(reported.is_some_and(|lag| lag > 0), "the promoted replica reports a phantom lag: {reported:?}");
     }
-    let snap = inspect(&mut r, "s", "g", "{s}:dead").await?.unwrap();
+    let snap = inspect(&mut r, streamfleet_streams::GroupRef::new("s", "g"), "{s}:dead").await?.unwrap();
     assert_eq!((snap.lag, snap.pending, snap.delay), (Lag::Known(0), 0, Delay::Known(0)), "at rest");
 
     // Work goes on on the new master: the lag is what is really undelivered.
@@ -228,7 +247,7 @@ async fn a_promoted_replicas_phantom_lag_is_not_reported() -> Result<()> {
     }
     let () = pipe.query_async(&mut r).await?;
     read(&mut r, "c", 10).await?;
-    let snap = inspect(&mut r, "s", "g", "{s}:dead").await?.unwrap();
+    let snap = inspect(&mut r, streamfleet_streams::GroupRef::new("s", "g"), "{s}:dead").await?.unwrap();
     let info: redis::streams::StreamInfoGroupsReply = r.xinfo_groups("s").await?;
     assert_eq!((snap.lag, snap.pending), (Lag::Known(20), 10), "Redis says {:?}", info.groups[0].lag);
     Ok(())

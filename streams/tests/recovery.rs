@@ -109,9 +109,9 @@ async fn sweep_dead_letters_poison_records_lost_payloads_and_leaves_the_rest() -
     let consumers: redis::streams::StreamInfoConsumersReply = conn.xinfo_consumers("orders", "g").await?;
     assert!(!consumers.consumers.iter().any(|c| c.name == "sweep-pod"), "the sweep's consumer is removed");
 
-    write_report(&mut conn, "orders", "g", &report).await?;
-    assert_eq!(read_report(&mut conn, "orders", "g").await?, Some(report));
-    assert_eq!(read_report(&mut conn, "orders", "other").await?, None);
+    write_report(&mut conn, streamfleet_streams::GroupRef::new("orders", "g"), &report).await?;
+    assert_eq!(read_report(&mut conn, streamfleet_streams::GroupRef::new("orders", "g")).await?, Some(report));
+    assert_eq!(read_report(&mut conn, streamfleet_streams::GroupRef::new("orders", "other")).await?, None);
     Ok(())
 }
 

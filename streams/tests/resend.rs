@@ -58,7 +58,7 @@ async fn a_dead_letter_sent_twice_is_written_and_a_loss_counted_once() -> Result
     }
     let letters: u64 = conn.xlen("{orders}:dead").await?;
     assert_eq!(letters, 2, "one letter per entry");
-    let loss = payload_loss::read(&mut conn, "orders", "g").await?;
+    let loss = payload_loss::read(&mut conn, streamfleet_streams::GroupRef::new("orders", "g")).await?;
     assert_eq!((loss.total, loss.latest), (1, vec![ids[1].clone()]), "the loss counted once");
     Ok(())
 }

@@ -58,7 +58,7 @@ async fn a_parked_entry_waits_out_its_delay_unseen_by_idle_claims_and_keeps_its_
 
     // The health snapshot: one retrying, with its error; the oldest sample
     // without it; a recreated group would still resume before it.
-    let s = inspect(&mut conn, "s", "g", "{s}:dead").await?.unwrap();
+    let s = inspect(&mut conn, streamfleet_streams::GroupRef::new("s", "g"), "{s}:dead").await?.unwrap();
     assert_eq!((s.pending, s.retrying), (3, 1));
     assert_eq!((s.parked.len(), s.parked[0].deliveries, s.parked[0].entries), (1, 1, 1));
     assert_eq!(s.parked[0].last_error.as_deref(), Some("payment provider down"));
@@ -97,7 +97,7 @@ async fn a_parked_entry_waits_out_its_delay_unseen_by_idle_claims_and_keeps_its_
     assert!(after >= Duration::from_millis(1_500), "taken {after:?} after parking, before its delay");
     assert!(after < Duration::from_millis(2_000), "taken {after:?} after parking");
     assert_eq!((id.as_str(), deliveries, waiting), (ids[0].as_str(), 2, 0));
-    let s = inspect(&mut conn, "s", "g", "{s}:dead").await?.unwrap();
+    let s = inspect(&mut conn, streamfleet_streams::GroupRef::new("s", "g"), "{s}:dead").await?.unwrap();
     assert_eq!((s.retrying, s.parked.len()), (0, 0));
     Ok(())
 }

@@ -316,7 +316,9 @@ impl Flows {
             assert_eq!(handler.calls(id), 1, "{id}");
         }
         assert_eq!(self.pending().await?, 0);
-        assert!(recovery::read_report(&mut self.conn, "orders", "g").await?.is_some());
+        assert!(
+            recovery::read_report(&mut self.conn, streamfleet_streams::GroupRef::new("orders", "g")).await?.is_some()
+        );
 
         // The sweep: two poison entries far apart in the stream (a page
         // spanning acked entries checks payloads in a script) and a lost one.
@@ -344,18 +346,25 @@ impl Flows {
         };
         let report = sweep(&mut self.conn, &settings).await?;
         assert_eq!((report.scanned, report.dead_lettered, report.payload_lost), (3, 2, 1));
-        recovery::write_report(&mut self.conn, "orders", "g", &report).await?;
-        assert_eq!(recovery::read_report(&mut self.conn, "orders", "g").await?.map(|r| r.dead_lettered), Some(2));
+        recovery::write_report(&mut self.conn, streamfleet_streams::GroupRef::new("orders", "g"), &report).await?;
+        assert_eq!(
+            recovery::read_report(&mut self.conn, streamfleet_streams::GroupRef::new("orders", "g"))
+                .await?
+                .map(|r| r.dead_lettered),
+            Some(2)
+        );
 
         // The operator's poll. An entry deleted before the group read it
         // makes Redis report the lag as NULL: the poll counts it.
         let late = [self.add("ok", "l1").await?, self.add("ok", "l2").await?];
         self.delete(&late[0]).await?;
         let conn = &mut self.conn;
-        let snapshot = health::inspect(conn, "orders", "g", DEAD).await?.expect("the group exists");
+        let snapshot = health::inspect(conn, streamfleet_streams::GroupRef::new("orders", "g"), DEAD)
+            .await?
+            .expect("the group exists");
         assert_eq!(snapshot.lag, Lag::Known(1));
         assert_eq!(snapshot.dead_letter_length, 8);
-        assert_eq!(payload_loss::read(conn, "orders", "g").await?.total, 3);
+        assert_eq!(payload_loss::read(conn, streamfleet_streams::GroupRef::new("orders", "g")).await?.total, 3);
         let now = recovery::now_ms();
         assert!(retention::target(conn, "orders", Some(1), None, now).await?.is_some());
         assert!(retention::safe_floor(conn, "orders").await?.is_some());
@@ -532,7 +541,7 @@ async fn on_a_redis_cluster_the_acl_user_runs_a_pipeline_and_follows_a_slot_migr
     let (stop, run) = spawn(Worker::new(c, handler.clone()).with_idempotency_guard(Duration::from_secs(600)));
     eventually("all settled", T, || async {
         let mut conn = conn.clone();
-        let snapshot = health::inspect(&mut conn, "orders", "g", DEAD).await?;
+        let snapshot = health::inspect(&mut conn, streamfleet_streams::GroupRef::new("orders", "g"), DEAD).await?;
         Ok(snapshot.filter(|s| handler.total() == 10 && s.pending == 0 && s.dead_letter_length == 1))
     })
     .await?;

@@ -304,7 +304,8 @@ async fn ids_a_claim_finds_without_payload_are_recorded_by_the_claim_itself() ->
     let crashed = Worker::new(config(&server, "c1", 100, 5), Scripted::default()).run(std::future::pending()).await;
     fail::remove("worker::after-claim");
     assert!(matches!(crashed, Err(streamfleet_worker::WorkerError::Failpoint(_))), "{crashed:?}");
-    let loss = streamfleet_streams::payload_loss::read(&mut conn, "orders", "g").await?;
+    let loss =
+        streamfleet_streams::payload_loss::read(&mut conn, streamfleet_streams::GroupRef::new("orders", "g")).await?;
     assert_eq!(loss.total, 2);
     let mut latest = loss.latest.clone();
     latest.sort();

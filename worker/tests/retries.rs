@@ -131,7 +131,12 @@ async fn an_outage_shorter_than_the_horizon_dead_letters_nothing_at_any_batch_si
         }
         // Mid-outage: the entries wait parked, and the group says so.
         let snapshot = streamfleet_testbed::eventually("entries parked", common::T, || async {
-            let s = streamfleet_streams::health::inspect(&mut conn.clone(), "orders", "g", "{orders}:dead:g").await?;
+            let s = streamfleet_streams::health::inspect(
+                &mut conn.clone(),
+                streamfleet_streams::GroupRef::new("orders", "g"),
+                "{orders}:dead:g",
+            )
+            .await?;
             Ok(s.filter(|s| s.retrying >= 3))
         })
         .await?;

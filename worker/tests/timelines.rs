@@ -219,7 +219,8 @@ async fn a_length_trim_under_a_live_holder_is_not_a_loss() -> Result<()> {
     assert!(taken.is_empty(), "{taken:?}");
     let letters = dead_letters(&mut conn).await?;
     assert!(letters.is_empty(), "a live holder's trimmed entries were recorded lost: {letters:?}");
-    let lost = streamfleet_streams::payload_loss::read(&mut conn, "orders", "g").await?;
+    let lost =
+        streamfleet_streams::payload_loss::read(&mut conn, streamfleet_streams::GroupRef::new("orders", "g")).await?;
     assert_eq!(lost.total, 0, "loss record: {lost:?}");
     for id in &ids {
         assert_eq!(handler.calls(id), 1, "{id}");

@@ -31,8 +31,7 @@ pub async fn page(
         let left = limit - list.items.len();
         let page = pending::page(
             conn,
-            stream,
-            group,
+            streamfleet_streams::GroupRef::new(stream, group),
             after.take().as_deref(),
             left,
             query.consumer.as_deref(),

@@ -11,7 +11,7 @@ use streamfleet_streams::health::{self, GroupSnapshot, Lag};
 pub async fn list(conn: &mut StreamConnection, spec: &ValidSpec) -> Result<ShardList> {
     let mut items = Vec::with_capacity(spec.streams.len());
     for stream in &spec.streams {
-        let snapshot = health::inspect(conn, stream, &spec.group, &spec.dead_letter_stream_of(stream)).await?;
+        let snapshot = health::inspect(conn, spec.group_on(stream), &spec.dead_letter_stream_of(stream)).await?;
         items.push(shard(stream, snapshot.as_ref()));
     }
     Ok(ShardList { items })

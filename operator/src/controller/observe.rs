@@ -169,7 +169,7 @@ async fn observe_shard(
     stream: &str,
 ) -> Result<ShardLook, Error> {
     let dead_letter_stream = spec.dead_letter_stream_of(stream);
-    let snapshot = streamfleet_streams::health::inspect(&mut conn, stream, &spec.group, &dead_letter_stream).await?;
+    let snapshot = streamfleet_streams::health::inspect(&mut conn, spec.group_on(stream), &dead_letter_stream).await?;
     let mut look = ShardLook {
         stream: stream.to_string(),
         snapshot,
@@ -184,7 +184,7 @@ async fn observe_shard(
         }
         look.retention = read_retention_bounds(&mut conn, scg, spec, stream).await;
         // Part of the group's state: if it cannot be read, nothing is known.
-        look.payload_loss = payload_loss::read(&mut conn, stream, &spec.group).await?;
+        look.payload_loss = payload_loss::read(&mut conn, spec.group_on(stream)).await?;
     }
     Ok(look)
 }
@@ -197,7 +197,7 @@ async fn read_recovery_report(
     stream: &str,
     group: &str,
 ) -> Option<RecoveryReport> {
-    streamfleet_streams::recovery::read_report(conn, stream, group)
+    streamfleet_streams::recovery::read_report(conn, streamfleet_streams::GroupRef::new(stream, group))
         .await
         .inspect_err(|e| tracing::warn!(resource = %super::key(scg), error = %e, "reading the recovery report"))
         .ok()

@@ -191,6 +191,11 @@ impl ValidSpec {
             keys::dead_letter_stream(stream, &self.group)
         }
     }
+
+    /// The resource's group on `stream` (one of its shards).
+    pub fn group_on<'a>(&'a self, stream: &'a str) -> streamfleet_streams::GroupRef<'a> {
+        streamfleet_streams::GroupRef::new(stream, &self.group)
+    }
 }
 
 fn within(field: &str, value: i64, min: i64, max: i64) -> Result<u64, Error> {

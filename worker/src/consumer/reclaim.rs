@@ -31,7 +31,7 @@ impl<H: Handler> Worker<H> {
             left_pending: Vec::new(),
         };
         for stream in &self.config.streams {
-            write_report(conn, stream, &self.config.group, &report).await?;
+            write_report(conn, self.me(stream).group(), &report).await?;
         }
         tracing::info!(?report, "recovery finished");
         Ok(())

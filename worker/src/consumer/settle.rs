@@ -71,7 +71,7 @@ impl<H: Handler> Worker<H> {
                 return Ok(Settled::Leave);
             }
             _ if entry.deliveries > self.config.max_deliveries => {
-                let error = deadletter::last_error(conn, &entry.stream, &self.config.group, &entry.id).await?;
+                let error = deadletter::last_error(conn, self.me(&entry.stream).group(), &entry.id).await?;
                 let error = error.unwrap_or_else(|| "delivered too often".into());
                 // Its mark goes too, or later entries of the key wait it out.
                 self.release(conn, batch, i).await?;

@@ -29,7 +29,9 @@ async fn main() -> Result<()> {
         ensure_group(&mut conn, stream, "g", "0").await?;
         fill(&mut conn, stream, size).await?;
         deliver_all(&mut conn, stream, "g", "c").await?;
-        let snap = inspect(&mut conn, stream, "g", "dead").await?.ok_or_else(|| anyhow::anyhow!("no group"))?;
+        let snap = inspect(&mut conn, streamfleet_streams::GroupRef::new(stream, "g"), "dead")
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("no group"))?;
         anyhow::ensure!(snap.pending == u64::try_from(size)?, "PEL of {stream}: {} not {size}", snap.pending);
     }
     let mut micros: BTreeMap<usize, Runs> = BTreeMap::new();
@@ -39,7 +41,7 @@ async fn main() -> Result<()> {
             let before = command_calls(&mut counter).await?;
             let start = Instant::now();
             for _ in 0..POLLS {
-                inspect(&mut conn, stream, "g", "dead").await?;
+                inspect(&mut conn, streamfleet_streams::GroupRef::new(stream, "g"), "dead").await?;
             }
             let took = start.elapsed();
             let calls = calls_between(&before, &command_calls(&mut counter).await?);
