@@ -198,8 +198,16 @@ impl Guard {
                 script.key(self.key(stream, items[i].1)).key(self.completion_key(stream, items[i].2));
             }
             script.arg(&self.consumer).arg(millis(self.processing_ttl));
-            let states: Vec<(u8, u64)> =
-                script.invoke_async(conn).await.map_err(|e| StreamError::new("idempotency guard", e))?;
+            let states: Vec<(u8, u64)> = match script.invoke_async(conn).await {
+                Ok(states) => states,
+                Err(e) => {
+                    // The batch is handed back unstarted: the marks taken on
+                    // the streams before this one go too, or other consumers
+                    // find those keys busy until the marks expire.
+                    self.release_acquired(conn, items, &out).await;
+                    return Err(StreamError::new("idempotency guard", e));
+                }
+            };
             for (i, (state, fence)) in indices.into_iter().zip(states) {
                 out[i] = match state {
                     0 => Acquisition { state: GuardState::Acquired, fence: Some(fence) },
@@ -209,6 +217,23 @@ impl Guard {
             }
         }
         Ok(out)
+    }
+
+    /// Releases, as far as Redis lets it, the marks `acquired` took for
+    /// `items` (a failed `begin_all`).
+    async fn release_acquired(
+        &self,
+        conn: &mut StreamConnection,
+        items: &[(&str, &str, &str)],
+        acquired: &[Acquisition],
+    ) {
+        for ((stream, token, _), acquisition) in items.iter().zip(acquired) {
+            if let (GuardState::Acquired, Some(fence)) = (acquisition.state, acquisition.fence)
+                && let Err(e) = self.release(conn, stream, token, fence).await
+            {
+                tracing::warn!(stream, error = %e, "releasing a guard mark of a batch handed back; it expires with its TTL");
+            }
+        }
     }
 
     /// Keeps a durable count of suppressed duplicates per group beside the

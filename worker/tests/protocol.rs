@@ -1079,3 +1079,45 @@ async fn a_redis_older_than_7_is_refused_and_nothing_is_consumed() -> Result<()>
     assert_eq!(keys, ["orders"], "nothing written beside the stream");
     Ok(())
 }
+
+/// A batch over two streams whose guard can be taken on the first but not
+/// the second (here its key's mark is a list: `WRONGTYPE`) is handed
+/// back whole, and the marks already taken on the first stream go with it:
+/// they do not sit until their TTL (min-idle-time, 10 s here) making the
+/// first stream's keys busy. Once the second stream is repaired, both
+/// entries run at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guard_refused_on_one_stream_leaves_no_mark_on_the_others() -> Result<()> {
+    use streamfleet_streams::keys::guard_key;
+    let server = streamfleet_testbed::RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    for stream in ["a", "b"] {
+        streamfleet_streams::ensure_group(&mut conn, stream, "g", "0").await?;
+        let _: String = conn.xadd(stream, "*", &[("kind", "ok"), ("key", &format!("k{stream}"))]).await?;
+    }
+    let broken = guard_key("b", "g", "kb");
+    let _: () = conn.rpush(&broken, "not a mark").await?;
+    let mut config = config(&server, "w", 10_000, 5);
+    config.streams = vec!["a".into(), "b".into()];
+    let handler = Scripted::default();
+    let (stop, run) = spawn(Worker::new(config, handler.clone()).with_idempotency_guard(Duration::from_secs(600)));
+    let mut probe = conn.clone();
+    eventually("the batch read, refused, and no mark left on stream a", T, || {
+        let mut c = probe.clone();
+        async move {
+            let p: redis::streams::StreamPendingReply = c.xpending("a", "g").await?;
+            let marked: bool = c.exists(guard_key("a", "g", "ka")).await?;
+            Ok((p.count() == 1 && !marked).then_some(()))
+        }
+    })
+    .await?;
+    assert_eq!(handler.total(), 0, "nothing ran while the guard could not be taken");
+    let _: () = probe.del(&broken).await?;
+    eventually("both entries handled once the guard can be taken", T, || async {
+        Ok((handler.total() == 2).then_some(()))
+    })
+    .await?;
+    let _ = stop.send(());
+    run.await??;
+    Ok(())
+}
