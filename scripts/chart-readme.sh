@@ -88,7 +88,8 @@ def rows(lines):
 
 
 def cell(text):
-    return text.replace("|", "\\|")
+    # `<release>` would be read as an HTML tag and dropped.
+    return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
 
 
 with open(values_path) as f:
@@ -101,7 +102,8 @@ generated = [
     "|---|---|---|",
 ]
 for path, default, description in table:
-    shown = "(a map: its keys follow)" if default is None else f"`{cell(default)}`"
+    # In a code span `<` shows as it is; only `|` would end the cell.
+    shown = "(a map: its keys follow)" if default is None else "`" + default.replace("|", "\\|") + "`"
     generated.append(f"| `{path}` | {shown} | {cell(description)} |")
 generated.append(END)
 

@@ -64,7 +64,7 @@ async fn a_worker_on_a_cluster_handles_acks_and_dead_letters() -> Result<()> {
         Ok((handler.total() == 20 && pending.is_empty() && dead == 1).then_some(()))
     })
     .await;
-    settled.map_err(|e| anyhow::anyhow!("{e}; last seen: {}", seen.lock().map(|s| s.clone()).unwrap_or_default()))?;
+    settled.map_err(|e| anyhow::anyhow!("{e:#}; last seen: {}", seen.lock().map(|s| s.clone()).unwrap_or_default()))?;
     let _ = stop.send(());
     tokio::time::timeout(Duration::from_secs(10), run).await???;
     Ok(())

@@ -228,10 +228,6 @@ pub fn write_figure(name: &str, figure: &serde_json::Value) -> Result<()> {
     write_figure_in(&tools::workspace_root().join("target/figures"), name, figure)
 }
 
-/// Writes a figure a benchmark program measured straight to
-/// `docs/figures/<name>.json` (see [`write_figure`]). Refused on an
-/// uncommitted tree (the figure would name no commit that has its code)
-/// unless `STREAMFLEET_FIGURES_DIRTY=1`.
 /// Shows the libraries' logs (info and up; `RUST_LOG` overrides) in a test's
 /// captured output, so a failing test prints what the worker saw and did.
 pub fn test_logs() {
@@ -239,6 +235,10 @@ pub fn test_logs() {
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(false).with_test_writer().try_init();
 }
 
+/// Writes a figure a benchmark program measured straight to
+/// `docs/figures/<name>.json` (see [`write_figure`]). Refused on an
+/// uncommitted tree (the figure would name no commit that has its code)
+/// unless `STREAMFLEET_FIGURES_DIRTY=1`.
 pub fn publish_figure(name: &str, figure: &serde_json::Value) -> Result<()> {
     let commit = environment()["commit"].as_str().unwrap_or_default().to_string();
     if commit.ends_with("-dirty") && std::env::var("STREAMFLEET_FIGURES_DIRTY").as_deref() != Ok("1") {
