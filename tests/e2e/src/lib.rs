@@ -50,14 +50,24 @@ pub async fn ensure_crd(bed: &TestBed) -> Result<()> {
     let crd = repo_path("deploy/crds/streamconsumergroups.streamfleet.io.yaml");
     let crd = crd.display().to_string();
     run_ok(bed, "kubectl", &["apply", "--server-side", "--force-conflicts", "-f", &crd], None).await?;
-    run_ok(
-        bed,
-        "kubectl",
-        &["wait", "--for=condition=Established", "--timeout=60s", "crd/streamconsumergroups.streamfleet.io"],
-        None,
-    )
-    .await?;
-    Ok(())
+    // `kubectl wait` fails at once, instead of waiting, on a CRD with no
+    // conditions yet ("accessor error: <nil>"): one just created, here or by
+    // a parallel test that deleted and re-created it. Asked again until
+    // Established.
+    let wait = ["wait", "--for=condition=Established", "--timeout=20s", "crd/streamconsumergroups.streamfleet.io"];
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let out = run_tool(bed, "kubectl", &wait, None).await?;
+        if out.status.success() {
+            return Ok(());
+        }
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let not_yet = stderr.contains("accessor error") || stderr.contains("NotFound");
+        if !not_yet || std::time::Instant::now() >= deadline {
+            bail!("kubectl {}: {stderr}", wait.join(" "));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// `helm install`s the chart into `namespace`, watching only that namespace,

@@ -109,7 +109,12 @@ pub fn free_port() -> Result<u16> {
 pub async fn wait_for_port(port: u16, timeout: Duration) -> Result<()> {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
+        // A connect to a port nobody listens on can meet itself (TCP
+        // simultaneous open, when the kernel picks that port as the local
+        // one): that is no listener.
+        if let Ok(stream) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await
+            && stream.local_addr().is_ok_and(|local| local.port() != port)
+        {
             return Ok(());
         }
         if tokio::time::Instant::now() > deadline {

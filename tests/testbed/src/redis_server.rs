@@ -127,8 +127,10 @@ impl RedisServer {
             ]);
             args.extend(listen(port));
             args.extend(owned(extra));
+            // What an earlier server on this port in this directory logged.
+            let logged_before = std::fs::metadata(data.join(format!("redis-{port}.log"))).map_or(0, |m| m.len());
             let mut daemon = Daemon::spawn(&format!("redis-{port}"), bin, &args, &data)?;
-            match wait_for_port(port, Duration::from_secs(10)).await {
+            match wait_ready(&mut daemon, logged_before, Duration::from_secs(10)).await {
                 Ok(()) => {
                     return Ok(Self { port, daemon, args, data, _dir: None });
                 }
@@ -418,6 +420,25 @@ async fn slot_masters(conn: &mut redis::aio::MultiplexedConnection) -> Result<Ve
         }
     }
     Ok(out)
+}
+
+/// Waits until this server says in its own log that it accepts connections.
+/// Something answering on the port is no proof: another test's server may
+/// have bound it first (this one then exits), or a connect may meet itself.
+async fn wait_ready(daemon: &mut Daemon, logged_before: u64, timeout: Duration) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let skip = usize::try_from(logged_before).unwrap_or(usize::MAX);
+    loop {
+        daemon.check_alive()?;
+        let log = std::fs::read(daemon.log_path()).unwrap_or_default();
+        if String::from_utf8_lossy(log.get(skip..).unwrap_or_default()).contains("Ready to accept connections") {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            anyhow::bail!("{} not ready after {timeout:?}", daemon.log_path().display());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 #[cfg(test)]
