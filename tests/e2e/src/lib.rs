@@ -299,7 +299,18 @@ pub async fn operator_http(client: &Client, namespace: &str, path: &str) -> Resu
 /// SIGKILLs the process of the first container of pod `name` (no pod delete:
 /// the process dies as it would from the OOM killer or a node fault) and
 /// waits until the kubelet stand-in has seen it die: the restart count moved
-/// and the last state is `terminated` with exit code 137. Returns the killed pid.
+/// and the last state is `terminated` with exit code 137. A pod a rollout
+/// deletes meanwhile is not restarted: then the kill is shown by the process
+/// being gone and the pod terminating. Returns the killed pid.
+/// Whether process `pid` has exited (gone, or a zombie not yet reaped).
+fn process_gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // "<pid> (<comm>) <state> …": the state follows the last ')'.
+        Ok(stat) => stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+    }
+}
+
 pub async fn sigkill_container(client: &Client, namespace: &str, name: &str) -> Result<u32> {
     use k8s_openapi::api::core::v1::Pod;
     let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
@@ -318,7 +329,12 @@ pub async fn sigkill_container(client: &Client, namespace: &str, name: &str) -> 
         || {
             let pods = pods.clone();
             async move {
-                let p = pods.get(name).await?;
+                let Some(p) = pods.get_opt(name).await? else {
+                    return Ok(process_gone(pid).then_some(()));
+                };
+                if p.metadata.deletion_timestamp.is_some() && process_gone(pid) {
+                    return Ok(Some(()));
+                }
                 let last = p
                     .status
                     .as_ref()
