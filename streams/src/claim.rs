@@ -521,7 +521,7 @@ pub async fn autoclaim<C: ConnectionLike + Send>(
     count: usize,
 ) -> Result<Claimed, StreamError> {
     let ConsumerRef { stream, group, consumer } = who;
-    let min_idle_ms = u64::try_from(min_idle.as_millis()).unwrap_or(u64::MAX);
+    let min_idle_ms = crate::millis(min_idle);
     let mut script = prepare(&CLAIM_IDLE, stream, group, loss);
     script
         .key(crate::keys::server_epoch_key(stream))
@@ -703,7 +703,7 @@ pub async fn claim_due<C: ConnectionLike + Send>(
         .arg(consumer)
         .arg(count);
     for n in 1..=max_deliveries.clamp(1, 1_000) {
-        script.arg(u64::try_from(schedule.threshold(n).as_millis()).unwrap_or(u64::MAX));
+        script.arg(crate::millis(schedule.threshold(n)));
     }
     type Reply = (redis::Value, Vec<String>, Vec<u64>, Vec<u32>, i64, i64);
     let (claimed, deleted, delivered, crashes, waiting, indexed): Reply =

@@ -148,13 +148,12 @@ static DECLARE_DEAD: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::n
 /// missing from a cache is no proof either. Returns whether it was declared.
 pub async fn declare_dead<C: ConnectionLike + Send>(conn: &mut C, who: ConsumerRef<'_>) -> Result<bool, StreamError> {
     let ConsumerRef { stream, group, consumer } = who;
-    let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
     let declared: i64 = DECLARE_DEAD
         .key(crate::keys::alive_key(stream, group))
         .key(crate::keys::dead_consumers_key(stream, group))
         .arg(consumer)
-        .arg(ms(SILENT_FOR))
-        .arg(ms(DEAD_FOR))
+        .arg(crate::millis(SILENT_FOR))
+        .arg(crate::millis(DEAD_FOR))
         .invoke_async(conn)
         .await
         .map_err(|e| StreamError::new("declaring a consumer dead", e))?;
@@ -177,7 +176,7 @@ pub async fn release_pending<C: ConnectionLike + Send>(
 ) -> Result<Released, StreamError> {
     let ConsumerRef { stream, group, consumer } = who;
     let pending = pending_of(conn, who, "-", count).await?;
-    let idle_ms = u64::try_from(min_idle.as_millis()).unwrap_or(u64::MAX).saturating_add(1);
+    let idle_ms = crate::millis(min_idle).saturating_add(1);
     // First void its guard marks, so whoever claims its entries does not
     // wait them out; a consumer still alive is left alone.
     if !declare_dead(conn, who).await? {

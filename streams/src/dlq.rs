@@ -228,7 +228,7 @@ pub async fn expire<C: ConnectionLike + Send>(
         return redis.call('XTRIM', KEYS[1], 'MINID', string.format('%.0f', before))",
     )
     .key(stream)
-    .arg(u64::try_from(max_age.as_millis()).unwrap_or(u64::MAX))
+    .arg(crate::millis(max_age))
     .invoke_async(conn)
     .await
     .map_err(|e| StreamError::new("dropping expired dead letters", e))

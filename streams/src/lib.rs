@@ -7,6 +7,7 @@ pub mod connection;
 pub mod consumers;
 pub mod deadletter;
 pub mod dlq;
+mod duration;
 pub mod entry;
 pub mod error;
 pub mod group;
@@ -26,6 +27,7 @@ pub mod version;
 
 pub use config::{ConfigError, RunMode, WorkerConfig};
 pub use connection::{ClientTls, Connections, Endpoint, Mode, StreamConnection};
+pub use duration::millis;
 pub use entry::Entry;
 pub use error::{ErrorClass, StreamError};
 pub use group::{GroupCreation, destroy_group, ensure_group, recreate_group};

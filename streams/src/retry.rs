@@ -205,10 +205,6 @@ impl Schedule {
     }
 }
 
-fn ms(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
-
 /// The field recording when an entry first failed (ms), for `retryFor`.
 pub fn failing_since_field(id: &str) -> String {
     format!("{id}:since")
@@ -299,9 +295,9 @@ pub async fn park<C: ConnectionLike + Send>(
         .arg(n)
         .arg(error)
         .arg(parked_consumer(n))
-        .arg(ms(schedule.threshold(n)))
-        .arg(ms(schedule.delay(n, u)))
-        .arg(schedule.retry_for.map_or(0, ms));
+        .arg(crate::millis(schedule.threshold(n)))
+        .arg(crate::millis(schedule.delay(n, u)))
+        .arg(schedule.retry_for.map_or(0, crate::millis));
     let parked: i64 =
         script.invoke_async(conn).await.map_err(|e| StreamError::new("parking an entry for its retry", e))?;
     Ok(match parked {

@@ -57,7 +57,7 @@ pub async fn sweep<C: ConnectionLike + Send>(
     conn: &mut C,
     s: &SweepSettings<'_>,
 ) -> Result<RecoveryReport, StreamError> {
-    let min_idle_ms = u64::try_from(s.min_idle.as_millis()).unwrap_or(u64::MAX);
+    let min_idle_ms = crate::millis(s.min_idle);
     let mut report = RecoveryReport::default();
     let mut start = "-".to_string();
     loop {

@@ -269,6 +269,7 @@ impl Guard {
 
 pub use streamfleet_streams::keys::suppressed_key;
 
+/// At least 1: a PX of 0 is refused by Redis.
 pub(crate) fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+    streamfleet_streams::millis(d).max(1)
 }

@@ -106,7 +106,7 @@ async fn request_log(
         path,
         query,
         status = response.status().as_u16(),
-        ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+        ms = streamfleet_streams::millis(started.elapsed()),
         "request"
     );
     response

@@ -182,7 +182,8 @@ pub struct Retrying {
 /// its entries is the next due.
 pub fn retrying(snapshot: &GroupSnapshot, schedule: &Schedule, max_deliveries: u64) -> Retrying {
     let due_after = |p: &ParkedState| {
-        let threshold = i64::try_from(schedule.threshold(p.deliveries).as_millis()).unwrap_or(i64::MAX);
+        let threshold =
+            i64::try_from(streamfleet_streams::millis(schedule.threshold(p.deliveries))).unwrap_or(i64::MAX);
         threshold.saturating_sub(i64::try_from(p.most_idle_ms).unwrap_or(i64::MAX))
     };
     let soonest = snapshot.parked.iter().min_by_key(|p| due_after(p));

@@ -18,6 +18,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 use streamfleet_crd::Health;
 use streamfleet_streams::health::{GroupSnapshot, Lag};
+use streamfleet_streams::millis;
 use streamfleet_streams::retention::StreamId;
 
 const STALL_MIN_SPAN: Duration = Duration::from_secs(30);
@@ -72,7 +73,7 @@ fn work(s: &GroupSnapshot) -> Option<u64> {
 
 /// No consumer has touched the group for this long (or there is none).
 fn unattended(s: &GroupSnapshot) -> bool {
-    let stale_ms = u64::try_from(STALL_MIN_SPAN.as_millis()).unwrap_or(u64::MAX);
+    let stale_ms = millis(STALL_MIN_SPAN);
     work(s).is_some_and(|w| w > 0) && s.consumers.iter().all(|c| c.idle_ms > stale_ms)
 }
 
@@ -195,11 +196,11 @@ pub fn classify(i: &Inputs<'_>) -> (Health, String) {
         let why = if s.consumers.is_empty() { "no consumer in the group" } else { "no consumer touched the group" };
         return (Health::Stopped, format!("lag {lag}, pending {}: {why} for 30s", s.pending));
     }
-    let stuck_ms = u64::try_from(i.min_idle.as_millis()).unwrap_or(u64::MAX).saturating_mul(2);
+    let stuck_ms = millis(i.min_idle).saturating_mul(2);
     if let Some(idle) = s.oldest_pending_idle_ms.filter(|idle| *idle > stuck_ms) {
         return (Health::Stalled, format!("the oldest pending entry has been idle {}s", idle / 1000));
     }
-    if i.retry_overdue.as_millis() > u128::from(stuck_ms) {
+    if millis(i.retry_overdue) > stuck_ms {
         return (
             Health::Stalled,
             format!("an entry waiting for a retry is {}s past due: no consumer takes it", i.retry_overdue.as_secs()),

@@ -13,8 +13,8 @@ use streamfleet_crd::{
     Backoff, DeletionPolicy, RecoveryMode, RedisConnection, RedisMode, RetrySpec, ScalingSpec, SecretKeyRef,
     StreamConsumerGroup,
 };
-use streamfleet_streams::keys;
 use streamfleet_streams::retry::Schedule;
+use streamfleet_streams::{keys, millis};
 
 /// A spec the controller can act on.
 #[derive(Clone, Debug, PartialEq)]
@@ -241,7 +241,6 @@ fn retry_schedule(spec: &RetrySpec, min_idle: Duration) -> Result<(Schedule, con
         Backoff::Exponential => contract::Backoff::Exponential,
         Backoff::Fixed => contract::Backoff::Fixed,
     };
-    let millis = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
     let told = contract::Retry {
         backoff,
         initial_delay_ms: initial.map(millis),
@@ -355,7 +354,7 @@ pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
         options: contract::Options {
             streams: streams.clone(),
             group: spec.group.clone(),
-            min_idle_ms: u64::try_from(min_idle.as_millis()).unwrap_or(u64::MAX),
+            min_idle_ms: millis(min_idle),
             max_deliveries,
             batch_size: batch,
             mode: contract::RunMode::Consume,

@@ -43,7 +43,7 @@ impl Batch {
     }
 
     fn since_born(&self) -> u64 {
-        u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX).saturating_add(1)
+        streamfleet_streams::millis(self.born.elapsed()).saturating_add(1)
     }
 
     /// Entry `i`'s handler starts (`true`) or has returned (`false`).
@@ -55,7 +55,7 @@ impl Batch {
     /// Whether entry `i`'s handler has been running for longer than `limit`.
     pub(super) fn hung(&self, i: usize, limit: Duration) -> bool {
         let since = self.handler_since[i].load(Ordering::SeqCst);
-        since != 0 && u128::from(self.since_born().saturating_sub(since)) > limit.as_millis()
+        since != 0 && self.since_born().saturating_sub(since) > streamfleet_streams::millis(limit)
     }
 
     /// The entries in hand (`Phase::is_held`), per stream.

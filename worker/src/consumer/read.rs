@@ -83,7 +83,7 @@ impl<H: Handler> Worker<H> {
         let mut opts =
             StreamReadOptions::default().group(&self.config.group, &self.config.consumer).count(self.config.batch_size);
         if block {
-            opts = opts.block(usize::try_from(reader.block.as_millis()).unwrap_or(2000));
+            opts = opts.block(usize::try_from(streamfleet_streams::millis(reader.block)).unwrap_or(2000));
         }
         if self.at_most_once {
             opts = opts.noack();
