@@ -226,6 +226,9 @@ pub struct Situation<'a> {
     pub now: Duration,
 }
 
+/// The plan for one reconcile, as named steps: who owns the group, then
+/// the figures (scaling, health, retries), then the Events they call for,
+/// then what to write to Redis and Kubernetes.
 pub fn decide(
     spec: &ValidSpec,
     observed: &Observation,
@@ -241,16 +244,51 @@ pub fn decide(
     let Some(snapshot) = observed.group.clone() else {
         return Ok(create_group(spec, at.scg));
     };
-    let current_replicas = observed.deployment.as_ref().and_then(|d| d.spec.as_ref().and_then(|s| s.replicas));
-    let throughput = memory.throughput.observe(&observed.shards);
+    let (dead_letter_trims, cap_events, dead_letter_cap_reached) = dead_letter_cap(spec, observed);
+    let (retention, trims) = retention_plan(observed);
+    let figures = status_figures(spec, observed, snapshot, (retention, dead_letter_cap_reached), memory, at);
+    let events = announce(spec, observed, &figures, cap_events, memory, at);
+    Ok(Plan::Converge(Box::new(Convergence {
+        redis: RedisWrites {
+            create_shards: missing_shards(at.scg, observed),
+            reap: reap_plan(at.scg, &figures.snapshot, observed),
+            trims,
+            dead_letter_trims,
+            dead_letter_expiry: dead_letter_expiry(spec, observed),
+        },
+        owned: owned_objects(spec, observed, &figures, at.settings)?,
+        events,
+        reap_soon: reaper::awaiting_silence(
+            &figures.snapshot.consumers,
+            &observed.live_pods,
+            &objects::pod_name_prefixes(at.scg),
+        ),
+        figures,
+    })))
+}
+
+/// The worker Deployment's replicas now (`None`: no Deployment yet).
+fn current_replicas(observed: &Observation) -> Option<i32> {
+    observed.deployment.as_ref().and_then(|d| d.spec.as_ref().and_then(|s| s.replicas))
+}
+
+/// How many workers the pipeline needs: lag, entries in hand against what
+/// the available workers can hold, and the delay objective.
+fn scale(
+    spec: &ValidSpec,
+    observed: &Observation,
+    snapshot: &GroupSnapshot,
+    throughput: Option<crate::controller::throughput::Throughput>,
+    memory: &mut ScalingMemory,
+    now: Duration,
+) -> scaling::Decision {
+    if spec.suspend {
+        return scaling::Decision { replicas: 0, reason: "suspended (spec.suspend)".into() };
+    }
     let available = observed.deployment.as_ref().and_then(|d| d.status.as_ref()?.available_replicas).unwrap_or(0);
     let in_hand = snapshot.pending.saturating_sub(snapshot.retrying);
-    let concurrency = at
-        .scg
-        .spec
-        .worker
-        .concurrency
-        .map_or(u64::from(streamfleet_contract::DEFAULT_CONCURRENCY), |c| u64::try_from(c).unwrap_or(1));
+    let concurrency =
+        u64::from(spec.worker_env.options.concurrency.unwrap_or(streamfleet_contract::DEFAULT_CONCURRENCY));
     let pace = scaling::Pace {
         working_delay_ms: snapshot.working_delay.ms(),
         throughput,
@@ -258,21 +296,29 @@ pub fn decide(
         busy: snapshot.lag.floor().is_none_or(|lag| lag > 0)
             || in_hand > u64::try_from(available).unwrap_or(0).saturating_mul(concurrency),
     };
-    let scaling = if spec.suspend {
-        scaling::Decision { replicas: 0, reason: "suspended (spec.suspend)".into() }
-    } else {
-        scaling::decide(
-            &spec.scaling,
-            current_replicas.unwrap_or(0),
-            Some((snapshot.lag, snapshot.pending, snapshot.retrying)),
-            &pace,
-            at.now,
-            &mut memory.scaling,
-        )
-    };
+    scaling::decide(
+        &spec.scaling,
+        current_replicas(observed).unwrap_or(0),
+        Some((snapshot.lag, snapshot.pending, snapshot.retrying)),
+        &pace,
+        now,
+        memory,
+    )
+}
+
+/// What the status shows: scaling, health, retries, recovery, losses.
+fn status_figures(
+    spec: &ValidSpec,
+    observed: &Observation,
+    snapshot: GroupSnapshot,
+    (retention, dead_letter_cap_reached): (Option<Retention>, Option<bool>),
+    memory: &mut PolicyMemory,
+    at: &Situation<'_>,
+) -> StatusFigures {
+    let throughput = memory.throughput.observe(&observed.shards);
+    let scaling = scale(spec, observed, &snapshot, throughput, &mut memory.scaling, at.now);
     memory.health.record(&snapshot, at.now, scaling.replicas > 0);
     let retrying = retrying(&snapshot, &spec.retry, spec.max_deliveries);
-    let last_recovery = observed.last_recovery.clone().map(recovery_status);
     let payload_lost = payload_lost_status(at.scg, &observed.payload_loss);
     let (health, health_message) = health::classify(&health::Inputs {
         snapshot: Some(&snapshot),
@@ -286,77 +332,82 @@ pub fn decide(
         ),
     });
     let (health, health_message) = suspended_health(spec.suspend, health, health_message, &snapshot);
-    let (retention, trims) = retention_plan(observed);
-    let mut events: Vec<PlannedEvent> = scaling_event(current_replicas, &scaling).into_iter().collect();
-    events.extend(recovery_event(at.scg, last_recovery.as_ref(), memory.recovery_announced.as_ref()));
-    if let Some(latest) = &last_recovery {
+    StatusFigures {
+        current_replicas: current_replicas(observed),
+        scaling,
+        health,
+        health_message,
+        last_recovery: observed.last_recovery.clone().map(recovery_status),
+        payload_lost,
+        retention,
+        shard_figures: shard_figures(observed),
+        throughput,
+        dead_letter_cap_reached,
+        eviction: observed.eviction.clone(),
+        unknown_template_fields: spec.unknown_template_fields.clone(),
+        recovery_deadline_short: recovery_deadline_message(
+            spec,
+            spec.workload.recovery_mode,
+            at.settings.sweep_deadline_seconds,
+        ),
+        recovery_run: recovery_runs::last_run(&observed.recovery_jobs),
+        retrying,
+        snapshot,
+    }
+}
+
+/// The Events the figures call for, each announced once per change
+/// (`memory` remembers what was announced).
+fn announce(
+    spec: &ValidSpec,
+    observed: &Observation,
+    figures: &StatusFigures,
+    cap_events: Vec<PlannedEvent>,
+    memory: &mut PolicyMemory,
+    at: &Situation<'_>,
+) -> Vec<PlannedEvent> {
+    let mut events: Vec<PlannedEvent> = scaling_event(figures.current_replicas, &figures.scaling).into_iter().collect();
+    events.extend(recovery_event(at.scg, figures.last_recovery.as_ref(), memory.recovery_announced.as_ref()));
+    if let Some(latest) = &figures.last_recovery {
         memory.recovery_announced = Some(latest.time.clone());
     }
-    events.extend(payload_loss_event(at.scg, &payload_lost, memory.payload_lost_announced));
-    memory.payload_lost_announced = memory.payload_lost_announced.max(payload_lost.total);
+    events.extend(payload_loss_event(at.scg, &figures.payload_lost, memory.payload_lost_announced));
+    memory.payload_lost_announced = memory.payload_lost_announced.max(figures.payload_lost.total);
     let before = memory.health_announced.or_else(|| at.scg.status.as_ref().and_then(|s| s.health));
-    events.extend(health_event(before, health, &health_message));
-    memory.health_announced = Some(health);
-    let (dead_letter_trims, cap_events, dead_letter_cap_reached) = dead_letter_cap(spec, observed);
+    events.extend(health_event(before, figures.health, &figures.health_message));
+    memory.health_announced = Some(figures.health);
     events.extend(cap_events);
     events.extend(eviction_event(at.scg, &observed.eviction, &mut memory.eviction_announced));
     let template = (!spec.unknown_template_fields.is_empty()).then(|| template_message(&spec.unknown_template_fields));
     events.extend(announce_once(at.scg, TEMPLATE_EVENT, template, &mut memory.template_announced));
-    let recovery_deadline_short =
-        recovery_deadline_message(spec, spec.workload.recovery_mode, at.settings.sweep_deadline_seconds);
     events.extend(announce_once(
         at.scg,
         RECOVERY_DEADLINE_EVENT,
-        recovery_deadline_short.clone(),
+        figures.recovery_deadline_short.clone(),
         &mut memory.recovery_deadline_announced,
     ));
-    let recovery_run = recovery_runs::last_run(&observed.recovery_jobs);
-    events.extend(recovery_failure_event(at.scg, &recovery_run, &mut memory.recovery_failure_announced));
-    Ok(Plan::Converge(Box::new(Convergence {
-        redis: RedisWrites {
-            create_shards: missing_shards(at.scg, observed),
-            reap: reap_plan(at.scg, &snapshot, observed),
-            trims,
-            dead_letter_trims,
-            dead_letter_expiry: dead_letter_expiry(spec, observed),
+    events.extend(recovery_failure_event(at.scg, &figures.recovery_run, &mut memory.recovery_failure_announced));
+    events
+}
+
+/// The worker Deployment (with the pods to remove first when scaling
+/// down) and the recovery CronJob.
+fn owned_objects(
+    spec: &ValidSpec,
+    observed: &Observation,
+    figures: &StatusFigures,
+    settings: &ObjectSettings,
+) -> Result<OwnedObjects, Error> {
+    let mut deployment = objects::worker_deployment(spec, figures.scaling.replicas)?;
+    objects::stamp_secrets_digest(&mut deployment, observed.secrets_digest.as_deref());
+    Ok(OwnedObjects {
+        deletion_costs: match figures.current_replicas {
+            Some(current) if figures.scaling.replicas < current => deletion_costs(&figures.snapshot, &observed.pods),
+            _ => Vec::new(),
         },
-        owned: OwnedObjects {
-            deletion_costs: match current_replicas {
-                Some(current) if scaling.replicas < current => deletion_costs(&snapshot, &observed.pods),
-                _ => Vec::new(),
-            },
-            deployment: {
-                let mut deployment = objects::worker_deployment(spec, scaling.replicas)?;
-                objects::stamp_secrets_digest(&mut deployment, observed.secrets_digest.as_deref());
-                deployment
-            },
-            cronjob: objects::recovery_cronjob(spec, at.settings)?,
-        },
-        events,
-        reap_soon: reaper::awaiting_silence(
-            &snapshot.consumers,
-            &observed.live_pods,
-            &objects::pod_name_prefixes(at.scg),
-        ),
-        figures: StatusFigures {
-            current_replicas,
-            scaling,
-            health,
-            health_message,
-            last_recovery,
-            payload_lost,
-            retention,
-            shard_figures: shard_figures(observed),
-            throughput,
-            dead_letter_cap_reached,
-            eviction: observed.eviction.clone(),
-            unknown_template_fields: spec.unknown_template_fields.clone(),
-            recovery_deadline_short,
-            recovery_run,
-            retrying,
-            snapshot,
-        },
-    })))
+        deployment,
+        cronjob: objects::recovery_cronjob(spec, settings)?,
+    })
 }
 
 /// What the `EvictionPossible` condition and its Warning say of a server
