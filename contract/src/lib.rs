@@ -72,6 +72,8 @@ pub const DRAIN_TIMEOUT_MS: &str = "STREAMFLEET_DRAIN_TIMEOUT_MS";
 /// Milliseconds one attempt of a handler may run before it is dropped and
 /// counts as a transient failure (absent: [`MIN_IDLE_MS`]).
 pub const HANDLER_TIMEOUT_MS: &str = "STREAMFLEET_HANDLER_TIMEOUT_MS";
+/// Entries one read takes ahead of the handlers (absent: [`BATCH_SIZE`]).
+pub const PREFETCH: &str = "STREAMFLEET_PREFETCH";
 /// Entries claimed per batch by recovery.
 pub const BATCH_SIZE: &str = "STREAMFLEET_BATCH_SIZE";
 /// `consume` for the worker Deployment, `recovery` for the recovery Job.
@@ -154,6 +156,10 @@ pub const VARIABLES: &[Variable] = &[
     },
     Variable { names: &[BATCH_SIZE], meaning: "entries per read and per claim" },
     Variable {
+        names: &[PREFETCH],
+        meaning: "entries one read takes ahead of the handlers, which wait in this worker's hands until a handler is free (only when `spec.worker.prefetch` is set; absent: `STREAMFLEET_BATCH_SIZE`)",
+    },
+    Variable {
         names: &[CONCURRENCY],
         meaning: "handlers in flight per process (only when `spec.worker.concurrency` is set; absent, the Rust library's default is 10); entries with the same business key never run at once, and each entry is acked as soon as its handler is done",
     },
@@ -234,6 +240,8 @@ pub struct Options {
     pub drain_timeout_ms: Option<u64>,
     /// Absent: min-idle-time.
     pub handler_timeout_ms: Option<u64>,
+    /// Entries per read; absent: `batch_size`.
+    pub prefetch: Option<u64>,
 }
 
 /// How to reach Redis, as the operator tells it: from the spec alone.
@@ -397,6 +405,7 @@ impl WorkerEnv {
         optional(CONCURRENCY, o.concurrency.map(|v| v.to_string()));
         optional(DRAIN_TIMEOUT_MS, o.drain_timeout_ms.map(|v| v.to_string()));
         optional(HANDLER_TIMEOUT_MS, o.handler_timeout_ms.map(|v| v.to_string()));
+        optional(PREFETCH, o.prefetch.map(|v| v.to_string()));
         out
     }
 }
@@ -529,6 +538,7 @@ impl ParsedEnv {
                     }
                     ms => ms,
                 },
+                prefetch: number(PREFETCH)?.map(|n| n.clamp(1, 10_000)),
             },
             metrics_addr: get(METRICS_ADDR).map(|a| a.trim().to_string()).filter(|a| !a.is_empty()),
         })
@@ -571,6 +581,7 @@ mod tests {
             concurrency: None,
             drain_timeout_ms: None,
             handler_timeout_ms: None,
+            prefetch: None,
         }
     }
 
@@ -619,6 +630,7 @@ mod tests {
             concurrency: Some(4),
             drain_timeout_ms: Some(27_000),
             handler_timeout_ms: Some(300_000),
+            prefetch: Some(12),
         };
         for env in [told(), every] {
             let seen = kubelet(&env.render());

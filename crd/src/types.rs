@@ -248,6 +248,15 @@ pub struct WorkerSpec {
     #[schemars(range(min = 1, max = 86400))]
     pub handler_timeout_seconds: Option<i64>,
 
+    /// Entries one read takes ahead of the handlers (`XREADGROUP … COUNT`,
+    /// `STREAMFLEET_PREFETCH`). Unset: `recovery.batchSize`. Entries read
+    /// wait in this worker's hands until a handler is free: set it near
+    /// `concurrency` when handlers are slow, so that idle workers get the
+    /// work instead (as Celery's prefetch multiplier of 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 10000))]
+    pub prefetch: Option<i32>,
+
     /// Fields written in `template` that a pod template does not have (a
     /// typo such as `resoures`), as paths under `spec.worker.template`:
     /// dropped when the resource was read, so the operator says so (the
@@ -266,6 +275,7 @@ impl PartialEq for WorkerSpec {
             && self.container_name == other.container_name
             && self.concurrency == other.concurrency
             && self.handler_timeout_seconds == other.handler_timeout_seconds
+            && self.prefetch == other.prefetch
     }
 }
 
@@ -304,6 +314,15 @@ struct WorkerSpecWire {
     #[serde(default)]
     #[schemars(range(min = 1, max = 86400))]
     handler_timeout_seconds: Option<i64>,
+
+    /// Entries one read takes ahead of the handlers (`XREADGROUP … COUNT`,
+    /// `STREAMFLEET_PREFETCH`). Unset: `recovery.batchSize`. Entries read
+    /// wait in this worker's hands until a handler is free: set it near
+    /// `concurrency` when handlers are slow, so that idle workers get the
+    /// work instead (as Celery's prefetch multiplier of 1).
+    #[serde(default)]
+    #[schemars(range(min = 1, max = 10000))]
+    prefetch: Option<i32>,
 }
 
 impl TryFrom<WorkerSpecWire> for WorkerSpec {
@@ -319,6 +338,7 @@ impl TryFrom<WorkerSpecWire> for WorkerSpec {
             container_name: wire.container_name,
             concurrency: wire.concurrency,
             handler_timeout_seconds: wire.handler_timeout_seconds,
+            prefetch: wire.prefetch,
             unknown_template_fields: unknown,
         })
     }

@@ -330,6 +330,8 @@ class Worker:
         self.max_deliveries = int(env.get("STREAMFLEET_MAX_DELIVERIES", "10"))
         self.schedule = Schedule(env, self.min_idle_ms)
         self.batch = int(env.get("STREAMFLEET_BATCH_SIZE", "10"))
+        # Entries one read takes (absent: the batch size).
+        self.prefetch = int(env.get("STREAMFLEET_PREFETCH") or self.batch)
         self.drain_ms = int(env.get("STREAMFLEET_DRAIN_TIMEOUT_MS", "10000"))
         dead = env.get("STREAMFLEET_DEAD_LETTER_STREAM")
         if dead in self.streams:
@@ -492,7 +494,7 @@ class Worker:
             # batches are small and its handler quick, so no entry in hand
             # nears min-idle-time; a slower handler must renew its hold.
             reply = self.reader.xreadgroup(self.group, self.consumer, {s: ">" for s in self.streams},
-                                           count=self.batch, block=1000)
+                                           count=self.prefetch, block=1000)
             for stream, entries in reply or []:
                 stream = stream.decode() if isinstance(stream, bytes) else stream
                 self.process(stream, entries, lambda _id: 1)

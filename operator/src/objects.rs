@@ -92,10 +92,8 @@ fn owned_meta(workload: &Workload, name: &str, component: &str) -> Result<Object
 /// container, as the validated spec says it, in `mode`, with `drain_timeout_ms`
 /// for a worker's handlers to finish after SIGTERM.
 pub fn contract_env(valid: &ValidSpec, mode: env::RunMode, drain_timeout_ms: Option<u64>) -> Vec<EnvVar> {
-    let mut told = valid.worker_env.clone();
-    told.options.mode = mode;
-    told.options.drain_timeout_ms = drain_timeout_ms;
-    told.render()
+    told(valid, mode, drain_timeout_ms)
+        .render()
         .into_iter()
         .map(|(name, source)| {
             let from = |source: EnvVarSource| EnvVar { name: name.into(), value: None, value_from: Some(source) };
@@ -112,6 +110,14 @@ pub fn contract_env(valid: &ValidSpec, mode: env::RunMode, drain_timeout_ms: Opt
             }
         })
         .collect()
+}
+
+/// What a container is told: the validated spec's contract, in `mode`.
+fn told(valid: &ValidSpec, mode: env::RunMode, drain_timeout_ms: Option<u64>) -> env::WorkerEnv {
+    let mut told = valid.worker_env.clone();
+    told.options.mode = mode;
+    told.options.drain_timeout_ms = drain_timeout_ms;
+    told
 }
 
 /// The contract's Redis connection variables (`STREAMFLEET_REDIS_URL`,
@@ -353,7 +359,7 @@ mod tests {
             json!({"shards": 3, "recovery": recovery("Worker")}),
             json!({"recovery": recovery("Sweep"), "redis": {"urlSecretRef": {"name": "redis", "key": "url"}, "mode": "Cluster",
                    "tls": {"caSecretRef": {"name": "redis-ca", "key": "ca.crt"}}}}),
-            json!({"worker": {"concurrency": 4, "handlerTimeoutSeconds": 300, "template": scg(json!({})).spec.worker.template, "containerName": "app"}}),
+            json!({"worker": {"concurrency": 4, "handlerTimeoutSeconds": 300, "prefetch": 12, "template": scg(json!({})).spec.worker.template, "containerName": "app"}}),
             json!({"redis": {"url": "rediss://redis-master.db:6379", "username": "streamfleet",
                    "passwordSecretRef": {"name": "redis", "key": "redis-password"},
                    "tls": {"caSecretRef": {"name": "redis-ca", "key": "ca.crt"}, "clientCertSecretRef": {"name": "client"}}}}),
@@ -409,8 +415,9 @@ mod tests {
                     .concurrency
                     .map_or(usize::from(env::DEFAULT_CONCURRENCY), |n| usize::try_from(n).unwrap());
                 assert_eq!(config.concurrency, concurrency, "{what}");
-                let timeout = s.spec.worker.handler_timeout_seconds.map(|s| u64::try_from(s).unwrap() * 1000);
-                assert_eq!(config.options.handler_timeout_ms, timeout, "{what}");
+                // Every option as the validated spec tells it: an option
+                // added to the contract is checked here without a line more.
+                assert_eq!(config.options, told(&valid, mode, config.options.drain_timeout_ms).options, "{what}");
             }
         }
         // docs/env-contract.md's table names exactly what is rendered.

@@ -565,6 +565,40 @@ async fn the_pipelines_handler_timeout_bounds_each_attempt_instead_of_min_idle_t
     Ok(())
 }
 
+/// `spec.worker.prefetch` (`STREAMFLEET_PREFETCH`): one read takes that
+/// many entries, so a worker whose handlers are busy holds no more than
+/// that, and the rest stay undelivered for an idle worker. Unset, a read
+/// takes the batch size.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefetch_bounds_the_entries_a_busy_worker_holds() -> Result<()> {
+    for (prefetch, held) in [(Some(3), 3), (None, 10)] {
+        let (server, mut conn) = setup().await?;
+        for i in 0..10 {
+            add(&mut conn, &[("kind", "wait"), ("key", &format!("k{i}"))]).await?;
+        }
+        let handler = Scripted::default();
+        let mut told = config(&server, "c1", 60_000, 5);
+        told.options.prefetch = prefetch;
+        let worker = Worker::new(told, handler.clone());
+        let stats = worker.stats();
+        let (stop, run) = spawn(worker);
+        eventually("handlers waiting", T, || async { Ok((handler.total() as usize == held).then_some(())) }).await?;
+        // Its handlers busy, the worker reads nothing more.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert_eq!(pending(&mut conn).await?, held, "prefetch {prefetch:?}");
+        assert_eq!(handler.total() as usize, held, "prefetch {prefetch:?}: handlers started");
+        eventually("every entry done", T, || async {
+            handler.release.notify_waiters();
+            Ok((Stats::get(&stats.processed) == 10).then_some(()))
+        })
+        .await?;
+        let _ = stop.send(());
+        run.await??;
+        assert_eq!(pending(&mut conn).await?, 0);
+    }
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_letter_that_cannot_be_written_leaves_its_entry_pending() -> Result<()> {
     let (_server, mut conn) = setup().await?;

@@ -368,6 +368,7 @@ pub fn validate(scg: &StreamConsumerGroup) -> Result<ValidSpec, Error> {
                 .handler_timeout_seconds
                 .map(|s| within("spec.worker.handlerTimeoutSeconds", s, 1, 86_400).map(|s| s * 1000))
                 .transpose()?,
+            prefetch: spec.worker.prefetch.map(|n| within("spec.worker.prefetch", n.into(), 1, 10_000)).transpose()?,
         },
     };
     Ok(ValidSpec {

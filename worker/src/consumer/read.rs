@@ -80,8 +80,8 @@ impl<H: Handler> Worker<H> {
     /// `XREADGROUP … CLAIM` (8.4), which would bypass what the claim script
     /// checks (a young server epoch, a live holder's trimmed entry).
     pub(super) async fn read_from(&self, reader: &mut Reader, block: bool) -> Result<Vec<Entry>, StreamError> {
-        let mut opts =
-            StreamReadOptions::default().group(&self.config.group, &self.config.consumer).count(self.config.batch_size);
+        let count = self.config.options.prefetch.map_or(self.config.batch_size, |n| usize::try_from(n).unwrap_or(1));
+        let mut opts = StreamReadOptions::default().group(&self.config.group, &self.config.consumer).count(count);
         if block {
             opts = opts.block(usize::try_from(streamfleet_streams::millis(reader.block)).unwrap_or(2000));
         }
