@@ -672,8 +672,8 @@ pub struct StreamConsumerGroupStatus {
     pub observed_generation: Option<i64>,
 
     /// `Ready`, `GroupReady`, `WorkersAvailable`, `Degraded`, `RetentionBlocked`, `Conflict`,
-    /// `DelayUnknown`, `EvictionPossible`, `DeadLetterCapReached`, `TemplateFieldsUnknown`, `RecoveryFailing`,
-    /// `RecoveryDeadlineTooShort`.
+    /// `DelayUnknown`, `EvictionPossible`, `LossOnRestartPossible`, `DeadLetterCapReached`,
+    /// `TemplateFieldsUnknown`, `RecoveryFailing`, `RecoveryDeadlineTooShort`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 16))]
     pub conditions: Vec<Condition>,

@@ -13,6 +13,9 @@ pub const DEAD_LETTER_CAP_REACHED: &str = "DeadLetterCapReached";
 pub const DELAY_UNKNOWN: &str = "DelayUnknown";
 /// True while the Redis server may evict keys (`maxmemory-policy`).
 pub const EVICTION_POSSIBLE: &str = "EvictionPossible";
+/// True while the Redis server keeps no append-only file: a restart loses
+/// what was written since its last snapshot.
+pub const LOSS_ON_RESTART_POSSIBLE: &str = "LossOnRestartPossible";
 /// True while the worker template has fields a pod template does not have.
 pub const TEMPLATE_FIELDS_UNKNOWN: &str = "TemplateFieldsUnknown";
 /// True while the recovery CronJob's last finished run failed.

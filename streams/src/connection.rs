@@ -335,7 +335,7 @@ impl ConnectionLike for StreamConnection {
 }
 
 /// One connection per endpoint, shared by every caller that names it, with
-/// what was last read of the server's eviction setting.
+/// what was last read of the server's eviction and persistence settings.
 #[derive(Clone, Default)]
 pub struct Connections {
     by_endpoint: Arc<Mutex<HashMap<Endpoint, Shared>>>,
@@ -344,14 +344,15 @@ pub struct Connections {
 #[derive(Clone)]
 struct Shared {
     conn: StreamConnection,
-    eviction: crate::version::Eviction,
-    /// When `eviction` was read.
+    safety: crate::version::Safety,
+    /// When `safety` was read.
     checked: std::time::Instant,
 }
 
-/// How often the eviction setting is read again (one `INFO memory` per
-/// endpoint): a policy changed with `CONFIG SET` shows within this.
-pub const EVICTION_CHECK_EVERY: Duration = Duration::from_secs(60);
+/// How often the eviction and persistence settings are read again (one
+/// `INFO memory persistence` per endpoint): a setting changed with
+/// `CONFIG SET` shows within this.
+pub const SAFETY_CHECK_EVERY: Duration = Duration::from_secs(60);
 
 impl Connections {
     /// The shared connection for `endpoint`, connecting on first use.
@@ -359,18 +360,18 @@ impl Connections {
         Ok(self.get_checked(endpoint).await?.0)
     }
 
-    /// The shared connection for `endpoint` and the server's eviction
-    /// setting, read at most every [`EVICTION_CHECK_EVERY`] (unknown when
-    /// it could not be read: never an error for the caller).
+    /// The shared connection for `endpoint` and the server's eviction and
+    /// persistence settings, read at most every [`SAFETY_CHECK_EVERY`]
+    /// (unknown when they could not be read: never an error for the caller).
     pub async fn get_checked(
         &self,
         endpoint: &Endpoint,
-    ) -> Result<(StreamConnection, crate::version::Eviction), StreamError> {
+    ) -> Result<(StreamConnection, crate::version::Safety), StreamError> {
         let cached = {
             let mut map = self.by_endpoint.lock().await;
             match map.get_mut(endpoint) {
-                Some(shared) if shared.checked.elapsed() < EVICTION_CHECK_EVERY => {
-                    return Ok((shared.conn.clone(), shared.eviction.clone()));
+                Some(shared) if shared.checked.elapsed() < SAFETY_CHECK_EVERY => {
+                    return Ok((shared.conn.clone(), shared.safety.clone()));
                 }
                 // Due: this caller reads it again; the others meanwhile use
                 // what is known (one INFO per endpoint, not one per caller).
@@ -382,7 +383,7 @@ impl Connections {
             }
         };
         let (mut conn, known) = match cached {
-            Some(shared) => (shared.conn, Some(shared.eviction)),
+            Some(shared) => (shared.conn, Some(shared.safety)),
             None => {
                 // Connect outside the lock: one slow endpoint must not block the others.
                 let mut conn = StreamConnection::connect(endpoint).await?;
@@ -396,18 +397,18 @@ impl Connections {
         };
         // A failed read keeps what was known: a setting, not a figure, and
         // it does not change because one read failed.
-        let eviction = match crate::version::server_eviction(&mut conn).await {
+        let safety = match crate::version::server_safety(&mut conn).await {
             Ok(read) => read,
-            Err(_) => known.unwrap_or(crate::version::Eviction::Unknown),
+            Err(_) => known.unwrap_or(crate::version::Safety::UNKNOWN),
         };
         let mut map = self.by_endpoint.lock().await;
         let shared = map.entry(endpoint.clone()).or_insert(Shared {
             conn,
-            eviction: eviction.clone(),
+            safety: safety.clone(),
             checked: std::time::Instant::now(),
         });
-        shared.eviction = eviction;
-        Ok((shared.conn.clone(), shared.eviction.clone()))
+        shared.safety = safety;
+        Ok((shared.conn.clone(), shared.safety.clone()))
     }
 
     /// How many endpoints have a shared connection.

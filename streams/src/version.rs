@@ -52,18 +52,18 @@ pub fn parse_info(info: &str) -> Option<Version> {
 /// The server's version; on a Redis Cluster, where `INFO` answers once per
 /// node, the lowest of them (a feature is usable only if every node has it).
 pub async fn server_version<C: ConnectionLike + Send>(conn: &mut C) -> Result<Option<Version>, StreamError> {
-    let texts = info(conn, "server", "reading the server version").await?;
+    let texts = info(conn, &["server"], "reading the server version").await?;
     Ok(texts.iter().filter_map(|t| parse_info(t)).min())
 }
 
-/// `INFO <section>`: one text for a server, one per node on a cluster.
+/// `INFO <section>…`: one text for a server, one per node on a cluster.
 async fn info<C: ConnectionLike + Send>(
     conn: &mut C,
-    section: &str,
+    sections: &[&str],
     action: &'static str,
 ) -> Result<Vec<String>, StreamError> {
     let reply: redis::Value =
-        redis::cmd("INFO").arg(section).query_async(conn).await.map_err(|e| StreamError::new(action, e))?;
+        redis::cmd("INFO").arg(sections).query_async(conn).await.map_err(|e| StreamError::new(action, e))?;
     let mut texts = Vec::new();
     collect_texts(reply, &mut texts);
     Ok(texts)
@@ -95,18 +95,65 @@ pub fn parse_eviction(info: &str) -> Option<Eviction> {
     })
 }
 
-/// The server's eviction setting; on a Redis Cluster the first node that
-/// may evict (any node losing a shard's stream loses its work).
-pub async fn server_eviction<C: ConnectionLike + Send>(conn: &mut C) -> Result<Eviction, StreamError> {
-    let texts = info(conn, "memory", "reading the eviction policy").await?;
-    let each: Vec<Option<Eviction>> = texts.iter().map(|t| parse_eviction(t)).collect();
-    Ok(if let Some(possible) = each.iter().flatten().find(|e| matches!(e, Eviction::Possible { .. })) {
+/// Whether what the server confirmed (an entry added, an ack) survives its
+/// restart.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Persistence {
+    /// An append-only file (`aof_enabled:1`): writes survive a restart, up
+    /// to its `appendfsync` policy (`always`: all; `everysec`: all but about
+    /// the last second).
+    AppendOnly,
+    /// No append-only file: whatever was written since the last RDB
+    /// snapshot (if snapshots are taken at all) is gone after a restart.
+    NoAppendOnly,
+    /// `INFO persistence` did not say.
+    Unknown,
+}
+
+/// The persistence setting out of `INFO persistence`; `None` when it is
+/// not there.
+pub fn parse_persistence(info: &str) -> Option<Persistence> {
+    match info.lines().find_map(|l| l.trim().strip_prefix("aof_enabled:"))?.trim() {
+        "1" => Some(Persistence::AppendOnly),
+        "0" => Some(Persistence::NoAppendOnly),
+        _ => None,
+    }
+}
+
+/// The server settings that can lose work without any command failing:
+/// eviction and persistence. Read in one `INFO memory persistence`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Safety {
+    pub eviction: Eviction,
+    pub persistence: Persistence,
+}
+
+impl Safety {
+    /// Nothing known (the settings could not be read).
+    pub const UNKNOWN: Safety = Safety { eviction: Eviction::Unknown, persistence: Persistence::Unknown };
+}
+
+/// The server's eviction and persistence settings; on a Redis Cluster the
+/// first node at risk (any node losing a shard's stream loses its work).
+pub async fn server_safety<C: ConnectionLike + Send>(conn: &mut C) -> Result<Safety, StreamError> {
+    let texts = info(conn, &["memory", "persistence"], "reading the eviction and persistence settings").await?;
+    let evictions: Vec<Option<Eviction>> = texts.iter().map(|t| parse_eviction(t)).collect();
+    let eviction = if let Some(possible) = evictions.iter().flatten().find(|e| matches!(e, Eviction::Possible { .. })) {
         possible.clone()
-    } else if !each.is_empty() && each.iter().all(|e| *e == Some(Eviction::Never)) {
+    } else if !evictions.is_empty() && evictions.iter().all(|e| *e == Some(Eviction::Never)) {
         Eviction::Never
     } else {
         Eviction::Unknown
-    })
+    };
+    let persistences: Vec<Option<Persistence>> = texts.iter().map(|t| parse_persistence(t)).collect();
+    let persistence = if persistences.contains(&Some(Persistence::NoAppendOnly)) {
+        Persistence::NoAppendOnly
+    } else if !persistences.is_empty() && persistences.iter().all(|p| *p == Some(Persistence::AppendOnly)) {
+        Persistence::AppendOnly
+    } else {
+        Persistence::Unknown
+    };
+    Ok(Safety { eviction, persistence })
 }
 
 /// Every text in a reply: one for a server, one per node (a map keyed by the
@@ -138,6 +185,16 @@ mod eviction_tests {
         );
         assert_eq!(parse_eviction("# Memory\r\nused_memory:1\r\n"), None);
         assert_eq!(parse_eviction(&info("volatile-ttl", "x")), None);
+    }
+
+    #[test]
+    fn persistence_is_the_append_only_file() {
+        let info =
+            |aof: &str| format!("# Persistence\r\nloading:0\r\naof_enabled:{aof}\r\naof_rewrite_in_progress:0\r\n");
+        assert_eq!(parse_persistence(&info("1")), Some(Persistence::AppendOnly));
+        assert_eq!(parse_persistence(&info("0")), Some(Persistence::NoAppendOnly));
+        assert_eq!(parse_persistence(&info("maybe")), None);
+        assert_eq!(parse_persistence("# Memory\r\nused_memory:1\r\n"), None);
     }
 }
 

@@ -26,7 +26,7 @@ use streamfleet_streams::payload_loss::PayloadLoss;
 use streamfleet_streams::recovery::RecoveryReport;
 use streamfleet_streams::retention::{self, Retention, StreamId};
 use streamfleet_streams::retry::Schedule;
-use streamfleet_streams::version::Eviction;
+use streamfleet_streams::version::{Eviction, Persistence, Safety};
 
 /// What the policies remember about one resource between polls.
 #[derive(Default)]
@@ -46,6 +46,8 @@ pub struct PolicyMemory {
     /// Whether a server that may evict keys was announced, for the same
     /// reason (`None`: not known yet, the status decides).
     pub eviction_announced: Option<bool>,
+    /// Whether a server without an append-only file was announced, likewise.
+    pub persistence_announced: Option<bool>,
     /// The unknown template fields last announced (`TemplateFieldsUnknown`).
     pub template_announced: Option<String>,
     /// The `RecoveryDeadlineTooShort` message last announced.
@@ -147,8 +149,9 @@ pub struct StatusFigures {
     pub throughput: Option<crate::controller::throughput::Throughput>,
     /// Whether a dead-letter stream is at its cap (`None`: no cap).
     pub dead_letter_cap_reached: Option<bool>,
-    /// The server's eviction setting, for the `EvictionPossible` condition.
-    pub eviction: streamfleet_streams::version::Eviction,
+    /// The server's eviction and persistence settings, for the
+    /// `EvictionPossible` and `LossOnRestartPossible` conditions.
+    pub safety: Safety,
     /// Fields of the worker template that were dropped (typos): the
     /// `TemplateFieldsUnknown` condition.
     pub unknown_template_fields: Vec<String>,
@@ -343,7 +346,7 @@ fn status_figures(
         shard_figures: shard_figures(observed),
         throughput,
         dead_letter_cap_reached,
-        eviction: observed.eviction.clone(),
+        safety: observed.safety.clone(),
         unknown_template_fields: spec.unknown_template_fields.clone(),
         recovery_deadline_short: recovery_deadline_message(
             spec,
@@ -377,7 +380,18 @@ fn announce(
     events.extend(health_event(before, figures.health, &figures.health_message));
     memory.health_announced = Some(figures.health);
     events.extend(cap_events);
-    events.extend(eviction_event(at.scg, &observed.eviction, &mut memory.eviction_announced));
+    let eviction = match &observed.safety.eviction {
+        Eviction::Possible { policy, maxmemory } => Some(Some(eviction_message(policy, *maxmemory))),
+        Eviction::Never => Some(None),
+        Eviction::Unknown => None,
+    };
+    events.extend(setting_event(at.scg, EVICTION_EVENT, eviction, &mut memory.eviction_announced));
+    let persistence = match observed.safety.persistence {
+        Persistence::NoAppendOnly => Some(Some(PERSISTENCE_MESSAGE.to_string())),
+        Persistence::AppendOnly => Some(None),
+        Persistence::Unknown => None,
+    };
+    events.extend(setting_event(at.scg, PERSISTENCE_EVENT, persistence, &mut memory.persistence_announced));
     let template = (!spec.unknown_template_fields.is_empty()).then(|| template_message(&spec.unknown_template_fields));
     events.extend(announce_once(at.scg, TEMPLATE_EVENT, template, &mut memory.template_announced));
     events.extend(announce_once(
@@ -424,34 +438,47 @@ pub fn eviction_message(policy: &str, maxmemory: u64) -> String {
     )
 }
 
-/// A Warning when the server is first seen to be able to evict keys: not
-/// announced since it last could not (or, first, the condition was not
-/// already true).
-fn eviction_event(
+/// What the `LossOnRestartPossible` condition and its Warning say of a
+/// server without an append-only file.
+pub const PERSISTENCE_MESSAGE: &str = "Redis keeps no append-only file (aof_enabled:0): entries added and acks made since its \
+     last RDB snapshot, if it takes any, are lost when it restarts; an entry lost is never processed, an ack lost is \
+     processed again. Set appendonly yes (appendfsync everysec loses about the last second, always loses nothing), or \
+     keep this only where a replica promoted in sync takes over";
+
+const EVICTION_EVENT: ConditionEvent =
+    ConditionEvent { condition: crate::conditions::EVICTION_POSSIBLE, reason: "EvictionPossible" };
+const PERSISTENCE_EVENT: ConditionEvent =
+    ConditionEvent { condition: crate::conditions::LOSS_ON_RESTART_POSSIBLE, reason: "LossOnRestartPossible" };
+
+/// A Warning when a server setting is first seen to put the work at risk
+/// (`risk`: `Some(Some(message))` at risk, `Some(None)` safe, `None` not
+/// known): not announced since it was last safe (or, first, the condition
+/// was not already true).
+fn setting_event(
     scg: &StreamConsumerGroup,
-    eviction: &Eviction,
+    kind: ConditionEvent,
+    risk: Option<Option<String>>,
     announced: &mut Option<bool>,
 ) -> Option<PlannedEvent> {
     let before = announced.unwrap_or_else(|| {
-        scg.status.as_ref().is_some_and(|s| {
-            s.conditions.iter().any(|c| c.type_ == crate::conditions::EVICTION_POSSIBLE && c.status == "True")
-        })
+        scg.status
+            .as_ref()
+            .is_some_and(|s| s.conditions.iter().any(|c| c.type_ == kind.condition && c.status == "True"))
     });
-    match eviction {
-        Eviction::Possible { policy, maxmemory } => {
+    match risk? {
+        Some(note) => {
             *announced = Some(true);
-            (!before).then(|| PlannedEvent {
+            (!before).then_some(PlannedEvent {
                 type_: EventType::Warning,
-                reason: "EvictionPossible",
+                reason: kind.reason,
                 action: "Inspect",
-                note: eviction_message(policy, *maxmemory),
+                note,
             })
         }
-        Eviction::Never => {
+        None => {
             *announced = Some(false);
             None
         }
-        Eviction::Unknown => None,
     }
 }
 
@@ -935,6 +962,51 @@ mod tests {
         let status =
             super::super::status::converged(&shown, &fixed.figures, &Default::default(), &Time(Default::default()));
         assert!(status.conditions.iter().all(|c| c.type_ != crate::conditions::TEMPLATE_FIELDS_UNKNOWN));
+    }
+
+    /// A server without an append-only file loses, when it restarts, what
+    /// was written since its last snapshot: a condition and one Warning
+    /// while it is so, nothing claimed while unknown, gone once it has one.
+    #[test]
+    fn a_server_without_an_append_only_file_is_a_condition_and_one_warning_until_it_has_one() {
+        use streamfleet_streams::version::Persistence;
+        let scg = scg();
+        let spec = super::super::validate::validate(&scg).unwrap();
+        let settings = ObjectSettings::default();
+        let at = Situation { scg: &scg, settings: &settings, now: Duration::from_secs(100) };
+        let run = |persistence: Persistence, memory: &mut PolicyMemory| {
+            let mut observed = observed(Some(snapshot(0, 0, &[])), Some(1));
+            observed.safety.persistence = persistence;
+            match decide(&spec, &observed, memory, &at).unwrap() {
+                Plan::Converge(c) => *c,
+                _ => panic!("expected a convergence"),
+            }
+        };
+        let warnings = |p: &Convergence| p.events.iter().filter(|e| e.reason == "LossOnRestartPossible").count();
+        let status_of = |scg: &StreamConsumerGroup, p: &Convergence| {
+            super::super::status::converged(scg, &p.figures, &Default::default(), &Time(Default::default()))
+        };
+        let condition = |s: &streamfleet_crd::StreamConsumerGroupStatus| {
+            s.conditions.iter().find(|c| c.type_ == crate::conditions::LOSS_ON_RESTART_POSSIBLE).cloned()
+        };
+        let mut memory = PolicyMemory::default();
+        let off = run(Persistence::NoAppendOnly, &mut memory);
+        assert_eq!(warnings(&off), 1);
+        let status = status_of(&scg, &off);
+        let said = condition(&status).expect("the condition");
+        assert_eq!((said.status.as_str(), said.reason.as_str()), ("True", "AppendOnlyFileOff"));
+        assert!(said.message.contains("appendonly yes"), "{}", said.message);
+        assert_eq!(warnings(&run(Persistence::NoAppendOnly, &mut memory)), 0, "said once");
+        let mut shown = scg.clone();
+        shown.status = Some(status);
+        // Not read this time: the condition stays as it was, nothing said.
+        let unknown = run(Persistence::Unknown, &mut memory);
+        assert_eq!(warnings(&unknown), 0);
+        assert!(condition(&status_of(&shown, &unknown)).is_some());
+        // An append-only file: the condition goes; off again, said again.
+        let on = run(Persistence::AppendOnly, &mut memory);
+        assert_eq!(condition(&status_of(&shown, &on)), None);
+        assert_eq!(warnings(&run(Persistence::NoAppendOnly, &mut memory)), 1);
     }
 
     #[test]

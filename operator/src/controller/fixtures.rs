@@ -64,7 +64,10 @@ pub fn observed(group: Option<GroupSnapshot>, replicas: Option<i32>) -> Observat
         live_pods: HashSet::from(["orders-worker-a".to_string()]),
         pods: vec![("orders-worker-a".to_string(), None)],
         claimants: Vec::new(),
-        eviction: streamfleet_streams::version::Eviction::Never,
+        safety: streamfleet_streams::version::Safety {
+            eviction: streamfleet_streams::version::Eviction::Never,
+            persistence: streamfleet_streams::version::Persistence::AppendOnly,
+        },
         secrets_digest: Some("0123abcd".into()),
     }
 }

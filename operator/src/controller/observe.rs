@@ -19,7 +19,7 @@ use streamfleet_streams::health::GroupSnapshot;
 use streamfleet_streams::payload_loss::{self, PayloadLoss};
 use streamfleet_streams::recovery::RecoveryReport;
 use streamfleet_streams::retention::{self, StreamId};
-use streamfleet_streams::version::Eviction;
+use streamfleet_streams::version::Safety;
 use streamfleet_streams::{Endpoint, StreamConnection};
 
 /// Everything one reconcile knows about the world.
@@ -48,7 +48,7 @@ pub struct Observation {
     /// Other resources naming the same stream and group on the same Redis.
     pub claimants: Vec<Claimant>,
     /// Whether the server may evict keys (read at most once a minute).
-    pub eviction: Eviction,
+    pub safety: Safety,
     /// A digest of the Secret values `spec.redis` names, as read for this
     /// poll (`redis_endpoint::secrets_digest`): stamped on the worker pods,
     /// so a rotated password or client certificate rolls them, and nothing
@@ -72,7 +72,7 @@ pub async fn observe(
 ) -> Result<(StreamConnection, Observation), Error> {
     let (endpoint, secrets_digest) = resolve_endpoint(ctx, scg, &spec.redis).await?;
     ctx.remember_endpoint(scg, &endpoint);
-    let (conn, eviction) = ctx.connections.get_checked(&endpoint).await?;
+    let (conn, safety) = ctx.connections.get_checked(&endpoint).await?;
     // Every shard at once: the requests share the multiplexed connection,
     // so each node gets them pipelined, and a poll costs about one shard's
     // round trips however many shards there are.
@@ -113,7 +113,7 @@ pub async fn observe(
             .collect(),
         pods,
         claimants: ctx.claimants(scg, &endpoint),
-        eviction,
+        safety,
         secrets_digest,
     };
     Ok((conn, observation))

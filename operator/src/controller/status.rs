@@ -18,7 +18,7 @@ use streamfleet_crd::{
 };
 use streamfleet_streams::health::{Delay, GroupSnapshot, Lag};
 use streamfleet_streams::retention::{Retention, StreamId};
-use streamfleet_streams::version::Eviction;
+use streamfleet_streams::version::{Eviction, Persistence};
 
 const MANAGER_STATUS: &str = "streamfleet-status";
 
@@ -91,7 +91,7 @@ pub fn converged(
         ),
         Delay::Known(_) => status.conditions.retain(|c| c.type_ != conditions::DELAY_UNKNOWN),
     }
-    match &plan.eviction {
+    match &plan.safety.eviction {
         Eviction::Possible { policy, maxmemory } => set(
             &mut status,
             conditions::EVICTION_POSSIBLE,
@@ -100,8 +100,19 @@ pub fn converged(
             &super::decide::eviction_message(policy, *maxmemory),
         ),
         Eviction::Never => status.conditions.retain(|c| c.type_ != conditions::EVICTION_POSSIBLE),
-        // Never read (INFO memory refused): nothing to claim either way.
+        // Never read (INFO refused): nothing to claim either way.
         Eviction::Unknown => {}
+    }
+    match plan.safety.persistence {
+        Persistence::NoAppendOnly => set(
+            &mut status,
+            conditions::LOSS_ON_RESTART_POSSIBLE,
+            true,
+            "AppendOnlyFileOff",
+            super::decide::PERSISTENCE_MESSAGE,
+        ),
+        Persistence::AppendOnly => status.conditions.retain(|c| c.type_ != conditions::LOSS_ON_RESTART_POSSIBLE),
+        Persistence::Unknown => {}
     }
     if plan.unknown_template_fields.is_empty() {
         status.conditions.retain(|c| c.type_ != conditions::TEMPLATE_FIELDS_UNKNOWN);
@@ -301,6 +312,7 @@ pub fn failed(scg: &StreamConsumerGroup, error: &Error, now: &Time) -> StreamCon
             conditions::DEAD_LETTER_CAP_REACHED,
             conditions::DELAY_UNKNOWN,
             conditions::EVICTION_POSSIBLE,
+            conditions::LOSS_ON_RESTART_POSSIBLE,
         ]
         .contains(&c.type_.as_str())
     });

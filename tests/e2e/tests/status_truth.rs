@@ -307,10 +307,12 @@ async fn steady_arrivals_read_as_entries_in_and_out_per_second() -> Result<()> {
 
 /// A Redis that may evict keys when its memory is full (a `maxmemory-policy`
 /// other than `noeviction`) can drop a stream with its groups and every
-/// pending entry: the resource says so with a condition and one Warning,
-/// and stops saying so within a check (a minute) of the policy being fixed.
+/// pending entry; one without an append-only file (the test bed's) loses
+/// what was written since its last snapshot when it restarts: the resource
+/// says each with a condition and one Warning, and stops saying so within a
+/// check (a minute) of the setting being fixed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_redis_that_may_evict_keys_is_a_condition_and_a_warning_until_fixed() -> Result<()> {
+async fn a_redis_that_may_evict_keys_or_lose_writes_is_a_condition_and_a_warning_until_fixed() -> Result<()> {
     let f = Fixture::start_with_redis("e2e-evict", &[], &["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"])
         .await?;
     let (client, ns) = (f.client.clone(), f.ns.name.clone());
@@ -334,16 +336,24 @@ async fn a_redis_that_may_evict_keys_is_a_condition_and_a_warning_until_fixed() 
     })
     .await?;
     assert_eq!(event_count(&client, &ns, "p", "EvictionPossible").await?, 1, "one Warning, not one per poll");
+    let scg = wait_condition(&client, &ns, "p", "LossOnRestartPossible", "True", Some("AppendOnlyFileOff"), T).await?;
+    let status = scg.status.unwrap();
+    let condition = status.conditions.iter().find(|c| c.type_ == "LossOnRestartPossible").unwrap();
+    assert!(condition.message.contains("aof_enabled:0"), "{}", condition.message);
+    assert_eq!(event_count(&client, &ns, "p", "LossOnRestartPossible").await?, 1, "one Warning, not one per poll");
 
     let mut conn = f.redis.connection().await?;
     let () = redis::cmd("CONFIG").arg("SET").arg("maxmemory-policy").arg("noeviction").query_async(&mut conn).await?;
+    let () = redis::cmd("CONFIG").arg("SET").arg("appendonly").arg("yes").query_async(&mut conn).await?;
     let fixed = Instant::now();
-    eventually("the condition gone", Duration::from_secs(60 + 30), || async {
+    eventually("the conditions gone", Duration::from_secs(60 + 30), || async {
         let s = scgs.get("p").await?.status.unwrap_or_default();
-        Ok((!s.conditions.iter().any(|c| c.type_ == "EvictionPossible")).then_some(()))
+        let said = |type_: &str| s.conditions.iter().any(|c| c.type_ == type_);
+        Ok((!said("EvictionPossible") && !said("LossOnRestartPossible")).then_some(()))
     })
     .await?;
-    println!("condition gone {:.0}s after the policy was fixed", fixed.elapsed().as_secs_f64());
+    println!("conditions gone {:.0}s after the settings were fixed", fixed.elapsed().as_secs_f64());
     assert_eq!(event_count(&client, &ns, "p", "EvictionPossible").await?, 1);
+    assert_eq!(event_count(&client, &ns, "p", "LossOnRestartPossible").await?, 1);
     Ok(())
 }
