@@ -45,6 +45,9 @@ pub fn reference_markdown() -> Result<String, serde_json::Error> {
     Ok(out)
 }
 
+/// Where the worker's pod template sits in the spec.
+const POD_TEMPLATE_PATH: &str = "spec.worker.template";
+
 /// One table row per property under `node`, depth first.
 fn fields(node: &serde_json::Value, path: &str, rows: &mut Vec<String>) {
     let Some(properties) = node["properties"].as_object() else {
@@ -82,6 +85,11 @@ fn fields(node: &serde_json::Value, path: &str, rows: &mut Vec<String>) {
         let description = field["description"].as_str().unwrap_or_default().split_whitespace().collect::<Vec<_>>();
         let description = description.join(" ").replace('|', "\\|");
         rows.push(format!("| `{field_path}` | {kind} | {default} | {description} |\n"));
+        // Kubernetes' own type, documented by `kubectl explain
+        // deployment.spec.template`: not repeated here field by field.
+        if field_path == POD_TEMPLATE_PATH {
+            continue;
+        }
         fields(field, &field_path, rows);
         if field["type"].as_str() == Some("array") {
             fields(&field["items"], &format!("{field_path}[]"), rows);

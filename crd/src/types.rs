@@ -219,9 +219,11 @@ pub const TLS_PRIVATE_KEY_KEY: &str = "tls.key";
 #[serde(rename_all = "camelCase", try_from = "WorkerSpecWire")]
 pub struct WorkerSpec {
     /// The pod template of the worker Deployment (a core/v1 PodTemplateSpec;
-    /// `kubectl explain deployment.spec.template` documents its fields). Its
-    /// labels and containers are the user's; the operator adds its own
-    /// selector labels and the env contract.
+    /// `kubectl explain deployment.spec.template` documents its fields),
+    /// validated with Kubernetes' schema: a field a pod template does not
+    /// have (a typo) is refused, or dropped with a warning when the client
+    /// asks only to be warned. Its labels and containers are the user's;
+    /// the operator adds its own selector labels and the env contract.
     #[schemars(schema_with = "pod_template_schema")]
     pub template: PodTemplateSpec,
 
@@ -261,7 +263,9 @@ pub struct WorkerSpec {
     /// typo such as `resoures`), as paths under `spec.worker.template`:
     /// dropped when the resource was read, so the operator says so (the
     /// `TemplateFieldsUnknown` condition) rather than run pods without them
-    /// in silence. Not part of the resource.
+    /// in silence. The CRD's schema now refuses them at admission; a
+    /// resource stored under an older CRD may still hold some. Not part of
+    /// the resource.
     #[serde(skip)]
     #[schemars(skip)]
     pub unknown_template_fields: Vec<String>,
@@ -280,15 +284,17 @@ impl PartialEq for WorkerSpec {
 }
 
 /// [`WorkerSpec`] as written: its pod template kept as JSON until every
-/// field in it is accounted for (the API server keeps unknown fields there:
-/// `x-kubernetes-preserve-unknown-fields`). The same schema.
+/// field in it is accounted for (a resource stored under an older CRD,
+/// whose template was schemaless, may hold unknown fields). The same schema.
 #[derive(Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 struct WorkerSpecWire {
     /// The pod template of the worker Deployment (a core/v1 PodTemplateSpec;
-    /// `kubectl explain deployment.spec.template` documents its fields). Its
-    /// labels and containers are the user's; the operator adds its own
-    /// selector labels and the env contract.
+    /// `kubectl explain deployment.spec.template` documents its fields),
+    /// validated with Kubernetes' schema: a field a pod template does not
+    /// have (a typo) is refused, or dropped with a warning when the client
+    /// asks only to be warned. Its labels and containers are the user's;
+    /// the operator adds its own selector labels and the env contract.
     #[schemars(schema_with = "pod_template_schema")]
     template: serde_json::Value,
 
@@ -372,12 +378,26 @@ fn unknown_fields(written: &serde_json::Value, read: &serde_json::Value, at: &st
 /// The pod template is validated by the API server when the operator applies
 /// the Deployment; embedding its full schema here would make the CRD larger
 /// than client-side `kubectl apply` can store.
-fn pod_template_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-    schemars::json_schema!({
-        "type": "object",
-        "description": "A core/v1 PodTemplateSpec for the worker pods.",
-        "x-kubernetes-preserve-unknown-fields": true,
-    })
+fn pod_template_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    let schema = <PodTemplateSpec as JsonSchema>::json_schema(generator);
+    // The field descriptions are Kubernetes' own (`kubectl explain
+    // deployment.spec.template`): without them the CRD stays small.
+    fn strip(value: &mut serde_json::Value) {
+        match value {
+            serde_json::Value::Object(map) => {
+                map.remove("description");
+                map.values_mut().for_each(strip);
+            }
+            serde_json::Value::Array(items) => items.iter_mut().for_each(strip),
+            _ => {}
+        }
+    }
+    let mut value = schema.clone().to_value();
+    strip(&mut value);
+    if let serde_json::Value::Object(map) = &mut value {
+        map.insert("description".into(), "A core/v1 PodTemplateSpec for the worker pods.".into());
+    }
+    schemars::Schema::try_from(value).unwrap_or(schema)
 }
 
 /// Lag-driven scaling of the worker Deployment.
@@ -973,6 +993,18 @@ mod tests {
         assert!(serde_json::to_value(&clean).unwrap()["worker"].get("unknownTemplateFields").is_none());
     }
 
+    /// The schema admits what Kubernetes' own schema admits; a few values
+    /// pass it and still cannot be read (a port past 32 bits where an int
+    /// or a string may go): such an object is refused whole by the parse,
+    /// which the controller reports (`InvalidObject`) and steps past.
+    #[test]
+    fn a_template_the_schema_admits_may_still_not_parse() {
+        let mut spec = minimal();
+        spec["worker"]["template"]["spec"]["containers"][0]["livenessProbe"] =
+            serde_json::json!({"httpGet": {"port": 3_000_000_000_u64}});
+        assert!(serde_json::from_value::<StreamConsumerGroupSpec>(spec).is_err());
+    }
+
     #[test]
     fn minimal_spec_takes_documented_defaults() {
         let spec: StreamConsumerGroupSpec = serde_json::from_value(minimal()).unwrap();
@@ -996,6 +1028,12 @@ mod tests {
         assert!(
             crd.contains("spec.recovery.retry.initialDelayMs must not be shorter than spec.recovery.minIdleTimeMs")
         );
-        assert!(crd.contains("x-kubernetes-preserve-unknown-fields"));
+        // The pod template with Kubernetes' own schema: unknown fields refused.
+        let crd: serde_json::Value = serde_json::from_str(&crd).unwrap();
+        let spec = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"];
+        let template = &spec["properties"]["worker"]["properties"]["template"];
+        assert!(template.get("x-kubernetes-preserve-unknown-fields").is_none(), "{template}");
+        let container = &template["properties"]["spec"]["properties"]["containers"]["items"];
+        assert!(container["properties"]["resources"].is_object() && container["properties"]["resoures"].is_null());
     }
 }
