@@ -75,6 +75,34 @@ async fn the_chart_works_as_a_subchart_and_under_other_names() -> Result<()> {
     Ok(())
 }
 
+/// By default each alert's runbook is the one of the chart's own release
+/// (`docs/runbook.md` at the tag `v<appVersion>`), and it has a section
+/// for the alert.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_alert_links_its_section_of_the_runbook_of_the_charts_release() -> Result<()> {
+    let bed = TestBed::shared()?;
+    let docs = rendered(bed, &["prometheusRule.enabled=true"]).await?;
+    let chart = std::fs::read_to_string(repo_path("charts/streamfleet/Chart.yaml"))?;
+    let app_version = chart
+        .lines()
+        .find_map(|l| l.strip_prefix("appVersion:"))
+        .map(|v| v.trim().trim_matches('"').to_string())
+        .expect("appVersion in Chart.yaml");
+    let runbook = std::fs::read_to_string(repo_path("docs/runbook.md"))?;
+    let sections: Vec<String> =
+        runbook.lines().filter_map(|l| l.strip_prefix("## ")).map(|h| h.trim().to_lowercase()).collect();
+    let rules = operator_object(&docs, "PrometheusRule");
+    for alert in rules["spec"]["groups"].as_array().unwrap().iter().flat_map(|g| g["rules"].as_array().unwrap()) {
+        let url = alert["annotations"]["runbook_url"].as_str().unwrap();
+        let base = format!("https://github.com/streamfleet/streamfleet/blob/v{app_version}/docs/runbook.md#");
+        let anchor = url.strip_prefix(&base).unwrap_or_else(|| panic!("{url}"));
+        let name = alert["alert"].as_str().unwrap().to_lowercase();
+        assert_eq!(anchor, name, "{url}");
+        assert!(sections.contains(&name), "docs/runbook.md has no section for {name}");
+    }
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_chart_renders_what_a_production_install_sets() -> Result<()> {
     let bed = TestBed::shared()?;
