@@ -16,7 +16,8 @@ pub use variables::variables_table;
 /// Redis URL: `spec.redis.url`, or from the Secret key named in
 /// `spec.redis.urlSecretRef`.
 pub const REDIS_URL: &str = "STREAMFLEET_REDIS_URL";
-/// The ACL user, `spec.redis.username` (absent otherwise).
+/// The ACL user, `spec.redis.username` or from the Secret key named in
+/// `spec.redis.usernameSecretRef` (empty otherwise).
 pub const REDIS_USERNAME: &str = "STREAMFLEET_REDIS_USERNAME";
 /// The password as it is (not percent-encoded), from the Secret key named in
 /// `spec.redis.passwordSecretRef` (absent otherwise; the URL then carries
@@ -97,7 +98,10 @@ pub const VARIABLES: &[Variable] = &[
         names: &[REDIS_URL],
         meaning: "the Redis URL: `spec.redis.url` (no credentials in it), or from the Secret key in `spec.redis.urlSecretRef` (then never copied into the pod spec)",
     },
-    Variable { names: &[REDIS_USERNAME], meaning: "the ACL user, `spec.redis.username` (empty when unset)" },
+    Variable {
+        names: &[REDIS_USERNAME],
+        meaning: "the ACL user: `spec.redis.username`, or from the Secret key in `spec.redis.usernameSecretRef` (whitespace around it is not part of it; empty when unset)",
+    },
     Variable {
         names: &[REDIS_PASSWORD],
         meaning: "the password as it is, byte for byte (not percent-encoded; a trailing newline is part of it), from the Secret key in `spec.redis.passwordSecretRef` (empty when unset; set, the URL carries none). Authenticate with `AUTH [username] password`",
@@ -250,7 +254,8 @@ pub struct RedisSource {
     /// A value, or a Secret key when the URL may carry credentials.
     pub url: Source,
     pub mode: RedisMode,
-    pub username: Option<String>,
+    /// A value, or a Secret key (`spec.redis.usernameSecretRef`).
+    pub username: Option<Source>,
     pub password: Option<SecretKey>,
     pub ca: Option<SecretKey>,
     /// The `kubernetes.io/tls` Secret of a client certificate.
@@ -391,7 +396,7 @@ impl WorkerEnv {
             redis.client_cert_secret.as_ref().map(|secret| SecretKey { secret: secret.clone(), key: key.into() })
         };
         out.extend([
-            (REDIS_USERNAME, value(redis.username.clone().unwrap_or_default())),
+            (REDIS_USERNAME, redis.username.clone().unwrap_or_else(|| value(String::new()))),
             (REDIS_PASSWORD, secret_or_empty(&redis.password)),
             (REDIS_CA_PEM, secret_or_empty(&redis.ca)),
             (REDIS_CLIENT_CERT_PEM, secret_or_empty(&cert(TLS_CERT_KEY))),
@@ -495,7 +500,8 @@ impl ParsedEnv {
         };
         // The password as it is: only an empty value means none.
         let password = get(REDIS_PASSWORD).filter(|p| !p.is_empty());
-        let username = get(REDIS_USERNAME).filter(|u| !u.is_empty());
+        // Whitespace around the name (a Secret's trailing newline) is not part of it.
+        let username = get(REDIS_USERNAME).map(|u| u.trim().to_string()).filter(|u| !u.is_empty());
         if username.is_some() && password.is_none() {
             return Err(ContractError::Invalid {
                 name: REDIS_USERNAME,
@@ -607,7 +613,7 @@ mod tests {
         every.redis = RedisSource {
             url: Source::Secret(secret("redis", "url")),
             mode: RedisMode::Cluster,
-            username: Some("streamfleet".into()),
+            username: Some(Source::Secret(secret("redis", "username"))),
             password: Some(secret("redis", "password")),
             ca: Some(secret("ca", "ca.crt")),
             client_cert_secret: Some("client".into()),
@@ -641,7 +647,12 @@ mod tests {
             let from = |s: &Option<SecretKey>| s.as_ref().map(|r| format!("{}/{}", r.secret, r.key));
             assert_eq!(parsed.redis.password, from(&env.redis.password));
             assert_eq!(parsed.redis.ca_pem, from(&env.redis.ca));
-            assert_eq!(parsed.redis.username, env.redis.username);
+            let username = env.redis.username.as_ref().map(|u| match u {
+                Source::Value(v) => v.clone(),
+                Source::Secret(r) => format!("{}/{}", r.secret, r.key),
+                Source::PodField(path) => format!("<{path}>"),
+            });
+            assert_eq!(parsed.redis.username, username);
             assert_eq!(
                 parsed.redis.client_cert_pem,
                 env.redis.client_cert_secret.as_ref().map(|s| (format!("{s}/tls.crt"), format!("{s}/tls.key")))

@@ -123,6 +123,8 @@ fn default_start_id() -> String {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[x_kube(validation = Rule::new("has(self.url) != has(self.urlSecretRef)").message("spec.redis: set exactly one of url and urlSecretRef"))]
 #[x_kube(validation = Rule::new("!has(self.username) || has(self.passwordSecretRef)").message("spec.redis.username needs spec.redis.passwordSecretRef: Redis authenticates a user by its password"))]
+#[x_kube(validation = Rule::new("!has(self.usernameSecretRef) || has(self.passwordSecretRef)").message("spec.redis.usernameSecretRef needs spec.redis.passwordSecretRef: Redis authenticates a user by its password"))]
+#[x_kube(validation = Rule::new("!has(self.username) || !has(self.usernameSecretRef)").message("spec.redis: set at most one of username and usernameSecretRef"))]
 #[serde(rename_all = "camelCase")]
 pub struct RedisConnection {
     /// The Secret key holding the Redis URL (`redis://` or `rediss://`,
@@ -143,10 +145,18 @@ pub struct RedisConnection {
     pub url: Option<String>,
 
     /// The ACL user to authenticate as (`AUTH <username> <password>`).
-    /// Omit for the `default` user. Needs `passwordSecretRef`.
+    /// Omit for the `default` user. Needs `passwordSecretRef`. One of
+    /// `username` and `usernameSecretRef` at most.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 256))]
     pub username: Option<String>,
+
+    /// A Secret key holding the ACL user's name (leading and trailing
+    /// whitespace, a trailing newline say, is not part of it), for a
+    /// secret manager that keeps the user with the password. Needs
+    /// `passwordSecretRef`. One of `username` and `usernameSecretRef` at most.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username_secret_ref: Option<SecretKeyRef>,
 
     /// A Secret key holding the password alone, as it is (no percent-encoding):
     /// e.g. the `redis-password` key of the Secret the Bitnami Redis chart

@@ -252,7 +252,8 @@ def connect(env):
     url = env["STREAMFLEET_REDIS_URL"].strip()
     options = {}
     password = env.get("STREAMFLEET_REDIS_PASSWORD") or None
-    username = env.get("STREAMFLEET_REDIS_USERNAME") or None
+    # Whitespace around the name (a Secret's trailing newline) is not part of it.
+    username = (env.get("STREAMFLEET_REDIS_USERNAME") or "").strip() or None
     if username and not password:
         sys.exit("STREAMFLEET_REDIS_USERNAME is set without STREAMFLEET_REDIS_PASSWORD")
     if password:

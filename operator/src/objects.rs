@@ -360,6 +360,8 @@ mod tests {
             json!({"recovery": recovery("Sweep"), "redis": {"urlSecretRef": {"name": "redis", "key": "url"}, "mode": "Cluster",
                    "tls": {"caSecretRef": {"name": "redis-ca", "key": "ca.crt"}}}}),
             json!({"worker": {"concurrency": 4, "handlerTimeoutSeconds": 300, "prefetch": 12, "template": scg(json!({})).spec.worker.template, "containerName": "app"}}),
+            json!({"redis": {"urlSecretRef": {"name": "vault", "key": "url"}, "usernameSecretRef": {"name": "vault", "key": "user"},
+                   "passwordSecretRef": {"name": "vault", "key": "password"}}}),
             json!({"redis": {"url": "rediss://redis-master.db:6379", "username": "streamfleet",
                    "passwordSecretRef": {"name": "redis", "key": "redis-password"},
                    "tls": {"caSecretRef": {"name": "redis-ca", "key": "ca.crt"}, "clientCertSecretRef": {"name": "client"}}}}),

@@ -2,14 +2,14 @@
 //! the Secret keys it references: one resolver for the controller and the
 //! console, so both connect the way the workers do.
 
-use crate::controller::validate::{UrlSource, ValidRedis};
+use crate::controller::validate::{UrlSource, UsernameSource, ValidRedis};
 use crate::digest_key::DigestKey;
 use crate::error::Error;
 use streamfleet_crd::{SecretKeyRef, TLS_CERT_KEY, TLS_PRIVATE_KEY_KEY};
 use streamfleet_streams::{ClientTls, Endpoint};
 
-/// The Secret keys `redis` reads: the URL's, the password's, the CA's, the
-/// client certificate's and key's.
+/// The Secret keys `redis` reads: the URL's, the username's, the password's,
+/// the CA's, the client certificate's and key's.
 pub fn secret_keys(redis: &ValidRedis) -> Vec<SecretKeyRef> {
     let url = match &redis.url {
         UrlSource::Secret(r) => Some(r.clone()),
@@ -18,7 +18,11 @@ pub fn secret_keys(redis: &ValidRedis) -> Vec<SecretKeyRef> {
     let client = redis.client_cert.iter().flat_map(|name| {
         [TLS_CERT_KEY, TLS_PRIVATE_KEY_KEY].map(|key| SecretKeyRef { name: name.clone(), key: key.into() })
     });
-    url.into_iter().chain(redis.password.clone()).chain(redis.ca.clone()).chain(client).collect()
+    let username = match &redis.username {
+        Some(UsernameSource::Secret(r)) => Some(r.clone()),
+        _ => None,
+    };
+    url.into_iter().chain(username).chain(redis.password.clone()).chain(redis.ca.clone()).chain(client).collect()
 }
 
 /// `redis`'s endpoint from `values`, the value of each of its
@@ -40,6 +44,15 @@ pub fn endpoint(redis: &ValidRedis, values: &[(SecretKeyRef, Vec<u8>)]) -> Resul
         UrlSource::Spec(url) => url.clone(),
         UrlSource::Secret(r) => text(r, "spec.redis.urlSecretRef")?.trim().to_string(),
     };
+    // Whitespace around a name from a Secret is not part of it (nor to the
+    // workers); an empty one is none.
+    let username = match &redis.username {
+        Some(UsernameSource::Spec(name)) => Some(name.clone()),
+        Some(UsernameSource::Secret(r)) => {
+            Some(text(r, "spec.redis.usernameSecretRef")?.trim().to_string()).filter(|u| !u.is_empty())
+        }
+        None => None,
+    };
     // An empty value is no password, as the workers read it.
     let password =
         redis.password.as_ref().map(|r| text(r, "spec.redis.passwordSecretRef")).transpose()?.filter(|p| !p.is_empty());
@@ -51,7 +64,7 @@ pub fn endpoint(redis: &ValidRedis, values: &[(SecretKeyRef, Vec<u8>)]) -> Resul
         }
         None => None,
     };
-    Ok(Endpoint { ca_pem, username: redis.username.clone(), password, client_tls, ..Endpoint::new(url, redis.mode) })
+    Ok(Endpoint { ca_pem, username, password, client_tls, ..Endpoint::new(url, redis.mode) })
 }
 
 /// A digest of the Secret values read (`values` as [`endpoint`] takes
@@ -90,6 +103,22 @@ mod tests {
 
     fn r(name: &str, key: &str) -> SecretKeyRef {
         SecretKeyRef { name: name.into(), key: key.into() }
+    }
+
+    /// The user's name from a Secret key, as the workers read it from their
+    /// env: whitespace around it (a file's trailing newline) is not part of it.
+    #[test]
+    fn a_username_from_a_secret_is_read_trimmed() {
+        let v = redis(serde_json::json!({
+            "url": "redis://redis-master.db:6379",
+            "usernameSecretRef": {"name": "vault", "key": "user"},
+            "passwordSecretRef": {"name": "vault", "key": "password"}
+        }));
+        let keys = secret_keys(&v);
+        assert_eq!(keys, vec![r("vault", "user"), r("vault", "password")]);
+        let values: Vec<_> = keys.into_iter().zip([b"streamfleet\n".to_vec(), b"pw".to_vec()]).collect();
+        let e = endpoint(&v, &values).unwrap();
+        assert_eq!((e.username.as_deref(), e.password.as_deref()), (Some("streamfleet"), Some("pw")));
     }
 
     #[test]

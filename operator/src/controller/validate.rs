@@ -118,7 +118,7 @@ fn workload(scg: &StreamConsumerGroup) -> Workload {
 #[derive(Clone, Debug, PartialEq)]
 pub struct ValidRedis {
     pub url: UrlSource,
-    pub username: Option<String>,
+    pub username: Option<UsernameSource>,
     /// The password's Secret key; `None` when the URL carries credentials or
     /// none are needed.
     pub password: Option<SecretKeyRef>,
@@ -126,6 +126,15 @@ pub struct ValidRedis {
     pub ca: Option<SecretKeyRef>,
     /// The `kubernetes.io/tls` Secret of the client certificate.
     pub client_cert: Option<String>,
+}
+
+/// Where the ACL user's name is written.
+#[derive(Clone, Debug, PartialEq)]
+pub enum UsernameSource {
+    /// In the spec (`spec.redis.username`).
+    Spec(String),
+    /// In a Secret key (`spec.redis.usernameSecretRef`).
+    Secret(SecretKeyRef),
 }
 
 /// Where the Redis URL is written.
@@ -157,13 +166,22 @@ pub fn validate_redis(redis: &RedisConnection) -> Result<ValidRedis, Error> {
         (None, Some(r)) => UrlSource::Secret(r.clone()),
         _ => return Err(Error::InvalidSpec("spec.redis: set exactly one of url and urlSecretRef".into())),
     };
-    if redis.username.is_some() && redis.password_secret_ref.is_none() {
-        return Err(Error::InvalidSpec("spec.redis.username needs spec.redis.passwordSecretRef".into()));
+    let username = match (&redis.username, &redis.username_secret_ref) {
+        (None, None) => None,
+        (Some(name), None) => Some(UsernameSource::Spec(name.clone())),
+        (None, Some(r)) => Some(UsernameSource::Secret(r.clone())),
+        (Some(_), Some(_)) => {
+            return Err(Error::InvalidSpec("spec.redis: set at most one of username and usernameSecretRef".into()));
+        }
+    };
+    if username.is_some() && redis.password_secret_ref.is_none() {
+        let field = if redis.username.is_some() { "username" } else { "usernameSecretRef" };
+        return Err(Error::InvalidSpec(format!("spec.redis.{field} needs spec.redis.passwordSecretRef")));
     }
     let tls = redis.tls.as_ref();
     Ok(ValidRedis {
         url,
-        username: redis.username.clone(),
+        username,
         password: redis.password_secret_ref.clone(),
         mode: match redis.mode {
             RedisMode::Standalone => streamfleet_streams::Mode::Standalone,
@@ -265,7 +283,10 @@ fn redis_source(redis: &ValidRedis) -> contract::RedisSource {
             streamfleet_streams::Mode::Standalone => contract::RedisMode::Standalone,
             streamfleet_streams::Mode::Cluster => contract::RedisMode::Cluster,
         },
-        username: redis.username.clone(),
+        username: redis.username.as_ref().map(|u| match u {
+            UsernameSource::Spec(name) => contract::Source::Value(name.clone()),
+            UsernameSource::Secret(r) => contract::Source::Secret(secret(r)),
+        }),
         password: redis.password.as_ref().map(secret),
         ca: redis.ca.as_ref().map(secret),
         client_cert_secret: redis.client_cert.clone(),
@@ -445,6 +466,19 @@ mod tests {
         assert!(query.contains("no credentials or query"), "{query}");
         let alone = redis(json!({"urlSecretRef": {"name": "r", "key": "url"}, "username": "u"})).unwrap_err();
         assert!(alone.contains("spec.redis.username needs spec.redis.passwordSecretRef"), "{alone}");
+        let user = json!({"name": "r", "key": "user"});
+        let alone = redis(json!({"url": "redis://db:6379", "usernameSecretRef": user})).unwrap_err();
+        assert!(alone.contains("spec.redis.usernameSecretRef needs spec.redis.passwordSecretRef"), "{alone}");
+        let password = json!({"name": "r", "key": "p"});
+        let both = redis(
+            json!({"url": "redis://db:6379", "username": "u", "usernameSecretRef": user, "passwordSecretRef": password}),
+        );
+        assert!(both.unwrap_err().contains("set at most one of username and usernameSecretRef"));
+        let kept = redis(json!({"url": "redis://db:6379", "usernameSecretRef": user, "passwordSecretRef": password}));
+        assert_eq!(
+            kept.unwrap().username,
+            Some(UsernameSource::Secret(SecretKeyRef { name: "r".into(), key: "user".into() }))
+        );
     }
 
     #[test]

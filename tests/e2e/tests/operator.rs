@@ -281,6 +281,14 @@ async fn invalid_specs_are_refused_at_admission_naming_the_field() -> Result<()>
         ("    url: redis://db:6379/?password=pw", "spec.redis.url must carry no credentials or query"),
         ("    url: http://db:6379", "spec.redis.url must start with redis:// or rediss://"),
         ("    url: redis://db:6379\n    username: u", "spec.redis.username needs spec.redis.passwordSecretRef"),
+        (
+            "    url: redis://db:6379\n    usernameSecretRef: {name: r, key: user}",
+            "spec.redis.usernameSecretRef needs spec.redis.passwordSecretRef",
+        ),
+        (
+            "    url: redis://db:6379\n    username: u\n    usernameSecretRef: {name: r, key: user}\n    passwordSecretRef: {name: r, key: p}",
+            "spec.redis: set at most one of username and usernameSecretRef",
+        ),
     ];
     for (redis, expected) in redis_cases {
         let manifest = manifest_with_redis("x", "s", "g", "streamfleet/testproc", &[], "", redis);

@@ -395,8 +395,9 @@ async fn sigterm_under_load_finishes_what_it_started_releases_the_rest_and_loses
 /// operator: 300 orders and 5 poison ones, one of two worker pods killed
 /// mid-run. Every order is charged exactly once, the poison is dead-lettered
 /// with its business key, and nothing stays pending. The pipeline reaches
-/// Redis as the ACL user `py`, its password (one a URL would need
-/// percent-encoded) in a Bitnami-style `redis-password` Secret key beside a
+/// Redis as the ACL user `py`, its name in a Secret key (with a trailing
+/// newline, as a file has) and its password (one a URL would need
+/// percent-encoded) in a Bitnami-style `redis-password` key beside it, the
 /// URL in the spec; the default user may not read the group.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_python_worker_runs_under_the_operator_and_survives_a_killed_pod() -> Result<()> {
@@ -413,13 +414,13 @@ async fn the_python_worker_runs_under_the_operator_and_survives_a_killed_pod() -
         redis::cmd("ACL").arg(&["SETUSER", "default", "-xreadgroup", "-xinfo|groups"]).query_async(&mut conn).await?;
     let secret: k8s_openapi::api::core::v1::Secret = serde_json::from_value(serde_json::json!({
         "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "redis-auth"},
-        "stringData": {"redis-password": password}
+        "stringData": {"redis-password": password, "redis-username": "py\n"}
     }))?;
     Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), &ns)
         .create(&Default::default(), &secret)
         .await?;
     let redis_block = format!(
-        "    url: redis://127.0.0.1:{}/\n    username: py\n    passwordSecretRef: {{name: redis-auth, key: redis-password}}",
+        "    url: redis://127.0.0.1:{}/\n    usernameSecretRef: {{name: redis-auth, key: redis-username}}\n    passwordSecretRef: {{name: redis-auth, key: redis-password}}",
         f.redis.port
     );
     streamfleet_streams::ensure_group(&mut conn, "orders", "billing", "0").await?;
