@@ -531,7 +531,8 @@ async fn the_python_worker_runs_under_the_operator_and_survives_a_killed_pod() -
     assert_eq!(key.len(), 32);
     let mut mac = ring::hmac::Context::with_key(&ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &key));
     mac.update(b"streamfleet.io/redis-secrets-digest/v2");
-    for part in [&b"redis-auth"[..], b"redis-password", rotated.as_bytes()] {
+    // Every key read, in key order: the password's, then the user's.
+    for part in [&b"redis-auth"[..], b"redis-password", rotated.as_bytes(), b"redis-auth", b"redis-username", b"py\n"] {
         mac.update(&(part.len() as u64).to_be_bytes());
         mac.update(part);
     }
