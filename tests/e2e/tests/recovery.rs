@@ -102,6 +102,61 @@ async fn sweep_dead_letters_poison_reports_lost_payloads_and_replay_requeues() -
     Ok(())
 }
 
+/// The chart installed into a namespace that enforces restricted Pod
+/// Security (labelled before the install): the operator's pods are
+/// admitted (the install waits for them), so are the workers of a template
+/// that follows the standard, and the recovery CronJob's sweep Job runs
+/// there and does its work (a poison entry dead-lettered).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_chart_and_a_sweep_job_run_under_restricted_pod_security() -> Result<()> {
+    let bed = TestBed::shared()?;
+    let client = bed.client().await?;
+    let ns = bed.namespace(&client, "e2e-restricted").await?;
+    let label = "pod-security.kubernetes.io/enforce=restricted";
+    run_ok(bed, "kubectl", &["label", "namespace", &ns.name, label], None).await?;
+    install_operator(bed, &ns.name, &[]).await?;
+    let redis = streamfleet_testbed::RedisServer::start().await?;
+    let mut conn = redis.connection().await?;
+    create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
+    streamfleet_streams::ensure_group(&mut conn, "orders", "billing", "0").await?;
+    let ids = abandon(&mut conn, 2).await?;
+    // ids[0]: delivered twice (= maxDeliveries): the sweep dead-letters it.
+    let _: redis::Value = redis::cmd("XCLAIM")
+        .arg("orders")
+        .arg("billing")
+        .arg("ghost")
+        .arg(0)
+        .arg(&ids[0])
+        .query_async(&mut conn)
+        .await?;
+    let records = tempfile::tempdir()?;
+    let spec = "  startId: \"0\"\n  scaling: {minReplicas: 1, maxReplicas: 1, pollIntervalSeconds: 2}\n  recovery: {schedule: \"0 0 1 1 *\", maxDeliveries: 2, minIdleTimeMs: 1000}";
+    let manifest = recording_manifest("p", "orders", "billing", &records.path().display().to_string(), spec);
+    let restricted = "            image: streamfleet/testproc\n            securityContext:\n              runAsNonRoot: true\n              runAsUser: 65532\n              allowPrivilegeEscalation: false\n              capabilities: {drop: [ALL]}\n              seccompProfile: {type: RuntimeDefault}\n";
+    let manifest = manifest.replace("            image: streamfleet/testproc\n", restricted);
+    assert!(manifest.contains("seccompProfile"), "{manifest}");
+    run_ok(bed, "kubectl", &["apply", "-n", &ns.name, "-f", "-"], Some(&manifest)).await?;
+    wait_condition(&client, &ns.name, "p", "WorkersAvailable", "True", None, T).await?;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    run_recovery_now(bed, &ns.name, "p").await?;
+    let scgs: Api<StreamConsumerGroup> = Api::namespaced(client.clone(), &ns.name);
+    let last = eventually("lastRecovery in status", T, || async {
+        Ok(scgs.get("p").await?.status.and_then(|s| s.last_recovery))
+    })
+    .await?;
+    assert_eq!(last.dead_lettered, 1, "{last:?}");
+    let dead: usize = conn.xlen("{orders}:dead:billing").await?;
+    assert_eq!(dead, 1);
+    // The check bites: a pod breaking the standard is refused here.
+    let lax = serde_json::json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "lax"},
+        "spec": {"containers": [{"name": "c", "image": "streamfleet/testproc"}]}});
+    let out =
+        run_tool(bed, "kubectl", &["create", "--dry-run=server", "-n", &ns.name, "-f", "-"], Some(&lax.to_string()))
+            .await?;
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("PodSecurity"));
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_mode_recovery_reruns_handlers_on_abandoned_entries() -> Result<()> {
     let f = Fixture::start("e2e-wrecover", &[]).await?;
