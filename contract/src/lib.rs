@@ -73,7 +73,7 @@ pub const DRAIN_TIMEOUT_MS: &str = "STREAMFLEET_DRAIN_TIMEOUT_MS";
 /// Milliseconds one attempt of a handler may run before it is dropped and
 /// counts as a transient failure (absent: [`MIN_IDLE_MS`]).
 pub const HANDLER_TIMEOUT_MS: &str = "STREAMFLEET_HANDLER_TIMEOUT_MS";
-/// Entries one read takes ahead of the handlers (absent: [`BATCH_SIZE`]).
+/// Entries one read or claim takes ahead of the handlers (absent: [`BATCH_SIZE`]).
 pub const PREFETCH: &str = "STREAMFLEET_PREFETCH";
 /// Entries claimed per batch by recovery.
 pub const BATCH_SIZE: &str = "STREAMFLEET_BATCH_SIZE";
@@ -161,7 +161,7 @@ pub const VARIABLES: &[Variable] = &[
     Variable { names: &[BATCH_SIZE], meaning: "entries per read and per claim" },
     Variable {
         names: &[PREFETCH],
-        meaning: "entries one read takes ahead of the handlers, which wait in this worker's hands until a handler is free (only when `spec.worker.prefetch` is set; absent: `STREAMFLEET_BATCH_SIZE`)",
+        meaning: "entries one read (per stream), or one claim of idle or due entries, takes ahead of the handlers, which wait in this worker's hands until a handler is free (only when `spec.worker.prefetch` is set; absent: `STREAMFLEET_BATCH_SIZE`)",
     },
     Variable {
         names: &[CONCURRENCY],

@@ -260,8 +260,9 @@ pub struct WorkerSpec {
     #[schemars(range(min = 1, max = 86400))]
     pub handler_timeout_seconds: Option<i64>,
 
-    /// Entries one read takes ahead of the handlers (`XREADGROUP … COUNT`,
-    /// `STREAMFLEET_PREFETCH`). Unset: `recovery.batchSize`. Entries read
+    /// Entries one read, or one claim of idle or due entries, takes ahead
+    /// of the handlers (`XREADGROUP … COUNT`, per shard;
+    /// `STREAMFLEET_PREFETCH`). Unset: `recovery.batchSize`. Entries taken
     /// wait in this worker's hands until a handler is free: set it near
     /// `concurrency` when handlers are slow, so that idle workers get the
     /// work instead (as Celery's prefetch multiplier of 1).
@@ -331,8 +332,9 @@ struct WorkerSpecWire {
     #[schemars(range(min = 1, max = 86400))]
     handler_timeout_seconds: Option<i64>,
 
-    /// Entries one read takes ahead of the handlers (`XREADGROUP … COUNT`,
-    /// `STREAMFLEET_PREFETCH`). Unset: `recovery.batchSize`. Entries read
+    /// Entries one read, or one claim of idle or due entries, takes ahead
+    /// of the handlers (`XREADGROUP … COUNT`, per shard;
+    /// `STREAMFLEET_PREFETCH`). Unset: `recovery.batchSize`. Entries taken
     /// wait in this worker's hands until a handler is free: set it near
     /// `concurrency` when handlers are slow, so that idle workers get the
     /// work instead (as Celery's prefetch multiplier of 1).
@@ -385,9 +387,10 @@ fn unknown_fields(written: &serde_json::Value, read: &serde_json::Value, at: &st
     }
 }
 
-/// The pod template is validated by the API server when the operator applies
-/// the Deployment; embedding its full schema here would make the CRD larger
-/// than client-side `kubectl apply` can store.
+/// Kubernetes' own PodTemplateSpec schema, so that a typo in the template is
+/// refused at admission (or pruned, with a warning, for a client that asks
+/// only to be warned) instead of dropped in silence. Without the field
+/// descriptions the CRD stays near 230 KB: applied server-side.
 fn pod_template_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
     let schema = <PodTemplateSpec as JsonSchema>::json_schema(generator);
     // The field descriptions are Kubernetes' own (`kubectl explain

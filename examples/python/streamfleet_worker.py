@@ -332,7 +332,7 @@ class Worker:
         self.schedule = Schedule(env, self.min_idle_ms)
         self.batch = int(env.get("STREAMFLEET_BATCH_SIZE", "10"))
         # Entries one read takes (absent: the batch size).
-        self.prefetch = int(env.get("STREAMFLEET_PREFETCH") or self.batch)
+        self.prefetch = max(1, int(env.get("STREAMFLEET_PREFETCH") or self.batch))
         self.drain_ms = int(env.get("STREAMFLEET_DRAIN_TIMEOUT_MS", "10000"))
         dead = env.get("STREAMFLEET_DEAD_LETTER_STREAM")
         if dead in self.streams:

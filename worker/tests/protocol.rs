@@ -565,10 +565,10 @@ async fn the_pipelines_handler_timeout_bounds_each_attempt_instead_of_min_idle_t
     Ok(())
 }
 
-/// `spec.worker.prefetch` (`STREAMFLEET_PREFETCH`): one read takes that
-/// many entries, so a worker whose handlers are busy holds no more than
-/// that, and the rest stay undelivered for an idle worker. Unset, a read
-/// takes the batch size.
+/// `spec.worker.prefetch` (`STREAMFLEET_PREFETCH`): one read, or one claim
+/// of idle entries, takes that many, so a worker whose handlers are busy
+/// holds no more than that, and the rest stay for an idle worker. Unset, a
+/// read takes the batch size.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefetch_bounds_the_entries_a_busy_worker_holds() -> Result<()> {
     for (prefetch, held) in [(Some(3), 3), (None, 10)] {
@@ -596,6 +596,36 @@ async fn prefetch_bounds_the_entries_a_busy_worker_holds() -> Result<()> {
         run.await??;
         assert_eq!(pending(&mut conn).await?, 0);
     }
+    // Idle entries of a vanished consumer: a claim takes 3 of them.
+    let (server, mut conn) = setup().await?;
+    for i in 0..10 {
+        add(&mut conn, &[("kind", "wait"), ("key", &format!("k{i}"))]).await?;
+    }
+    let opts = redis::streams::StreamReadOptions::default().group("g", "ghost").count(10);
+    let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let handler = Scripted::default();
+    let mut told = config(&server, "c1", 200, 5);
+    told.options.prefetch = Some(3);
+    // The handlers wait longer than min-idle-time: held, not timed out.
+    told.options.handler_timeout_ms = Some(60_000);
+    let worker = Worker::new(told, handler.clone());
+    let (stop, run) = spawn(worker);
+    eventually("claimed handlers waiting", T, || async { Ok((handler.total() == 3).then_some(())) }).await?;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let held: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg("orders")
+        .arg("g")
+        .arg("-")
+        .arg("+")
+        .arg(100)
+        .arg("c1")
+        .query_async(&mut conn)
+        .await?;
+    assert_eq!((held.len(), handler.total()), (3, 3), "a claim took more than prefetch");
+    handler.release.notify_waiters();
+    let _ = stop.send(());
+    run.await??;
     Ok(())
 }
 

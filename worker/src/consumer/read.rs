@@ -76,12 +76,19 @@ impl<H: Handler> Worker<H> {
         }
     }
 
+    /// Entries one read or one claim of others' entries takes into this
+    /// worker's hands: `spec.worker.prefetch`, else the batch size (per
+    /// stream: a read over several shards takes this many from each).
+    pub(super) fn take_at_once(&self) -> usize {
+        self.config.options.prefetch.map_or(self.config.batch_size, |n| usize::try_from(n).unwrap_or(1))
+    }
+
     /// New entries only: idle ones are taken by the claim cycle, never by
     /// `XREADGROUP … CLAIM` (8.4), which would bypass what the claim script
     /// checks (a young server epoch, a live holder's trimmed entry).
     pub(super) async fn read_from(&self, reader: &mut Reader, block: bool) -> Result<Vec<Entry>, StreamError> {
-        let count = self.config.options.prefetch.map_or(self.config.batch_size, |n| usize::try_from(n).unwrap_or(1));
-        let mut opts = StreamReadOptions::default().group(&self.config.group, &self.config.consumer).count(count);
+        let mut opts =
+            StreamReadOptions::default().group(&self.config.group, &self.config.consumer).count(self.take_at_once());
         if block {
             opts = opts.block(usize::try_from(streamfleet_streams::millis(reader.block)).unwrap_or(2000));
         }

@@ -133,7 +133,7 @@ impl<H: Handler> Worker<H> {
                 &self.loss_record(dead_letter_stream),
                 &self.config.retry,
                 self.config.max_deliveries,
-                self.config.batch_size,
+                self.take_at_once(),
             )
             .await
             {
@@ -156,7 +156,7 @@ impl<H: Handler> Worker<H> {
             total += due.entries.len();
             self.stats.add(&self.stats.claimed, due.entries.len());
             self.settle_claimed(conn, stream, due.deleted, due.entries).await?;
-            if taken < self.config.batch_size {
+            if taken < self.take_at_once() {
                 break;
             }
         }
@@ -185,7 +185,7 @@ impl<H: Handler> Worker<H> {
                     &self.loss_record(&dead_letter_stream),
                     self.config.min_idle,
                     &cursor,
-                    self.config.batch_size,
+                    self.take_at_once(),
                 )
                 .await
                 {
