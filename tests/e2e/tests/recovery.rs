@@ -31,6 +31,16 @@ async fn abandon(conn: &mut redis::aio::MultiplexedConnection, n: usize) -> Resu
     Ok(ids)
 }
 
+/// The group, then [`abandon`]ed entries, the first of them delivered a
+/// second time (as if it had failed once already).
+async fn abandon_with_poison(conn: &mut redis::aio::MultiplexedConnection, n: usize) -> Result<Vec<String>> {
+    streamfleet_streams::ensure_group(conn, "orders", "billing", "0").await?;
+    let ids = abandon(conn, n).await?;
+    let _: redis::Value =
+        redis::cmd("XCLAIM").arg("orders").arg("billing").arg("ghost").arg(0).arg(&ids[0]).query_async(conn).await?;
+    Ok(ids)
+}
+
 async fn run_recovery_now(bed: &TestBed, ns: &str, name: &str) -> Result<()> {
     let cronjob = format!("cronjob/{name}-recovery");
     run_ok(bed, "kubectl", &["create", "job", "-n", ns, "recover-now", "--from", &cronjob], None).await?;
@@ -48,17 +58,8 @@ async fn run_recovery_now(bed: &TestBed, ns: &str, name: &str) -> Result<()> {
 async fn sweep_dead_letters_poison_reports_lost_payloads_and_replay_requeues() -> Result<()> {
     let f = Fixture::start("e2e-sweep", &[]).await?;
     let (bed, client, ns, mut conn) = (f.bed, f.client.clone(), &f.ns, f.conn.clone());
-    streamfleet_streams::ensure_group(&mut conn, "orders", "billing", "0").await?;
-    let ids = abandon(&mut conn, 3).await?;
     // ids[0]: delivered twice (= maxDeliveries); ids[1]: payload trimmed; ids[2]: delivered once.
-    let _: redis::Value = redis::cmd("XCLAIM")
-        .arg("orders")
-        .arg("billing")
-        .arg("ghost")
-        .arg(0)
-        .arg(&ids[0])
-        .query_async(&mut conn)
-        .await?;
+    let ids = abandon_with_poison(&mut conn, 3).await?;
     let _: i64 = conn.xdel("orders", &[&ids[1]]).await?;
     // Workers that never consume (testproc): the PEL stays as arranged.
     let records = tempfile::tempdir()?;
@@ -118,17 +119,8 @@ async fn the_chart_and_a_sweep_job_run_under_restricted_pod_security() -> Result
     let redis = streamfleet_testbed::RedisServer::start().await?;
     let mut conn = redis.connection().await?;
     create_redis_secret(&client, &ns.name, "redis", &redis.url()).await?;
-    streamfleet_streams::ensure_group(&mut conn, "orders", "billing", "0").await?;
-    let ids = abandon(&mut conn, 2).await?;
-    // ids[0]: delivered twice (= maxDeliveries): the sweep dead-letters it.
-    let _: redis::Value = redis::cmd("XCLAIM")
-        .arg("orders")
-        .arg("billing")
-        .arg("ghost")
-        .arg(0)
-        .arg(&ids[0])
-        .query_async(&mut conn)
-        .await?;
+    // The first delivered twice (= maxDeliveries): the sweep dead-letters it.
+    abandon_with_poison(&mut conn, 2).await?;
     let records = tempfile::tempdir()?;
     let spec = "  startId: \"0\"\n  scaling: {minReplicas: 1, maxReplicas: 1, pollIntervalSeconds: 2}\n  recovery: {schedule: \"0 0 1 1 *\", maxDeliveries: 2, minIdleTimeMs: 1000}";
     let manifest = recording_manifest("p", "orders", "billing", &records.path().display().to_string(), spec);
