@@ -331,7 +331,7 @@ class Worker:
         self.max_deliveries = int(env.get("STREAMFLEET_MAX_DELIVERIES", "10"))
         self.schedule = Schedule(env, self.min_idle_ms)
         self.batch = int(env.get("STREAMFLEET_BATCH_SIZE", "10"))
-        # Entries one read takes (absent: the batch size).
+        # Entries one read or claim takes (absent: the batch size).
         self.prefetch = max(1, int(env.get("STREAMFLEET_PREFETCH") or self.batch))
         self.drain_ms = int(env.get("STREAMFLEET_DRAIN_TIMEOUT_MS", "10000"))
         dead = env.get("STREAMFLEET_DEAD_LETTER_STREAM")
@@ -448,12 +448,12 @@ class Worker:
         """Rule 10: parked entries whose retry is due."""
         thresholds = [self.schedule.threshold(n) for n in range(1, max(self.max_deliveries, 1) + 1)]
         while not self.stopping:
-            claimed = self.claim_due(keys=[stream, self.retry_due(stream), self.retry_cursors(stream)], args=[self.group, self.consumer, self.batch] + thresholds)
+            claimed = self.claim_due(keys=[stream, self.retry_due(stream), self.retry_cursors(stream)], args=[self.group, self.consumer, self.prefetch] + thresholds)
             claimed = [(e[0], dict(zip(e[1][::2], e[1][1::2]))) for e in claimed]
             if claimed:
                 counts = self.delivery_counts(stream, claimed)
                 self.process(stream, claimed, lambda i: counts.get(i, 1))
-            if len(claimed) < self.batch:
+            if len(claimed) < self.prefetch:
                 return
 
     def claim_idle(self, stream):
@@ -463,7 +463,7 @@ class Worker:
             keys = [stream, self.dead_letter_stream[stream], companion(stream, f"payload-lost:{self.group}"),
                     companion(stream, f"payload-lost-ids:{self.group}"), companion(stream, "server-epoch"),
                     companion(stream, f"alive:{self.group}")]
-            args = [self.group, self.consumer, self.min_idle_ms, cursor, self.batch, int(time.time() * 1000)]
+            args = [self.group, self.consumer, self.min_idle_ms, cursor, self.prefetch, int(time.time() * 1000)]
             cursor, claimed = self.claim(keys=keys, args=args)[:2]
             cursor = cursor.decode() if isinstance(cursor, bytes) else cursor
             # From a script the entries come as [id, [field, value, ...]].
