@@ -152,20 +152,60 @@ step "build binaries (the kubelet stand-in runs them as pods)"
 cargo build --workspace --bins --locked
 step "build the images (OCI layouts in target/images; tests/e2e/tests/images.rs checks and runs them)"
 STREAMFLEET_IMAGE_REGISTRY=testbed.local bash scripts/build-images.sh
-step "tests"
-# Tests mostly wait on the control plane and Redis: run more than one per core.
-RUST_TEST_THREADS=${RUST_TEST_THREADS:-4} cargo test --workspace --locked --no-fail-fast
-step "interleaving tests (failpoints)"
-cargo test -p streamfleet-worker --features failpoints --test interleavings --locked
-step "server matrix: the Redis-level tests and the e2e pipeline again on Valkey 9 (docs/compatibility.md)"
-# The same tests on valkey-server (scripts/install-deps.sh): the test bed
-# starts it in place of redis-server, and the first test checks it did. Its
-# build has no TLS: the TLS test stays with Redis.
-export STREAMFLEET_REDIS_SERVER="${HOME}/.cache/streamfleet/bin/valkey-server" STREAMFLEET_EXPECT_SERVER=valkey
-cargo test -p streamfleet-testbed --test redis --locked
-RUST_TEST_THREADS=${RUST_TEST_THREADS:-4} cargo test -p streamfleet-streams -p streamfleet-worker --locked --no-fail-fast \
-  -- --skip tls_with_a_private_ca --skip tls_with_a_client_certificate
-RUST_TEST_THREADS=${RUST_TEST_THREADS:-4} cargo test -p streamfleet-e2e --test pipeline --locked
-unset STREAMFLEET_REDIS_SERVER STREAMFLEET_EXPECT_SERVER
+step "build the tests"
+# Every test job of the next step, each with the packages and features it
+# runs with (so that building it here is what it runs: nothing is rebuilt
+# while the jobs run side by side). One per line: a name, then the
+# arguments of `cargo test`. The longest first: they start in this order.
+valkey="${HOME}/.cache/streamfleet/bin/valkey-server"
+jobs=()
+e2e_first=(drill delay_objective recovery api_at_rest status_truth retries pipeline console_outage sharding)
+for name in "${e2e_first[@]}"; do
+  jobs+=("e2e-$name -p streamfleet-e2e --test $name")
+done
+# The server matrix: the same tests on valkey-server (scripts/install-deps.sh),
+# started by the test bed in place of redis-server; the first test checks it
+# did. Its build has no TLS: the TLS tests stay with Redis.
+jobs+=("valkey-redis-level -p streamfleet-streams -p streamfleet-worker")
+jobs+=("valkey-e2e-pipeline -p streamfleet-e2e --test pipeline")
+for file in tests/e2e/tests/*.rs; do
+  name=$(basename "$file" .rs)
+  if [[ " ${e2e_first[*]} " != *" $name "* ]]; then
+    jobs+=("e2e-$name -p streamfleet-e2e --test $name")
+  fi
+done
+jobs+=("streams -p streamfleet-streams")
+jobs+=("worker -p streamfleet-worker")
+# The interleaving tests build the worker with its failpoints on.
+jobs+=("worker-interleavings -p streamfleet-worker --features failpoints --test interleavings")
+jobs+=("testbed -p streamfleet-testbed")
+jobs+=("crates -p streamfleet-contract -p streamfleet-crd -p streamfleet-process -p streamfleet-operator -p streamfleet-example-worker -p streamfleet-images -p streamfleet-bench")
+for job in "${jobs[@]}"; do
+  read -r -a args <<< "${job#* }"
+  cargo test --locked --no-run "${args[@]}"
+done
+# Every workspace package has its tests in some job.
+for package in $(cargo metadata --no-deps --format-version 1 --locked | python3 -c 'import json, sys; print(" ".join(p["name"] for p in json.load(sys.stdin)["packages"]))'); do
+  if [[ " ${jobs[*]} " != *" -p $package "* ]]; then
+    echo "scripts/test.sh: no test job runs $package" >&2
+    exit 1
+  fi
+done
+
+step "tests, side by side (scripts/test-lanes.sh; the server matrix, docs/compatibility.md, among them)"
+# Tests mostly wait on the control plane, Redis and the clock: each job runs
+# more than one test per core, and more than one job at a time.
+export RUST_TEST_THREADS=${RUST_TEST_THREADS:-4}
+for job in "${jobs[@]}"; do
+  name=${job%% *}
+  command="cargo test --locked --no-fail-fast ${job#* }"
+  case "$name" in
+    valkey-redis-level)
+      command="export STREAMFLEET_REDIS_SERVER=$valkey STREAMFLEET_EXPECT_SERVER=valkey; cargo test --locked -p streamfleet-testbed --test redis && $command -- --skip tls_with_a_private_ca --skip tls_with_a_client_certificate" ;;
+    valkey-*)
+      command="export STREAMFLEET_REDIS_SERVER=$valkey STREAMFLEET_EXPECT_SERVER=valkey; $command" ;;
+  esac
+  printf '%s %s\n' "$name" "$command"
+done | bash scripts/test-lanes.sh
 step "done"
 record_timings test-command "The test command (bash scripts/test.sh, what CI runs): seconds per step"

@@ -118,7 +118,8 @@ impl std::fmt::Debug for Endpoint {
             .field("url", &crate::error::redact(&self.url))
             .field("mode", &self.mode)
             .field("ca_pem", &self.ca_pem.as_ref().map(|_| "<pem>"))
-            .field("username", &self.username)
+            // Like the URL's user: a name from a Secret is not for logs.
+            .field("username", &self.username.as_ref().map(|_| "<redacted>"))
             .field("password", &self.password.as_ref().map(|_| "<redacted>"))
             .field("client_tls", &self.client_tls.as_ref().map(|_| "<pem>"))
             .finish()
@@ -430,6 +431,20 @@ mod tests {
         assert!(!e("redis://h:6379/1").same_server(&e("redis://h:6379/0")), "another database");
         assert!(!e("redis://h:6380").same_server(&e("redis://h:6379")));
         assert!(!Endpoint::new("redis://h:6379", Mode::Cluster).same_server(&e("redis://h:6379")));
+    }
+
+    #[test]
+    fn debug_shows_no_credential() {
+        let endpoint = Endpoint {
+            username: Some("orders-user".into()),
+            password: Some("hunter2".into()),
+            ..Endpoint::new("redis://url-user:url-secret@h:6379", Mode::Standalone)
+        };
+        let shown = format!("{endpoint:?}");
+        for secret in ["orders-user", "hunter2", "url-user", "url-secret"] {
+            assert!(!shown.contains(secret), "{secret} in {shown}");
+        }
+        assert!(shown.contains("h:6379"), "{shown}");
     }
 
     fn error(reply: &str) -> RedisError {

@@ -314,14 +314,31 @@ fn process_gone(pid: u32) -> bool {
 pub async fn sigkill_container(client: &Client, namespace: &str, name: &str) -> Result<u32> {
     use k8s_openapi::api::core::v1::Pod;
     let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
-    let pod = pods.get(name).await?;
-    let container = pod.spec.as_ref().and_then(|s| s.containers.first()).map(|c| c.name.clone()).unwrap_or_default();
     let restarts = |p: &Pod| {
         p.status.as_ref().and_then(|s| s.container_statuses.as_ref()).and_then(|s| s.first()).map(|s| s.restart_count)
     };
-    let before = restarts(&pod).unwrap_or(0);
-    let pid = streamfleet_testbed::kubelet::container_pid(&pod, &container)
-        .with_context(|| format!("{namespace}/{name} has no running process"))?;
+    // A container that has just died (of its own, e.g. an order that kills
+    // its worker) may still show its old process: wait until the status
+    // shows it running in a live one, or the kill would hit nothing and
+    // its next restart would not be ours.
+    let (before, pid) = streamfleet_testbed::eventually(
+        &format!("{namespace}/{name} running in a live process"),
+        Duration::from_secs(60),
+        || {
+            let pods = pods.clone();
+            async move {
+                let pod = pods.get(name).await?;
+                let Some(status) = pod.status.as_ref().and_then(|s| s.container_statuses.as_ref()?.first().cloned())
+                else {
+                    return Ok(None);
+                };
+                let running = status.state.as_ref().is_some_and(|s| s.running.is_some());
+                let pid = streamfleet_testbed::kubelet::container_pid(&pod, &status.name);
+                Ok(pid.filter(|pid| running && !process_gone(*pid)).map(|pid| (status.restart_count, pid)))
+            }
+        },
+    )
+    .await?;
     streamfleet_testbed::process::signal(pid, streamfleet_testbed::process::Signal::SIGKILL);
     streamfleet_testbed::eventually(
         &format!("{name} (pid {pid}) seen dead of SIGKILL"),

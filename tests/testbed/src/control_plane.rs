@@ -47,7 +47,8 @@ pub struct ControlPlane {
 impl ControlPlane {
     /// Starts etcd, kube-apiserver and kube-controller-manager under `dir` and
     /// waits until the API is ready and controllers are working.
-    pub async fn start(dir: &Path) -> Result<Self> {
+    /// Services get addresses of `slot` (`kubelet::Slot`).
+    pub async fn start(dir: &Path, slot: crate::kubelet::Slot) -> Result<Self> {
         let logs = dir.join("logs");
         let pki = Pki::generate(&dir.join("pki"))?;
         let token = crate::random_string(32);
@@ -64,7 +65,7 @@ impl ControlPlane {
         let etcd = start_etcd(dir, &logs).await?;
         let audit_log = logs.join("audit.log");
         let (mut apiserver, server, apiserver_args) =
-            start_apiserver(dir, &logs, &pki, &tokens, etcd.1, &audit_log).await?;
+            start_apiserver(dir, &logs, &pki, &tokens, etcd.1, &audit_log, slot).await?;
         let etcd = etcd.0;
 
         let kubeconfig = dir.join("kubeconfig");
@@ -158,6 +159,7 @@ async fn start_apiserver(
     tokens: &Path,
     etcd_port: u16,
     audit_log: &Path,
+    slot: crate::kubelet::Slot,
 ) -> Result<(Daemon, String, Vec<String>)> {
     let bin = tools::tool("kube-apiserver")?;
     let port = free_port()?;
@@ -179,7 +181,7 @@ async fn start_apiserver(
         format!("--service-account-signing-key-file={}", pki.sa_key.display()),
         // Service IPs on loopback, where the kubelet stand-in's service
         // proxy listens for them (see `kubelet::services`).
-        "--service-cluster-ip-range=127.96.0.0/16".into(),
+        format!("--service-cluster-ip-range={}", slot.service_range()),
         // Aggregated APIs (the console): the API server authenticates the
         // user and passes the identity on in headers, proven by its client
         // certificate from the front-proxy CA.

@@ -76,8 +76,10 @@ impl TestBed {
             let handle = runtime.handle().clone();
             runtime.block_on(async move {
                 let started = async {
-                    let plane = ControlPlane::start(&thread_dir).await?;
-                    let kubelet = kubelet_for(&plane, &thread_dir).await?;
+                    // Beds running at once take addresses of their own.
+                    let slot = kubelet::Slot::claim(&runs_dir())?;
+                    let plane = ControlPlane::start(&thread_dir, slot).await?;
+                    let kubelet = kubelet_for(&plane, &thread_dir, slot).await?;
                     anyhow::Ok((plane, kubelet))
                 };
                 let (plane, kubelet) = match started.await {
@@ -185,7 +187,7 @@ fn python_worker_entrypoint(dir: &Path) -> Result<PathBuf> {
     Ok(entry)
 }
 
-async fn kubelet_for(plane: &ControlPlane, dir: &Path) -> Result<kubelet::Kubelet> {
+async fn kubelet_for(plane: &ControlPlane, dir: &Path, slot: kubelet::Slot) -> Result<kubelet::Kubelet> {
     let mut images = kubelet::ImageMap::with_bin_dir(tools::cargo_bin_dir()?)
         .with_store(tools::workspace_root().join("target/images"));
     images.insert("streamfleet/python-worker", python_worker_entrypoint(dir)?);
@@ -195,6 +197,7 @@ async fn kubelet_for(plane: &ControlPlane, dir: &Path) -> Result<kubelet::Kubele
         dir.join("pods"),
         plane.server.clone(),
         plane.pki.ca_pem.clone(),
+        slot,
     ))
 }
 

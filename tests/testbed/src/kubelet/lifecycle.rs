@@ -4,8 +4,8 @@
 //! kubelet's minimum of 2 s, SIGKILL), `activeDeadlineSeconds`, and the pod
 //! status reported for them.
 
+use super::Kubelet;
 use super::network::HOST_IP;
-use super::{Kubelet, pod_ip};
 use crate::process::signal;
 use anyhow::{Context as _, Result, anyhow};
 use k8s_openapi::api::core::v1::{Container, Pod};
@@ -58,7 +58,7 @@ impl Kubelet {
         if let Some((uid, gid)) = user {
             chown_tree(&home, uid, gid).map_err(StartError::Other)?;
         }
-        let ip = pod_ip(self.next_pod.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        let ip = self.slot.pod_ip(self.next_pod.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
         let mut containers = Vec::new();
         for (c, resolved) in spec.containers.iter().zip(resolved) {
             let env = self.resolve_env(pod, &ip, c).await?;

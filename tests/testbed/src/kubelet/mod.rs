@@ -51,7 +51,7 @@ mod services;
 
 pub use env::field_value;
 pub use images::{ImageMap, Resolved, image_repository};
-pub use network::pod_ip;
+pub use network::Slot;
 
 use anyhow::{Context as _, Result};
 use futures::{StreamExt as _, TryStreamExt as _};
@@ -78,6 +78,8 @@ pub const NODE_NAME: &str = "testbed-node";
 /// Shared settings of the stand-in.
 pub struct Kubelet {
     next_pod: std::sync::atomic::AtomicU32,
+    /// This bed's addresses.
+    slot: Slot,
     /// How long creating a container takes.
     start_latency: Duration,
     client: Client,
@@ -88,10 +90,11 @@ pub struct Kubelet {
 }
 
 impl Kubelet {
-    pub fn new(client: Client, images: ImageMap, root: PathBuf, server: String, ca_pem: String) -> Self {
+    pub fn new(client: Client, images: ImageMap, root: PathBuf, server: String, ca_pem: String, slot: Slot) -> Self {
         let start_ms = std::env::var("TESTBED_POD_START_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
         Self {
             next_pod: std::sync::atomic::AtomicU32::new(0),
+            slot,
             start_latency: Duration::from_millis(start_ms),
             client,
             images,

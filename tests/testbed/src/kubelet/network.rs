@@ -1,15 +1,67 @@
-//! Addresses: the node's, and one loopback address per pod.
+//! Addresses: the node's, and one loopback address per pod and per Service.
+//! Test beds may run at once (the test command runs test binaries in
+//! parallel): each claims a [`Slot`], a range of loopback addresses of its
+//! own, so that one bed's pods and Services never take another's addresses.
+
+use anyhow::{Result, bail};
+use std::path::Path;
 
 /// The node's address. Each pod gets an address of its own in 127.0.0.0/8, so
 /// pods that bind their pod IP (as the chart's operator does) never collide.
 pub(super) const HOST_IP: &str = "127.0.0.1";
 
-/// The `n`th pod's address: 127.A.B.C with C in 1..=254, never 127.0.0.1.
-pub fn pod_ip(n: u32) -> String {
-    let c = 1 + n % 254;
-    let b = (n / 254) % 256;
-    let a = 1 + (n / 254 / 256) % 254;
-    format!("127.{a}.{b}.{c}")
+/// How many test beds may run at once on one machine.
+pub const SLOTS: u8 = 60;
+
+/// One test bed's addresses: its pods in 127.(1 + slot).0.0/16, its
+/// Services in 127.(128 + slot).0.0/16.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Slot(u8);
+
+impl Slot {
+    /// Claims a slot no live process holds, by a lock file in `dir` naming
+    /// the claiming process (`slot-<n>`, created exclusively); a file whose
+    /// process is gone is taken over.
+    pub fn claim(dir: &Path) -> Result<Slot> {
+        std::fs::create_dir_all(dir)?;
+        let me = std::process::id();
+        for n in 0..SLOTS {
+            let lock = dir.join(format!("slot-{n}"));
+            for _ in 0..2 {
+                match std::fs::OpenOptions::new().write(true).create_new(true).open(&lock) {
+                    Ok(file) => {
+                        use std::io::Write as _;
+                        writeln!(&file, "{me}")?;
+                        return Ok(Slot(n));
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                        let holder = std::fs::read_to_string(&lock).unwrap_or_default();
+                        let holder = holder.trim();
+                        // Being written (empty yet) counts as live.
+                        let live = holder.is_empty() || Path::new(&format!("/proc/{holder}")).exists();
+                        if live {
+                            break;
+                        }
+                        let _ = std::fs::remove_file(&lock);
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        bail!("all {SLOTS} test-bed address slots in {} are held by live processes", dir.display())
+    }
+
+    /// The `n`th pod's address: 127.(1 + slot).B.C with C in 1..=254.
+    pub fn pod_ip(self, n: u32) -> String {
+        let c = 1 + n % 254;
+        let b = (n / 254) % 256;
+        format!("127.{}.{b}.{c}", 1 + self.0)
+    }
+
+    /// The range the API server hands Service IPs out from.
+    pub fn service_range(self) -> String {
+        format!("127.{}.0.0/16", 128 + self.0)
+    }
 }
 
 #[cfg(test)]
@@ -17,13 +69,33 @@ mod tests {
     use super::*;
 
     #[test]
-    fn pod_ips_are_distinct_loopback_addresses() {
-        let ips: std::collections::BTreeSet<String> = (0..70_000).map(pod_ip).collect();
-        assert_eq!(ips.len(), 70_000);
-        for ip in &ips {
-            let addr: std::net::Ipv4Addr = ip.parse().unwrap();
-            assert!(addr.is_loopback() && addr != std::net::Ipv4Addr::LOCALHOST, "{ip}");
-            assert!(!ip.ends_with(".0") && !ip.ends_with(".255"), "{ip}");
+    fn pod_ips_are_distinct_loopback_addresses_of_their_slot_only() {
+        let mut all = std::collections::BTreeSet::new();
+        for slot in [Slot(0), Slot(SLOTS - 1)] {
+            let ips: std::collections::BTreeSet<String> = (0..65_024).map(|n| slot.pod_ip(n)).collect();
+            assert_eq!(ips.len(), 65_024);
+            for ip in &ips {
+                let addr: std::net::Ipv4Addr = ip.parse().unwrap();
+                assert!(addr.is_loopback() && addr != std::net::Ipv4Addr::LOCALHOST, "{ip}");
+                assert!(!ip.ends_with(".0") && !ip.ends_with(".255"), "{ip}");
+                // Services take 127.128.0.0 and up.
+                assert!(addr.octets()[1] < 128, "{ip}");
+            }
+            all.extend(ips);
+            let services = slot.service_range();
+            let second: u8 = services.split('.').nth(1).unwrap().parse().unwrap();
+            assert!(second >= 128 && services.ends_with(".0.0/16"), "{services}");
         }
+        assert_eq!(all.len(), 2 * 65_024, "two slots share no address");
+    }
+
+    #[test]
+    fn beds_running_at_once_claim_distinct_slots_and_a_dead_ones_slot_is_reused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (Slot::claim(dir.path()).unwrap(), Slot::claim(dir.path()).unwrap());
+        assert_ne!(a, b, "this process is alive: its first slot stays held");
+        // A slot left by a process that is gone (no such pid).
+        std::fs::write(dir.path().join(format!("slot-{}", a.0)), format!("{}\n", u32::MAX)).unwrap();
+        assert_eq!(Slot::claim(dir.path()).unwrap(), a);
     }
 }

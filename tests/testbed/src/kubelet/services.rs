@@ -1,6 +1,6 @@
 //! A userspace service proxy, as kube-proxy's first mode was: for every port
 //! of every Service with a selector, a listener on its cluster IP (the API
-//! server hands them out in 127.96.0.0/16, on loopback) that forwards each
+//! server hands them out in its bed's range on loopback, `Slot::service_range`) that forwards each
 //! connection to a ready pod the selector matches, on the target port
 //! (a number, or a container port's name); and, standing in for the
 //! endpointslice controller, each such Service's EndpointSlice. This is what
