@@ -150,8 +150,6 @@ bash scripts/chart-readme.sh --check
 
 step "build binaries (the kubelet stand-in runs them as pods)"
 cargo build --workspace --bins --locked
-step "build the images (OCI layouts in target/images; tests/e2e/tests/images.rs checks and runs them)"
-STREAMFLEET_IMAGE_REGISTRY=testbed.local bash scripts/build-images.sh
 step "build the tests"
 # Every test job of the next step, each with the packages and features it
 # runs with (so that building it here is what it runs: nothing is rebuilt
@@ -159,7 +157,7 @@ step "build the tests"
 # arguments of `cargo test`. The longest first: they start in this order.
 valkey="${HOME}/.cache/streamfleet/bin/valkey-server"
 jobs=()
-e2e_first=(drill delay_objective recovery api_at_rest status_truth retries pipeline console_outage sharding)
+e2e_first=(images drill delay_objective recovery api_at_rest status_truth retries pipeline console_outage sharding)
 for name in "${e2e_first[@]}"; do
   jobs+=("e2e-$name -p streamfleet-e2e --test $name")
 done
@@ -192,7 +190,7 @@ for package in $(cargo metadata --no-deps --format-version 1 --locked | python3 
   fi
 done
 
-step "tests, side by side (scripts/test-lanes.sh; the server matrix, docs/compatibility.md, among them)"
+step "tests and the images, side by side (scripts/test-lanes.sh; the server matrix, docs/compatibility.md, among them)"
 # Tests mostly wait on the control plane, Redis and the clock: each job runs
 # more than one test per core, and more than one job at a time.
 export RUST_TEST_THREADS=${RUST_TEST_THREADS:-4}
@@ -202,6 +200,11 @@ for job in "${jobs[@]}"; do
   case "$name" in
     valkey-redis-level)
       command="export STREAMFLEET_REDIS_SERVER=$valkey STREAMFLEET_EXPECT_SERVER=valkey; cargo test --locked -p streamfleet-testbed --test redis && $command -- --skip tls_with_a_private_ca --skip tls_with_a_client_certificate" ;;
+    e2e-images)
+      # The images (OCI layouts in target/images; images.rs checks and runs
+      # them) are built in this job, so their release build uses what the
+      # other jobs leave of the cores: niced, it takes none they want.
+      command="STREAMFLEET_IMAGE_REGISTRY=testbed.local nice -n 19 bash scripts/build-images.sh && $command" ;;
     valkey-*)
       command="export STREAMFLEET_REDIS_SERVER=$valkey STREAMFLEET_EXPECT_SERVER=valkey; $command" ;;
   esac
