@@ -252,6 +252,9 @@ async fn asking(c: &mut ClusterConnection, host: &str, port: u16) -> redis::Redi
 /// One command on the cluster, sent again while the cluster refuses it
 /// unrun ([`refused_unrun`]), at most [`CLUSTER_RESENDS`] times.
 async fn cluster_command(c: &mut ClusterConnection, cmd: &Cmd) -> redis::RedisResult<Value> {
+    if let Some(replies) = fanned_out(cmd) {
+        return on_every_master(c, cmd, replies).await;
+    }
     let mut sent = c.req_packed_command(cmd).await;
     let mut pause = CLUSTER_RESEND_PAUSE;
     for _ in 0..CLUSTER_RESENDS {
@@ -272,6 +275,86 @@ async fn cluster_command(c: &mut ClusterConnection, cmd: &Cmd) -> redis::RedisRe
         };
     }
     sent
+}
+
+/// A command the cluster client would send to every node (`SCRIPT LOAD`
+/// on a script's first use on a node, `INFO`), sent to each master in turn
+/// instead. redis-rs 1.8 queues such a fan-out's parts without waking its
+/// connection task: they could wait, unsent, for another command or the
+/// response timeout (a first ack script stalled 10 s; the same lost wake-up
+/// as valkey-glide#7052). Replicas are left out: no script runs there, and
+/// the settings `INFO` is read for are the masters'. Replies as the client
+/// would: one reply where all must succeed, else each node's by address.
+async fn on_every_master(c: &mut ClusterConnection, cmd: &Cmd, replies_as: Replies) -> redis::RedisResult<Value> {
+    let slots = c
+        .route_command(
+            redis::cmd("CLUSTER").arg("SLOTS").clone(),
+            RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
+        )
+        .await?
+        .extract_error()?;
+    let masters = masters_of(&slots);
+    if masters.is_empty() {
+        return Err(RedisError::from((ErrorKind::ClusterConnectionNotFound, "CLUSTER SLOTS names no master")));
+    }
+    let mut replies = Vec::with_capacity(masters.len());
+    for (host, port) in masters {
+        let node = RoutingInfo::SingleNode(to_node(host.clone(), port));
+        let reply = c.route_command(cmd.clone(), node).await?.extract_error()?;
+        replies.push((Value::SimpleString(format!("{host}:{port}")), reply));
+    }
+    match replies_as {
+        Replies::One => Ok(replies.pop().map_or(Value::Nil, |(_, reply)| reply)),
+        Replies::EachByAddress => Ok(Value::Map(replies)),
+    }
+}
+
+/// How the reply of a command sent to every master is made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Replies {
+    /// One of them: all succeeded, all alike (`SCRIPT LOAD`'s hash).
+    One,
+    /// Each node's, by its address (`INFO`).
+    EachByAddress,
+}
+
+/// Whether the cluster client would fan `cmd` out to every node, for the
+/// commands this code sends: `SCRIPT LOAD` and `INFO`.
+fn fanned_out(cmd: &Cmd) -> Option<Replies> {
+    let mut args = cmd.args_iter().filter_map(|a| match a {
+        redis::Arg::Simple(bytes) => Some(bytes),
+        _ => None,
+    });
+    let name = args.next()?;
+    if name.eq_ignore_ascii_case(b"INFO") {
+        return Some(Replies::EachByAddress);
+    }
+    let sub = args.next()?;
+    (name.eq_ignore_ascii_case(b"SCRIPT") && sub.eq_ignore_ascii_case(b"LOAD")).then_some(Replies::One)
+}
+
+/// The masters' addresses in a `CLUSTER SLOTS` reply (each slot range:
+/// start, end, then the master as host, port, ID), each once.
+fn masters_of(slots: &Value) -> Vec<(String, u16)> {
+    let mut masters: Vec<(String, u16)> = Vec::new();
+    let Value::Array(ranges) = slots else {
+        return masters;
+    };
+    for range in ranges {
+        let Value::Array(range) = range else { continue };
+        let Some(Value::Array(master)) = range.get(2) else { continue };
+        let host = match master.first() {
+            Some(Value::BulkString(host)) => String::from_utf8_lossy(host).into_owned(),
+            Some(Value::SimpleString(host)) => host.clone(),
+            _ => continue,
+        };
+        let Some(Value::Int(port)) = master.get(1) else { continue };
+        let Ok(port) = u16::try_from(*port) else { continue };
+        if !host.is_empty() && !masters.contains(&(host.clone(), port)) {
+            masters.push((host, port));
+        }
+    }
+    masters
 }
 
 /// [`cluster_command`] for a pipeline (`offset`, `count`: the replies
@@ -431,6 +514,45 @@ mod tests {
         assert!(!e("redis://h:6379/1").same_server(&e("redis://h:6379/0")), "another database");
         assert!(!e("redis://h:6380").same_server(&e("redis://h:6379")));
         assert!(!Endpoint::new("redis://h:6379", Mode::Cluster).same_server(&e("redis://h:6379")));
+    }
+
+    #[test]
+    fn the_masters_of_a_slot_map_each_once() {
+        let node = |host: &str, port: i64| {
+            Value::Array(vec![Value::BulkString(host.into()), Value::Int(port), Value::BulkString(b"id".to_vec())])
+        };
+        let range = |start: i64, end: i64, nodes: Vec<Value>| {
+            let mut range = vec![Value::Int(start), Value::Int(end)];
+            range.extend(nodes);
+            Value::Array(range)
+        };
+        let slots = Value::Array(vec![
+            range(0, 5460, vec![node("10.0.0.1", 6379), node("10.0.0.4", 6379)]),
+            range(5461, 10922, vec![node("10.0.0.2", 6379)]),
+            range(10923, 12000, vec![node("10.0.0.3", 6380)]),
+            range(12001, 16383, vec![node("10.0.0.3", 6380)]),
+            range(1, 1, vec![node("", 6379)]),
+        ]);
+        assert_eq!(
+            masters_of(&slots),
+            [("10.0.0.1".into(), 6379), ("10.0.0.2".into(), 6379), ("10.0.0.3".into(), 6380)],
+            "replicas and repeats left out, an unknown host skipped"
+        );
+        assert!(masters_of(&Value::Nil).is_empty());
+    }
+
+    #[test]
+    fn script_loads_and_info_go_to_every_master_and_nothing_else() {
+        assert_eq!(fanned_out(redis::cmd("SCRIPT").arg("LOAD").arg("return 1")), Some(Replies::One));
+        assert_eq!(fanned_out(redis::cmd("script").arg("load").arg("return 1")), Some(Replies::One));
+        assert_eq!(fanned_out(redis::cmd("INFO").arg("memory").arg("persistence")), Some(Replies::EachByAddress));
+        for single in [
+            redis::cmd("EVALSHA").arg("abc").arg(1).arg("k").clone(),
+            redis::cmd("SCRIPT").clone(),
+            redis::cmd("XACK").arg("s").clone(),
+        ] {
+            assert_eq!(fanned_out(&single), None, "{single:?}");
+        }
     }
 
     #[test]

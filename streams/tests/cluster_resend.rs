@@ -186,3 +186,53 @@ async fn a_command_refused_with_moved_is_sent_again_to_the_slots_new_master() ->
     assert!(errors.contains("errorstat_MOVED"), "the first send was refused with MOVED: {errors}");
     Ok(())
 }
+
+/// A script's first use on a fresh cluster (`NOSCRIPT`, then `SCRIPT LOAD`
+/// on every master) answers at once, however many start together beside
+/// other commands. redis-rs 1.8 fans `SCRIPT LOAD` out without waking its
+/// connection task, so such a load could sit unsent until the response
+/// timeout (10 s): a worker's first ack stalled, and its entries ran twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_uses_of_scripts_on_a_cluster_never_wait_for_the_response_timeout() -> Result<()> {
+    let cluster = RedisCluster::start(3).await?;
+    let conn = cluster_connection(&cluster).await?;
+    for round in 0..20 {
+        let started = std::time::Instant::now();
+        let calls: Vec<_> = (0..4)
+            .map(|n| {
+                let conn = conn.clone();
+                tokio::spawn(async move {
+                    // A script no node has seen: its first EVALSHA is refused.
+                    let body = format!("return {round}{n} -- {}", streamfleet_testbed::random_suffix());
+                    let script = redis::Script::new(&body);
+                    let key = format!("{{k{n}}}");
+                    // Beside it, other commands in flight and answered
+                    // meanwhile (what hid the queued load from the client).
+                    let beside: Vec<_> = (0..20)
+                        .map(|_| {
+                            let (mut conn, key) = (conn.clone(), key.clone());
+                            tokio::spawn(
+                                async move { redis::cmd("XLEN").arg(&key).query_async::<i64>(&mut conn).await },
+                            )
+                        })
+                        .collect();
+                    let ran = script.key(&key).invoke_async::<i64>(&mut conn.clone()).await?;
+                    for other in beside {
+                        other.await??;
+                    }
+                    anyhow::Ok(ran)
+                })
+            })
+            .collect();
+        let mut ran = Vec::new();
+        for call in calls {
+            let reply = tokio::time::timeout(Duration::from_secs(5), call)
+                .await
+                .with_context(|| format!("round {round}: a first use of a script still waiting after 5 s"))???;
+            ran.push(reply);
+        }
+        ensure!(ran == (0..4).map(|n| format!("{round}{n}").parse::<i64>().unwrap()).collect::<Vec<_>>());
+        ensure!(started.elapsed() < Duration::from_secs(2), "round {round} took {:?}", started.elapsed());
+    }
+    Ok(())
+}
