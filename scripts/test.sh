@@ -155,7 +155,7 @@ step "build the tests"
 # runs with (so that building it here is what it runs: nothing is rebuilt
 # while the jobs run side by side). One per line: a name, then the
 # arguments of `cargo test`. The longest first: they start in this order.
-valkey="${HOME}/.cache/streamfleet/bin/valkey-server"
+valkey=$(printf '%q' "${HOME}/.cache/streamfleet/bin/valkey-server")
 jobs=()
 e2e_first=(drill delay_objective recovery api_at_rest status_truth retries pipeline console_outage sharding)
 for name in "${e2e_first[@]}"; do
@@ -184,6 +184,9 @@ for job in "${jobs[@]}"; do
   read -r -a args <<< "${job#* }"
   cargo test --locked --no-run "${args[@]}"
 done
+# What scripts/build-images.sh builds in target/debug, built here: built
+# there, it would hold target/debug's lock (niced) while the jobs wait on it.
+cargo build --locked -p streamfleet-images --bin build-image
 # Every workspace package has its tests in some job.
 for package in $(cargo metadata --no-deps --format-version 1 --locked | python3 -c 'import json, sys; print(" ".join(p["name"] for p in json.load(sys.stdin)["packages"]))'); do
   if [[ " ${jobs[*]} " != *" -p $package "* ]]; then
@@ -199,7 +202,12 @@ step "tests and the images, side by side (scripts/test-lanes.sh; the server matr
 images=target/test-logs/images-build
 mkdir -p "$(dirname "$images")"
 rm -f "$images.rc"
-( STREAMFLEET_IMAGE_REGISTRY=testbed.local nice -n 19 bash scripts/build-images.sh > "$images.log" 2>&1; echo $? > "$images.rc" ) &
+# Its exit status is written whole (renamed into place), whatever it is.
+(
+  rc=0
+  STREAMFLEET_IMAGE_REGISTRY=testbed.local nice -n 19 bash scripts/build-images.sh > "$images.log" 2>&1 || rc=$?
+  echo "$rc" > "$images.rc.tmp" && mv "$images.rc.tmp" "$images.rc"
+) &
 # Tests mostly wait on the control plane, Redis and the clock: each job runs
 # more than one test per core, and more than one job at a time.
 export RUST_TEST_THREADS=${RUST_TEST_THREADS:-4}
@@ -210,7 +218,8 @@ for job in "${jobs[@]}"; do
     valkey-redis-level)
       command="export STREAMFLEET_REDIS_SERVER=$valkey STREAMFLEET_EXPECT_SERVER=valkey; cargo test --locked -p streamfleet-testbed --test redis && $command -- --skip tls_with_a_private_ca --skip tls_with_a_client_certificate" ;;
     e2e-images)
-      command="while [ ! -f $images.rc ]; do sleep 2; done; if [ \"\$(cat $images.rc)\" != 0 ]; then cat $images.log; echo 'building the images failed' >&2; exit 1; fi; $command" ;;
+      # Waits for the images (an hour at most: the build's own steps time out sooner).
+      command="for _ in \$(seq 1800); do [ -f $images.rc ] && break; sleep 2; done; if [ \"\$(cat $images.rc 2>/dev/null)\" != 0 ]; then cat $images.log; echo 'building the images failed or did not end' >&2; exit 1; fi; $command" ;;
     valkey-*)
       command="export STREAMFLEET_REDIS_SERVER=$valkey STREAMFLEET_EXPECT_SERVER=valkey; $command" ;;
   esac

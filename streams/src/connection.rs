@@ -282,10 +282,14 @@ async fn cluster_command(c: &mut ClusterConnection, cmd: &Cmd) -> redis::RedisRe
 /// instead. redis-rs 1.8 queues such a fan-out's parts without waking its
 /// connection task: they could wait, unsent, for another command or the
 /// response timeout (a first ack script stalled 10 s; the same lost wake-up
-/// as valkey-glide#7052). Replicas are left out: no script runs there, and
-/// the settings `INFO` is read for are the masters'. Replies as the client
-/// would: one reply where all must succeed, else each node's by address.
+/// as valkey-glide#7052). Each master is named by a slot it serves, so the
+/// client's own slot map and connections route it. Replicas are left out:
+/// no script runs there (a promoted one answers `NOSCRIPT`, and the script
+/// is loaded then), and the settings `INFO` is read for are the masters'.
+/// Replies as the client would: one reply where all must succeed, else
+/// each master's.
 async fn on_every_master(c: &mut ClusterConnection, cmd: &Cmd, replies_as: Replies) -> redis::RedisResult<Value> {
+    use redis::cluster_routing::{Route, SlotAddr};
     let slots = c
         .route_command(
             redis::cmd("CLUSTER").arg("SLOTS").clone(),
@@ -298,15 +302,49 @@ async fn on_every_master(c: &mut ClusterConnection, cmd: &Cmd, replies_as: Repli
         return Err(RedisError::from((ErrorKind::ClusterConnectionNotFound, "CLUSTER SLOTS names no master")));
     }
     let mut replies = Vec::with_capacity(masters.len());
-    for (host, port) in masters {
-        let node = RoutingInfo::SingleNode(to_node(host.clone(), port));
+    for (slot, name) in masters {
+        let node = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master)));
         let reply = c.route_command(cmd.clone(), node).await?.extract_error()?;
-        replies.push((Value::SimpleString(format!("{host}:{port}")), reply));
+        replies.push((Value::SimpleString(name), reply));
     }
     match replies_as {
         Replies::One => Ok(replies.pop().map_or(Value::Nil, |(_, reply)| reply)),
         Replies::EachByAddress => Ok(Value::Map(replies)),
     }
+}
+
+/// Each master of a `CLUSTER SLOTS` reply once (told apart by its node ID),
+/// as the first slot of a range it serves and a name (`host:port`, or its
+/// ID where the host is not given).
+fn masters_of(slots: &Value) -> Vec<(u16, String)> {
+    let text = |v: Option<&Value>| match v {
+        Some(Value::BulkString(b)) => Some(String::from_utf8_lossy(b).into_owned()),
+        Some(Value::SimpleString(s)) => Some(s.clone()),
+        _ => None,
+    };
+    let mut masters: Vec<(u16, String)> = Vec::new();
+    let mut seen: Vec<String> = Vec::new();
+    let Value::Array(ranges) = slots else {
+        return masters;
+    };
+    for range in ranges {
+        let Value::Array(range) = range else { continue };
+        let (Some(Value::Int(start)), Some(Value::Array(master))) = (range.first(), range.get(2)) else { continue };
+        let Ok(start) = u16::try_from(*start) else { continue };
+        let host = text(master.first()).unwrap_or_default();
+        let port = match master.get(1) {
+            Some(Value::Int(port)) => *port,
+            _ => continue,
+        };
+        let id = text(master.get(2)).unwrap_or_else(|| format!("{host}:{port}"));
+        if seen.contains(&id) {
+            continue;
+        }
+        let name = if host.is_empty() { id.clone() } else { format!("{host}:{port}") };
+        seen.push(id);
+        masters.push((start, name));
+    }
+    masters
 }
 
 /// How the reply of a command sent to every master is made.
@@ -331,30 +369,6 @@ fn fanned_out(cmd: &Cmd) -> Option<Replies> {
     }
     let sub = args.next()?;
     (name.eq_ignore_ascii_case(b"SCRIPT") && sub.eq_ignore_ascii_case(b"LOAD")).then_some(Replies::One)
-}
-
-/// The masters' addresses in a `CLUSTER SLOTS` reply (each slot range:
-/// start, end, then the master as host, port, ID), each once.
-fn masters_of(slots: &Value) -> Vec<(String, u16)> {
-    let mut masters: Vec<(String, u16)> = Vec::new();
-    let Value::Array(ranges) = slots else {
-        return masters;
-    };
-    for range in ranges {
-        let Value::Array(range) = range else { continue };
-        let Some(Value::Array(master)) = range.get(2) else { continue };
-        let host = match master.first() {
-            Some(Value::BulkString(host)) => String::from_utf8_lossy(host).into_owned(),
-            Some(Value::SimpleString(host)) => host.clone(),
-            _ => continue,
-        };
-        let Some(Value::Int(port)) = master.get(1) else { continue };
-        let Ok(port) = u16::try_from(*port) else { continue };
-        if !host.is_empty() && !masters.contains(&(host.clone(), port)) {
-            masters.push((host, port));
-        }
-    }
-    masters
 }
 
 /// [`cluster_command`] for a pipeline (`offset`, `count`: the replies
@@ -518,8 +532,8 @@ mod tests {
 
     #[test]
     fn the_masters_of_a_slot_map_each_once() {
-        let node = |host: &str, port: i64| {
-            Value::Array(vec![Value::BulkString(host.into()), Value::Int(port), Value::BulkString(b"id".to_vec())])
+        let node = |host: &str, port: i64, id: &str| {
+            Value::Array(vec![Value::BulkString(host.into()), Value::Int(port), Value::BulkString(id.into())])
         };
         let range = |start: i64, end: i64, nodes: Vec<Value>| {
             let mut range = vec![Value::Int(start), Value::Int(end)];
@@ -527,17 +541,19 @@ mod tests {
             Value::Array(range)
         };
         let slots = Value::Array(vec![
-            range(0, 5460, vec![node("10.0.0.1", 6379), node("10.0.0.4", 6379)]),
-            range(5461, 10922, vec![node("10.0.0.2", 6379)]),
-            range(10923, 12000, vec![node("10.0.0.3", 6380)]),
-            range(12001, 16383, vec![node("10.0.0.3", 6380)]),
-            range(1, 1, vec![node("", 6379)]),
+            range(0, 5460, vec![node("10.0.0.1", 6379, "a"), node("10.0.0.4", 6379, "d")]),
+            range(5461, 10922, vec![node("10.0.0.2", 6379, "b")]),
+            range(10923, 12000, vec![node("10.0.0.3", 6380, "c")]),
+            range(12001, 16383, vec![node("10.0.0.3", 6380, "c")]),
         ]);
         assert_eq!(
             masters_of(&slots),
-            [("10.0.0.1".into(), 6379), ("10.0.0.2".into(), 6379), ("10.0.0.3".into(), 6380)],
-            "replicas and repeats left out, an unknown host skipped"
+            [(0, "10.0.0.1:6379".into()), (5461, "10.0.0.2:6379".into()), (10923, "10.0.0.3:6380".into())],
+            "replicas and a master's second range left out"
         );
+        // A one-node cluster names no host for itself: still a master.
+        let alone = Value::Array(vec![range(0, 16383, vec![node("", 7000, "e")])]);
+        assert_eq!(masters_of(&alone), [(0, "e".into())]);
         assert!(masters_of(&Value::Nil).is_empty());
     }
 

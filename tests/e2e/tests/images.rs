@@ -1,5 +1,6 @@
 //! The images `scripts/build-images.sh` builds (the test command runs it with
-//! `STREAMFLEET_IMAGE_REGISTRY=testbed.local` before the tests): valid OCI as
+//! `STREAMFLEET_IMAGE_REGISTRY=testbed.local` beside the other tests; this
+//! one waits for them): valid OCI as
 //! a real registry client sees it, static, non-root, without a shell; and the
 //! operator and a worker run in the test bed from the images' own
 //! filesystems (the kubelet stand-in unpacks an image of `target/images` and

@@ -19,33 +19,25 @@ pub const SLOTS: u8 = 60;
 pub struct Slot(u8);
 
 impl Slot {
-    /// Claims a slot no live process holds, by a lock file in `dir` naming
-    /// the claiming process (`slot-<n>`, created exclusively); a file whose
-    /// process is gone is taken over.
+    /// Claims a slot no live process holds: an exclusive lock on the file
+    /// `slot-<n>` in `dir`, held as long as this process lives (the kernel
+    /// drops it when the process dies, however it dies).
     pub fn claim(dir: &Path) -> Result<Slot> {
         std::fs::create_dir_all(dir)?;
-        let me = std::process::id();
         for n in 0..SLOTS {
-            let lock = dir.join(format!("slot-{n}"));
-            for _ in 0..2 {
-                match std::fs::OpenOptions::new().write(true).create_new(true).open(&lock) {
-                    Ok(file) => {
-                        use std::io::Write as _;
-                        writeln!(&file, "{me}")?;
-                        return Ok(Slot(n));
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                        let holder = std::fs::read_to_string(&lock).unwrap_or_default();
-                        let holder = holder.trim();
-                        // Being written (empty yet) counts as live.
-                        let live = holder.is_empty() || Path::new(&format!("/proc/{holder}")).exists();
-                        if live {
-                            break;
-                        }
-                        let _ = std::fs::remove_file(&lock);
-                    }
-                    Err(e) => return Err(e.into()),
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(dir.join(format!("slot-{n}")))?;
+            match file.try_lock() {
+                Ok(()) => {
+                    // Held until the process ends.
+                    std::mem::forget(file);
+                    return Ok(Slot(n));
                 }
+                Err(std::fs::TryLockError::WouldBlock) => {}
+                Err(std::fs::TryLockError::Error(e)) => return Err(e.into()),
             }
         }
         bail!("all {SLOTS} test-bed address slots in {} are held by live processes", dir.display())
@@ -93,9 +85,21 @@ mod tests {
     fn beds_running_at_once_claim_distinct_slots_and_a_dead_ones_slot_is_reused() {
         let dir = tempfile::tempdir().unwrap();
         let (a, b) = (Slot::claim(dir.path()).unwrap(), Slot::claim(dir.path()).unwrap());
-        assert_ne!(a, b, "this process is alive: its first slot stays held");
-        // A slot left by a process that is gone (no such pid).
-        std::fs::write(dir.path().join(format!("slot-{}", a.0)), format!("{}\n", u32::MAX)).unwrap();
-        assert_eq!(Slot::claim(dir.path()).unwrap(), a);
+        assert_ne!(a, b, "a slot stays held while its process lives");
+        // Another process's claim, then its death.
+        // (`--no-fork`: the process killed below is the one holding it.)
+        let other = std::process::Command::new("flock")
+            .arg("--no-fork")
+            .arg(dir.path().join("slot-2"))
+            .args(["sleep", "30"])
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let mut other = other;
+        let c = Slot::claim(dir.path()).unwrap();
+        assert_eq!(c, Slot(3), "slot 2 is the other process's");
+        other.kill().unwrap();
+        other.wait().unwrap();
+        assert_eq!(Slot::claim(dir.path()).unwrap(), Slot(2), "its slot is free once it is gone");
     }
 }
