@@ -14,6 +14,7 @@
 pub mod act;
 #[cfg(test)]
 mod api_tests;
+pub mod claimant_index;
 pub mod decide;
 pub mod finalizer;
 #[cfg(test)]
@@ -33,6 +34,7 @@ use crate::error::Error;
 use crate::events::{EventPublisher, EventType};
 use crate::metrics::Metrics;
 use crate::objects::{self, ObjectSettings};
+use claimant_index::key;
 use decide::{Plan, PolicyMemory};
 use futures::StreamExt as _;
 use k8s_openapi::api::apps::v1::Deployment;
@@ -80,6 +82,8 @@ pub struct Context {
     /// Every StreamConsumerGroup this operator serves (the controller's own
     /// cache), to find two that name the same group.
     resources: Store<DeserializeGuard<StreamConsumerGroup>>,
+    /// Which of them name which stream and group.
+    claimant_index: Arc<Mutex<claimant_index::ClaimantIndex>>,
     /// The referenced Secrets, read only when they change.
     pub(crate) secrets: secrets::SecretCache,
     /// The Redis endpoint each resource last resolved to.
@@ -96,6 +100,7 @@ struct Stores {
     jobs: Store<Job>,
     pods: Store<Pod>,
     resources: Store<DeserializeGuard<StreamConsumerGroup>>,
+    claimant_index: Arc<Mutex<claimant_index::ClaimantIndex>>,
     secrets: Store<secrets::SecretMeta>,
 }
 
@@ -131,6 +136,7 @@ impl Context {
             jobs: stores.jobs,
             pods: stores.pods,
             resources: stores.resources,
+            claimant_index: stores.claimant_index,
             secrets: secrets::SecretCache::new(stores.secrets),
             endpoints: Mutex::new(HashMap::new()),
             caches_synced: Arc::new(AtomicBool::new(false)),
@@ -150,6 +156,7 @@ impl Context {
             jobs: reflector::store().0,
             pods: reflector::store().0,
             resources: reflector::store().0,
+            claimant_index: Arc::default(),
             secrets: reflector::store().0,
         };
         Self::new(client, ObjectSettings::default(), Arc::new(Metrics::default()), None, stores)
@@ -276,18 +283,24 @@ impl Context {
     /// The other resources this operator serves that name the same stream
     /// and group on the same Redis (or on a Redis not yet known).
     pub(crate) fn claimants(&self, scg: &StreamConsumerGroup, endpoint: &Endpoint) -> Vec<decide::Claimant> {
-        let Ok(endpoints) = self.endpoints.lock() else { return Vec::new() };
         let me = key(scg);
-        self.resources
-            .state()
+        let named = self.claimant_index.lock().map(|index| index.naming_the_group_of(scg)).unwrap_or_default();
+        let Ok(endpoints) = self.endpoints.lock() else { return Vec::new() };
+        named
             .iter()
-            .filter_map(|r| r.0.as_ref().ok())
+            .filter(|k| **k != me)
+            .filter_map(|k| {
+                let (namespace, name) = k.split_once('/')?;
+                self.resources.get(&ObjectRef::new(name).within(namespace))
+            })
+            .filter_map(|r| r.0.as_ref().ok().cloned())
+            // The cache is at least as new as the index: check again.
             .filter(|o| o.spec.stream == scg.spec.stream && o.spec.group == scg.spec.group)
-            .filter(|o| o.metadata.deletion_timestamp.is_none() && key(o) != me)
+            .filter(|o| o.metadata.deletion_timestamp.is_none())
             .filter_map(|o| {
-                let known = endpoints.get(&key(o));
+                let known = endpoints.get(&key(&o));
                 known.is_none_or(|e| e.same_server(endpoint)).then(|| decide::Claimant {
-                    key: key(o),
+                    key: key(&o),
                     created: o.metadata.creation_timestamp.clone(),
                     same_endpoint_known: known.is_some(),
                 })
@@ -336,14 +349,32 @@ pub async fn run(
     .touched_objects()
     .boxed();
     let (resources, resource_writer) = reflector::store();
+    let claimant_index = Arc::new(Mutex::new(claimant_index::ClaimantIndex::default()));
+    let indexing = claimant_index.clone();
     let resource_events = reflector::reflector(
         resource_writer,
         watcher(scgs, watcher::Config::default().any_semantic()).modify(slim::resource),
     )
+    .inspect(move |event| {
+        if let (Ok(event), Ok(mut index)) = (event, indexing.lock()) {
+            index.observe(event);
+        }
+    })
     .default_backoff()
-    .applied_objects();
+    .applied_objects()
+    // The operator's own status writes (and anyone's) wake no reconcile:
+    // the poll reads the status anyway. What a user changes does.
+    .predicate_filter(wakes_a_reconcile, Default::default());
     let controller = Controller::for_stream(resource_events, resources.clone());
-    let stores = Stores { deployments, cronjobs, jobs, pods, resources: resources.clone(), secrets: secret_metadata };
+    let stores = Stores {
+        deployments,
+        cronjobs,
+        jobs,
+        pods,
+        resources: resources.clone(),
+        claimant_index,
+        secrets: secret_metadata,
+    };
     let ctx = Arc::new(Context::new(client, settings, metrics, instance, stores));
     tokio::spawn(mark_synced(ctx.clone()));
     tokio::spawn(prune_vanished(ctx.clone()));
@@ -378,6 +409,18 @@ pub async fn run(
             }
         })
         .await;
+}
+
+/// What of a resource a change to which is acted on at once: its spec
+/// (the generation), labels, annotations (the payload-loss
+/// acknowledgement), finalizers and deletion. Not its status.
+fn wakes_a_reconcile(object: &DeserializeGuard<StreamConsumerGroup>) -> Option<u64> {
+    use std::hash::{Hash as _, Hasher as _};
+    let meta = object.meta();
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    (&meta.uid, meta.generation, &meta.labels, &meta.annotations, &meta.finalizers, meta.deletion_timestamp.is_some())
+        .hash(&mut hasher);
+    Some(hasher.finish())
 }
 
 fn scoped_api<K>(client: &Client, namespace: Option<&str>) -> Api<K>
@@ -435,10 +478,6 @@ async fn prune_vanished(ctx: Arc<Context>) {
         every.tick().await;
         ctx.prune_vanished();
     }
-}
-
-fn key(scg: &StreamConsumerGroup) -> String {
-    format!("{}/{}", scg.namespace().unwrap_or_default(), scg.name_any())
 }
 
 fn error_policy(obj: Arc<DeserializeGuard<StreamConsumerGroup>>, error: &Error, ctx: Arc<Context>) -> Action {

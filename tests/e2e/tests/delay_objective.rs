@@ -186,9 +186,9 @@ async fn a_tenfold_ramp_is_brought_back_under_the_delay_objective_and_replicas_c
             "what": "A 10× arrival ramp through a pipeline scaled on a delay objective (e2e `delay_objective`): the delay measured from Redis every second, and the replicas",
             "settings": {"delayObjectiveSeconds": OBJECTIVE_S, "maxReplicas": MAX_REPLICAS, "handler": "200 ms, 2 at once per pod", "batchSize": 10, "pollIntervalSeconds": 2, "scaleDownStabilizationSeconds": 20, "curve": CURVE.iter().map(|(s, r)| format!("{r}/s for {s}s")).collect::<Vec<_>>()},
             "columns": ["orders", "delay under the objective (share of seconds)", "peak delay (s)", "back under for good, after the ramp began (s)", "most replicas", "replicas at the end", "redelivered (scale-down)", "repeats absorbed"],
-            "rows": [[sent, format!("{:.0}%", under * 100.0), format!("{peak:.1}"), format!("{back_under:.0}"), most, end, redelivered, repeats]],
+            "rows": [[sent, format!("{:.0}%", under * 100.0), format!("{peak:.1}"), last_over.map_or_else(|| "never over".to_string(), |_| format!("{back_under:.0}")), most, end, redelivered, repeats]],
             "series": {"columns": ["s", "delay (s, from Redis)", "delay in status (s)", "replicas desired", "replicas available"], "rows": series},
-            "summary": format!("Delay under the {OBJECTIVE_S} s objective {:.0}% of the time through a {}→{}/s ramp; back under {back_under:.0} s after it began; {most} replicas at most, {end} at the end.", under * 100.0, CURVE[0].1, CURVE[1].1),
+            "summary": format!("Delay under the {OBJECTIVE_S} s objective {:.0}% of the time through a {}→{}/s ramp; {}; {most} replicas at most, {end} at the end.", under * 100.0, CURVE[0].1, CURVE[1].1, last_over.map_or_else(|| "never over it".to_string(), |_| format!("back under {back_under:.0} s after it began"))),
         }),
     )?;
     Ok(())
