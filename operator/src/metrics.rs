@@ -3,14 +3,17 @@
 //! figures, limits and replicas; per controller the reconciles, their
 //! duration, and errors by reason.
 
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::DescriptorEncoder;
 use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use std::collections::HashMap;
-use std::sync::Mutex;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use streamfleet_crd::{Health, StreamConsumerGroup, StreamConsumerGroupStatus};
 
@@ -76,15 +79,8 @@ pub struct WriteLabels {
 pub struct Metrics {
     registry: Registry,
     writes: Family<WriteLabels, Counter>,
-    gauges: Vec<(&'static str, Family<ResourceLabels, Gauge>)>,
-    rates: Vec<(&'static str, Family<ResourceLabels, RateGauge>)>,
-    /// The exact delay of each resource's last inspection (not in the
-    /// status, which keeps a time that does not change every poll).
-    delay: Family<ResourceLabels, RateGauge>,
-    health: Family<HealthLabels, Gauge>,
-    /// The labels each resource's series were written with, to drop them
-    /// when it goes (its spec is gone by then).
-    labelled: Mutex<HashMap<(String, String), ResourceLabels>>,
+    /// Every resource's figures, rendered at scrape time.
+    resources: Arc<ResourceSeries>,
     reconciles: Counter,
     errors: Family<ErrorLabels, Counter>,
     /// The error series each resource has, to drop them when it goes.
@@ -151,8 +147,6 @@ const GAUGES: [(&str, &str, Reader); 17] = [
     ),
 ];
 
-/// A gauge of fractional values (entries per second).
-type RateGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
 type RateReader = fn(&StreamConsumerGroupStatus) -> Option<f64>;
 const RATES: [(&str, &str, RateReader); 2] = [
     (
@@ -176,29 +170,116 @@ fn resource_labels(scg: &StreamConsumerGroup) -> ResourceLabels {
     }
 }
 
+/// One resource's figures. Kept as numbers beside one label set and
+/// rendered at scrape time: a series object (with its own copy of the four
+/// labels) per figure and resource made the metrics the largest part of
+/// the operator's memory in a fleet of thousands.
+#[derive(Debug)]
+struct Figures {
+    labels: ResourceLabels,
+    gauges: [Option<i64>; GAUGES.len()],
+    rates: [Option<f64>; RATES.len()],
+    /// The exact delay of the last inspection (not in the status, which
+    /// keeps a time that does not change every poll).
+    delay: Option<f64>,
+    /// The health classification, once a status was observed (`Some(None)`:
+    /// observed, unclassified: every health series 0).
+    health: Option<Option<Health>>,
+}
+
+/// Every resource's figures, by (namespace, name). Rendered after the
+/// registry's own metrics, with help texts ending as theirs do.
+#[derive(Debug, Default)]
+struct ResourceSeries(Mutex<BTreeMap<(String, String), Figures>>);
+
+const DELAY: (&str, &str) = (
+    "streamfleet_delay_seconds",
+    "Age of the oldest unfinished entry (pending or undelivered) against Redis TIME, at the last poll (absent when unknown)",
+);
+const HEALTH: (&str, &str) = ("streamfleet_health", "1 for the resource's current health classification");
+
+impl ResourceSeries {
+    /// Changes `scg`'s figures (labelled as its spec is now).
+    fn update(&self, scg: &StreamConsumerGroup, change: impl FnOnce(&mut Figures)) {
+        let labels = resource_labels(scg);
+        let Ok(mut all) = self.0.lock() else { return };
+        let figures = all.entry((labels.namespace.clone(), labels.name.clone())).or_insert_with(|| Figures {
+            labels: labels.clone(),
+            gauges: [None; GAUGES.len()],
+            rates: [None; RATES.len()],
+            delay: None,
+            health: None,
+        });
+        figures.labels = labels;
+        change(figures);
+    }
+}
+
+/// A gauge's value as the registry's families render it: integers as
+/// integers, rates and seconds as floats.
+#[derive(Clone, Copy)]
+enum Value {
+    Integer(i64),
+    Float(f64),
+}
+
+/// One gauge of every resource that has it; a figure no resource has
+/// renders nothing (as a registry's family).
+fn encode_gauge(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    series: &[(&ResourceLabels, Value)],
+) -> std::fmt::Result {
+    if series.is_empty() {
+        return Ok(());
+    }
+    let mut metric = encoder.encode_descriptor(name, &format!("{help}."), None, MetricType::Gauge)?;
+    for (labels, value) in series {
+        let mut family = metric.encode_family(*labels)?;
+        match value {
+            Value::Integer(v) => family.encode_gauge(v)?,
+            Value::Float(v) => family.encode_gauge(v)?,
+        }
+    }
+    Ok(())
+}
+
+impl Collector for ResourceSeries {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let Ok(all) = self.0.lock() else { return Ok(()) };
+        for (i, (name, help, _)) in GAUGES.iter().enumerate() {
+            let series: Vec<_> =
+                all.values().filter_map(|f| f.gauges[i].map(|v| (&f.labels, Value::Integer(v)))).collect();
+            encode_gauge(&mut encoder, name, help, &series)?;
+        }
+        for (i, (name, help, _)) in RATES.iter().enumerate() {
+            let series: Vec<_> =
+                all.values().filter_map(|f| f.rates[i].map(|v| (&f.labels, Value::Float(v)))).collect();
+            encode_gauge(&mut encoder, name, help, &series)?;
+        }
+        let series: Vec<_> = all.values().filter_map(|f| f.delay.map(|v| (&f.labels, Value::Float(v)))).collect();
+        encode_gauge(&mut encoder, DELAY.0, DELAY.1, &series)?;
+        let observed: Vec<&Figures> = all.values().filter(|f| f.health.is_some()).collect();
+        if !observed.is_empty() {
+            let mut metric = encoder.encode_descriptor(HEALTH.0, &format!("{}.", HEALTH.1), None, MetricType::Gauge)?;
+            for f in observed {
+                let current = f.health.flatten();
+                for h in HEALTHS {
+                    let labels = f.labels.with_health(h);
+                    metric.encode_family(&labels)?.encode_gauge(&i64::from(current == Some(h)))?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         let mut registry = Registry::default();
-        let mut gauges = Vec::new();
-        for (name, help, _) in GAUGES {
-            let family = Family::<ResourceLabels, Gauge>::default();
-            registry.register(name, help, family.clone());
-            gauges.push((name, family));
-        }
-        let mut rates = Vec::new();
-        for (name, help, _) in RATES {
-            let family = Family::<ResourceLabels, RateGauge>::default();
-            registry.register(name, help, family.clone());
-            rates.push((name, family));
-        }
-        let delay = Family::<ResourceLabels, RateGauge>::default();
-        registry.register(
-            "streamfleet_delay_seconds",
-            "Age of the oldest unfinished entry (pending or undelivered) against Redis TIME, at the last poll (absent when unknown)",
-            delay.clone(),
-        );
-        let health = Family::<HealthLabels, Gauge>::default();
-        registry.register("streamfleet_health", "1 for the resource's current health classification", health.clone());
+        let resources = Arc::new(ResourceSeries::default());
+        registry.register_collector(Box::new(resources.clone()));
         let reconciles = Counter::default();
         registry.register("streamfleet_reconciles", "Reconciles run", reconciles.clone());
         let errors = Family::<ErrorLabels, Counter>::default();
@@ -212,20 +293,7 @@ impl Default for Metrics {
         let build = Family::<BuildLabels, Gauge>::default();
         build.get_or_create(&BuildLabels { version: env!("CARGO_PKG_VERSION").into() }).set(1);
         registry.register("streamfleet_build_info", "1, labelled with the operator's version", build);
-        Self {
-            registry,
-            writes,
-            gauges,
-            rates,
-            delay,
-            health,
-            labelled: Mutex::default(),
-            reconciles,
-            errors,
-            errored: Mutex::default(),
-            duration,
-            leader,
-        }
+        Self { registry, writes, resources, reconciles, errors, errored: Mutex::default(), duration, leader }
     }
 }
 
@@ -256,47 +324,17 @@ impl Metrics {
     /// Sets the resource's gauges from its status; a figure the status lacks
     /// (an unknown lag, say) is removed rather than reported as zero.
     pub fn observe(&self, scg: &StreamConsumerGroup, status: &StreamConsumerGroupStatus) {
-        let labels = resource_labels(scg);
-        for ((_, family), (_, _, read)) in self.gauges.iter().zip(GAUGES) {
-            match read(scg, status) {
-                Some(v) => {
-                    family.get_or_create(&labels).set(v);
-                }
-                None => {
-                    family.remove(&labels);
-                }
-            }
-        }
-        for ((_, family), (_, _, read)) in self.rates.iter().zip(RATES) {
-            match read(status) {
-                Some(v) => {
-                    family.get_or_create(&labels).set(v);
-                }
-                None => {
-                    family.remove(&labels);
-                }
-            }
-        }
-        for h in HEALTHS {
-            self.health.get_or_create(&labels.with_health(h)).set(i64::from(status.health == Some(h)));
-        }
-        if let Ok(mut labelled) = self.labelled.lock() {
-            labelled.insert((labels.namespace.clone(), labels.name.clone()), labels);
-        }
+        self.resources.update(scg, |figures| {
+            figures.gauges = GAUGES.map(|(_, _, read)| read(scg, status));
+            figures.rates = RATES.map(|(_, _, read)| read(status));
+            figures.health = Some(status.health);
+        });
     }
 
     /// Sets the resource's delay from this poll's inspection (`None`:
     /// unknown, removed).
     pub fn observe_delay(&self, scg: &StreamConsumerGroup, delay: Option<Duration>) {
-        let labels = resource_labels(scg);
-        match delay {
-            Some(d) => {
-                self.delay.get_or_create(&labels).set(d.as_secs_f64());
-            }
-            None => {
-                self.delay.remove(&labels);
-            }
-        }
+        self.resources.update(scg, |figures| figures.delay = delay.map(|d| d.as_secs_f64()));
     }
 
     /// Drops a deleted resource's series.
@@ -310,17 +348,8 @@ impl Metrics {
                 !theirs
             });
         }
-        let labels = self.labelled.lock().ok().and_then(|mut l| l.remove(&(namespace.into(), name.into())));
-        let Some(labels) = labels else { return };
-        for (_, family) in &self.gauges {
-            family.remove(&labels);
-        }
-        for (_, family) in &self.rates {
-            family.remove(&labels);
-        }
-        self.delay.remove(&labels);
-        for h in HEALTHS {
-            self.health.remove(&labels.with_health(h));
+        if let Ok(mut resources) = self.resources.0.lock() {
+            resources.remove(&(namespace.to_string(), name.to_string()));
         }
     }
 
@@ -410,13 +439,15 @@ mod tests {
         assert!(m.render().contains(&format!("streamfleet_recovery_failing{{{labels}}} 1")), "{}", m.render());
         m.forget("shop", "orders");
         assert!(!m.render().contains(r#"name="orders""#), "{}", m.render());
+        assert!(!m.render().contains("streamfleet_group_lag"), "a figure no resource has renders nothing");
     }
 
     /// `docs/metrics.md` lists every family the operator serves, with its
     /// help text: the table is this render's, so it cannot drift.
     #[test]
     fn the_metrics_document_lists_every_family() {
-        // Every family with a series: a family without one renders nothing.
+        // Every family with a series: a family without one renders nothing
+        // (a registry's, and the per-resource figures alike).
         let m = Metrics::default();
         let scg: StreamConsumerGroup = serde_json::from_value(serde_json::json!({
             "metadata": {"name": "orders", "namespace": "shop"},

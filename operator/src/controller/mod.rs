@@ -111,10 +111,11 @@ struct ResourceMemory {
     /// Per field manager: fingerprint of the object last applied, and the
     /// uid/generation the API server gave it.
     applied: HashMap<&'static str, (u64, String)>,
-    /// The status last written, and the resource version the resource had
-    /// in the cache when it was: while the cache still shows that version,
-    /// it has not seen the write yet.
-    status: Option<(String, streamfleet_crd::StreamConsumerGroupStatus)>,
+    /// A digest of the status last written, and the resource version the
+    /// resource had in the cache when it was: while the cache still shows
+    /// that version, it has not seen the write yet. (A digest: a copy of
+    /// every status was a large part of the memory of a big fleet.)
+    status: Option<(String, u64)>,
 }
 
 impl Context {
@@ -219,17 +220,17 @@ impl Context {
         memory
             .get(key)
             .and_then(|m| m.status.as_ref())
-            .is_some_and(|(version, written)| version == cached_version && written == status)
+            .is_some_and(|(version, written)| version == cached_version && *written == status_digest(status))
     }
 
     pub(crate) fn remember_status(
         &self,
         key: &str,
         cached_version: String,
-        status: streamfleet_crd::StreamConsumerGroupStatus,
+        status: &streamfleet_crd::StreamConsumerGroupStatus,
     ) {
         if let Ok(mut memory) = self.memory.lock() {
-            memory.entry(key.to_string()).or_default().status = Some((cached_version, status));
+            memory.entry(key.to_string()).or_default().status = Some((cached_version, status_digest(status)));
         }
     }
 
@@ -411,11 +412,22 @@ pub async fn run(
         .await;
 }
 
+/// A digest of a status, to tell one just written from another.
+fn status_digest(status: &streamfleet_crd::StreamConsumerGroupStatus) -> u64 {
+    use std::hash::{Hash as _, Hasher as _};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    serde_json::to_vec(status).unwrap_or_default().hash(&mut hasher);
+    hasher.finish()
+}
+
 /// What of a resource a change to which is acted on at once: its spec
 /// (the generation), labels, annotations (the payload-loss
 /// acknowledgement), finalizers and deletion. Not its status.
 fn wakes_a_reconcile(object: &DeserializeGuard<StreamConsumerGroup>) -> Option<u64> {
     use std::hash::{Hash as _, Hasher as _};
+    // One that does not parse always wakes one: whatever change fixes it
+    // (its status included) is looked at.
+    object.0.as_ref().ok()?;
     let meta = object.meta();
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     (&meta.uid, meta.generation, &meta.labels, &meta.annotations, &meta.finalizers, meta.deletion_timestamp.is_some())

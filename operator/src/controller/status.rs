@@ -338,7 +338,7 @@ pub async fn write(ctx: &Context, scg: &StreamConsumerGroup, status: StreamConsu
     });
     api.patch_status(&scg.name_any(), &PatchParams::apply(MANAGER_STATUS).force(), &Patch::Apply(&patch)).await?;
     ctx.metrics.api_write(MANAGER_STATUS);
-    ctx.remember_status(&key, cached_version, status);
+    ctx.remember_status(&key, cached_version, &status);
     Ok(())
 }
 

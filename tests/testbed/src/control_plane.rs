@@ -218,6 +218,12 @@ fn start_controller_manager(logs: &Path, pki: &Pki, kubeconfig: &Path) -> Result
         // React quickly: tests wait on rollouts and job completions.
         "--concurrent-deployment-syncs=10".into(),
         "--concurrent-replicaset-syncs=10".into(),
+        // Its client's default 20 requests/s took minutes to report 500
+        // new worker Deployments available in bench-fleet, which then
+        // measured the controller-manager, not the operator. A cluster's
+        // own setting; tests on a few objects never reach either limit.
+        "--kube-api-qps=200".into(),
+        "--kube-api-burst=400".into(),
         "--v=1".into(),
     ];
     Daemon::spawn("kube-controller-manager", &bin, &args, logs)

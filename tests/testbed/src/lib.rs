@@ -76,8 +76,10 @@ impl TestBed {
             let handle = runtime.handle().clone();
             runtime.block_on(async move {
                 let started = async {
-                    // Beds running at once take addresses of their own.
-                    let slot = kubelet::Slot::claim(&runs_dir())?;
+                    // Beds running at once take addresses of their own;
+                    // addresses are the machine's, so the slots are too (two
+                    // clones' beds on one machine must not share them).
+                    let slot = kubelet::Slot::claim(Path::new(kubelet::SLOTS_DIR))?;
                     let plane = ControlPlane::start(&thread_dir, slot).await?;
                     let kubelet = kubelet_for(&plane, &thread_dir, slot).await?;
                     anyhow::Ok((plane, kubelet))

@@ -51,7 +51,7 @@ mod services;
 
 pub use env::field_value;
 pub use images::{ImageMap, Resolved, image_repository};
-pub use network::Slot;
+pub use network::{SLOTS_DIR, Slot};
 
 use anyhow::{Context as _, Result};
 use futures::{StreamExt as _, TryStreamExt as _};

@@ -13,6 +13,10 @@ pub(super) const HOST_IP: &str = "127.0.0.1";
 /// How many test beds may run at once on one machine.
 pub const SLOTS: u8 = 60;
 
+/// Where the slots are claimed: one place per machine (not `$TMPDIR`, which
+/// differs between shells), as the addresses are the machine's.
+pub const SLOTS_DIR: &str = "/tmp/streamfleet-testbed-slots";
+
 /// One test bed's addresses: its pods in 127.(1 + slot).0.0/16, its
 /// Services in 127.(128 + slot).0.0/16.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -23,13 +27,21 @@ impl Slot {
     /// `slot-<n>` in `dir`, held as long as this process lives (the kernel
     /// drops it when the process dies, however it dies).
     pub fn claim(dir: &Path) -> Result<Slot> {
+        use std::os::unix::fs::PermissionsExt as _;
         std::fs::create_dir_all(dir)?;
+        // Every user's test beds share the machine's addresses, so the slots.
+        let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o1777));
         for n in 0..SLOTS {
-            let file = std::fs::OpenOptions::new()
-                .create(true)
-                .truncate(false)
-                .write(true)
-                .open(dir.join(format!("slot-{n}")))?;
+            let path = dir.join(format!("slot-{n}"));
+            let file = match std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path) {
+                Ok(file) => {
+                    let _ = file.set_permissions(std::fs::Permissions::from_mode(0o666));
+                    file
+                }
+                // Another user's slot file: a lock needs no write access.
+                Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => std::fs::File::open(&path)?,
+                Err(e) => return Err(e.into()),
+            };
             match file.try_lock() {
                 Ok(()) => {
                     // Held until the process ends.
