@@ -16,7 +16,7 @@
 use anyhow::Result;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
-use streamfleet_bench::{Runs, Trivial, fill, own_cpu, redis_version};
+use streamfleet_bench::{Runs, Trivial, fill, own_cpu, redis_cpu, redis_version};
 use streamfleet_contract as env;
 use streamfleet_streams::ensure_group;
 use streamfleet_testbed::RedisServer;
@@ -118,11 +118,22 @@ struct Row {
     redis_us: BTreeMap<String, u64>,
     /// The consumer's own CPU over all runs, s (in-process rows only).
     client_cpu: Option<f64>,
+    /// Redis's CPU over all runs, s (`INFO cpu`; not for the Go peer,
+    /// which fills its own stream).
+    redis_cpu: Option<f64>,
 }
 
 impl Row {
     fn new(name: &'static str, batch: &str, acks: &'static str) -> Self {
-        Self { name, batch: batch.into(), acks, runs: Runs::default(), redis_us: BTreeMap::new(), client_cpu: None }
+        Self {
+            name,
+            batch: batch.into(),
+            acks,
+            runs: Runs::default(),
+            redis_us: BTreeMap::new(),
+            client_cpu: None,
+            redis_cpu: None,
+        }
     }
 
     /// Where the time per 1,000 entries went: Redis by command, then the consumer's CPU.
@@ -135,6 +146,12 @@ impl Row {
             parts.push(format!("consumer CPU {:.0}", cpu * 1e6 * 1000.0 / entries as f64));
         }
         parts.join(", ")
+    }
+
+    /// The most entries per second Redis's own CPU per entry allows (were
+    /// the consumer free and every round trip overlapped).
+    fn redis_bound(&self, entries: usize) -> Option<f64> {
+        self.redis_cpu.filter(|cpu| *cpu > 0.0).map(|cpu| entries as f64 / cpu)
     }
 }
 
@@ -169,8 +186,12 @@ async fn main() -> Result<()> {
                 ensure_group(&mut conn, &stream, "g", "0").await?;
                 fill(&mut conn, &stream, n).await?;
             }
-            let (before, calls_before, cpu_before) =
-                (command_micros(&mut conn).await?, command_calls(&mut conn).await?, own_cpu());
+            let (before, calls_before, cpu_before, redis_before) = (
+                command_micros(&mut conn).await?,
+                command_calls(&mut conn).await?,
+                own_cpu(),
+                redis_cpu(&mut conn).await?,
+            );
             let took = match i {
                 0 => raw_loop(&mut conn, &stream, n, BATCH).await?,
                 1 => library(&server, &stream, n, false).await?,
@@ -183,6 +204,7 @@ async fn main() -> Result<()> {
             };
             if i != 4 {
                 *row.client_cpu.get_or_insert(0.0) += own_cpu() - cpu_before;
+                *row.redis_cpu.get_or_insert(0.0) += redis_cpu(&mut conn).await? - redis_before;
             }
             row.runs.push(n as f64 / took.as_secs_f64());
             let spent = calls_between(&before, &command_micros(&mut conn).await?);
@@ -215,11 +237,14 @@ async fn main() -> Result<()> {
     }
     let ceiling = rows[0].runs.median();
     let share = |row: &Row| 100.0 * row.runs.median() / ceiling;
+    let bound = |row: &Row| row.redis_bound(n * RUNS).map_or(f64::NAN, |b| 100.0 * b / ceiling);
     let summary = format!(
-        "Of the ceiling (median): guard off {:.0}% (target ≥ 80%), guard on {:.0}% (target ≥ 50%); naive loop {:.1}%",
+        "Of the ceiling (median): guard off {:.0}% (target ≥ 80%), guard on {:.0}% (target ≥ 50%); naive loop {:.1}%. Redis's own CPU per entry alone would cap guard off at {:.0}% and guard on at {:.0}% of the ceiling",
         share(&rows[1]),
         share(&rows[2]),
-        share(&rows[3])
+        share(&rows[3]),
+        bound(&rows[1]),
+        bound(&rows[2])
     );
     println!("{summary}");
     let table: Vec<serde_json::Value> = rows
@@ -233,6 +258,8 @@ async fn main() -> Result<()> {
                 format!("{:.0}", row.runs.median()),
                 format!("{:.0}%", row.runs.spread_percent()),
                 format!("{:.0}%", share(row)),
+                row.redis_cpu.map_or("-".to_string(), |cpu| format!("{:.0}", cpu * 1e6 * 1000.0 / (n * RUNS) as f64)),
+                row.redis_bound(n * RUNS).map_or("-".to_string(), |b| format!("{:.0}%", 100.0 * b / ceiling)),
                 row.profile(n * RUNS),
             ])
         })
@@ -242,7 +269,7 @@ async fn main() -> Result<()> {
         &serde_json::json!({
             "what": "One consumer's throughput with a trivial handler against the ceiling (a library-free loop at the same batch size), same server, same entries, rows interleaved",
             "settings": {"entries per run": n, "runs": RUNS, "handler": "returns Done", "concurrency": std::env::var("BENCH_CONCURRENCY").unwrap_or_else(|_| "library default (10)".into()), "redis": redis_version(&mut conn).await?, "connection": "loopback"},
-            "columns": ["consumer", "batch", "acks", "entries/s (runs, sorted)", "median", "spread", "of the ceiling", "where the time goes: µs per 1,000 entries (Redis by command; a script includes the commands it calls)"],
+            "columns": ["consumer", "batch", "acks", "entries/s (runs, sorted)", "median", "spread", "of the ceiling", "Redis CPU per 1,000 entries (µs)", "the most Redis's CPU allows (share of the ceiling)", "where the time goes: µs per 1,000 entries (Redis by command; a script includes the commands it calls)"],
             "rows": table,
             "summary": summary,
         }),
