@@ -44,16 +44,18 @@ allow_dirty = os.environ.get("STREAMFLEET_FIGURES_DIRTY") == "1"
 # The code each figure measures (git pathspecs): its source, not its tests
 # (a test changed is no code measured changed). The test command's own
 # timings measure everything but the docs.
-BENCH = ["tests/bench", "tests/testbed/src"]
+def bench(name):
+    """A benchmark program's own code: its binary and what every one shares."""
+    return [f"tests/bench/src/bin/bench-{name}.rs", "tests/bench/src/lib.rs", "tests/bench/Cargo.toml", "tests/testbed/src"]
 CODE = ["worker/src", "streams/src", "operator/src", "crd/src", "contract", "process", "charts", "tools/images"]
 SOURCES = {
-    "worker": ["worker/src", "streams/src"] + BENCH,
-    "concurrency": ["worker/src", "streams/src"] + BENCH,
-    "shards": ["worker/src", "streams/src"] + BENCH,
-    "retry": ["worker/src", "streams/src"] + BENCH,
-    "sweep": ["streams/src"] + BENCH,
-    "health": ["streams/src"] + BENCH,
-    "fleet": ["operator/src", "streams/src", "crd/src", "charts"] + BENCH,
+    "worker": ["worker/src", "streams/src", "tests/bench/watermill"] + bench("worker"),
+    "concurrency": ["worker/src", "streams/src"] + bench("concurrency"),
+    "shards": ["worker/src", "streams/src"] + bench("shards"),
+    "retry": ["worker/src", "streams/src"] + bench("retry"),
+    "sweep": ["streams/src"] + bench("sweep"),
+    "health": ["streams/src"] + bench("health"),
+    "fleet": ["operator/src", "streams/src", "crd/src", "charts"] + bench("fleet"),
     "drill": CODE + ["tests/e2e", "tests/testbed/src"],
     "drill-noguard": CODE + ["tests/e2e", "tests/testbed/src"],
     "drill-100000": CODE + ["tests/e2e", "tests/testbed/src"],
