@@ -60,6 +60,7 @@ SOURCES = {
     "drill-noguard": CODE + ["tests/e2e", "tests/testbed/src"],
     "drill-100000": CODE + ["tests/e2e", "tests/testbed/src"],
     "reclaim": CODE + ["tests/e2e", "tests/testbed/src"],
+    "poll-cost": CODE + ["tests/e2e", "tests/testbed/src"],
     "retries": CODE + ["tests/e2e", "tests/testbed/src"],
     "delay-objective": CODE + ["tests/e2e", "tests/testbed/src"],
 }
