@@ -104,6 +104,13 @@ struct RunArgs {
     /// This replica's identity (the pod name).
     #[arg(long, env = "STREAMFLEET_POD_NAME")]
     identity: Option<String>,
+    /// At most this many resources reconciled at once; the others wait
+    /// their turn in the queue. Each reconcile in flight holds its state
+    /// and its own connection to the API server: unbounded, a fleet created
+    /// at once means thousands of both. A resource whose Redis does not
+    /// answer holds its place until the connect timeout (15 s at most).
+    #[arg(long, env = "STREAMFLEET_MAX_CONCURRENT_RECONCILES", default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..))]
+    max_concurrent_reconciles: u16,
 }
 
 #[tokio::main]
@@ -208,6 +215,7 @@ async fn run(args: RunArgs) -> Result<()> {
     };
     let controller = controller::run(
         client,
+        args.max_concurrent_reconciles,
         settings,
         metrics,
         Some(identity.clone()),

@@ -319,6 +319,7 @@ impl Context {
 /// Runs the controller until `shutdown` resolves.
 pub async fn run(
     client: Client,
+    concurrency: u16,
     settings: ObjectSettings,
     metrics: Arc<Metrics>,
     instance: Option<String>,
@@ -366,7 +367,8 @@ pub async fn run(
     // The operator's own status writes (and anyone's) wake no reconcile:
     // the poll reads the status anyway. What a user changes does.
     .predicate_filter(wakes_a_reconcile, Default::default());
-    let controller = Controller::for_stream(resource_events, resources.clone());
+    let controller = Controller::for_stream(resource_events, resources.clone())
+        .with_config(kube::runtime::controller::Config::default().concurrency(concurrency));
     let stores = Stores {
         deployments,
         cronjobs,
