@@ -105,10 +105,12 @@ struct RunArgs {
     #[arg(long, env = "STREAMFLEET_POD_NAME")]
     identity: Option<String>,
     /// At most this many resources reconciled at once; the others wait
-    /// their turn in the queue. Each reconcile in flight holds its state
-    /// and its own connection to the API server: unbounded, a fleet created
-    /// at once means thousands of both. A resource whose Redis does not
-    /// answer holds its place until the connect timeout (15 s at most).
+    /// (in no set order). Unbounded, a fleet created at once means
+    /// thousands of reconciles in flight, each holding its state and, while
+    /// it writes, a connection to the API server. A resource whose Redis
+    /// does not answer holds its place until the connect or its commands
+    /// time out (seconds each): many resources on one unreachable Redis
+    /// slow everyone's polls; raise this then.
     #[arg(long, env = "STREAMFLEET_MAX_CONCURRENT_RECONCILES", default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..))]
     max_concurrent_reconciles: u16,
 }

@@ -190,6 +190,7 @@ async fn the_chart_renders_what_a_production_install_sets() -> Result<()> {
             "metrics.workerPodMonitor.enabled=true",
             "metrics.workerPodMonitor.labels.release=prom",
             "watchNamespace=shop",
+            "maxConcurrentReconciles=8",
         ],
     )
     .await?;
@@ -204,6 +205,8 @@ async fn the_chart_renders_what_a_production_install_sets() -> Result<()> {
     // Listening on every address by default, so `kubectl port-forward` reaches /metrics.
     let health = env.iter().find(|e| e["name"] == "STREAMFLEET_HEALTH_ADDR").unwrap();
     assert_eq!(health["value"], "0.0.0.0:8080");
+    let bound = env.iter().find(|e| e["name"] == "STREAMFLEET_MAX_CONCURRENT_RECONCILES").unwrap();
+    assert_eq!(bound["value"], "8");
     // The NetworkPolicy: the operator's pods take /metrics and probes from
     // the namespaces named, and nothing else.
     let policy = operator_object(&docs, "NetworkPolicy");
@@ -318,6 +321,25 @@ async fn the_chart_renders_what_a_production_install_sets() -> Result<()> {
     .await?;
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("needs metrics.service.enabled"));
+
+    // No reconcile at all is refused by the schema, named.
+    let refused = run_tool(
+        bed,
+        "helm",
+        &[
+            "template",
+            "t",
+            &repo_path("charts/streamfleet").display().to_string(),
+            "--kube-version",
+            "1.35.0",
+            "--set",
+            "maxConcurrentReconciles=0",
+        ],
+        None,
+    )
+    .await?;
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && said.contains("maxConcurrentReconciles"), "{said}");
 
     // A misspelt alert name is refused, named, instead of tuning nothing.
     let chart = repo_path("charts/streamfleet").display().to_string();

@@ -185,10 +185,19 @@ async fn all_ready(client: &Client, total: usize, started: Instant) -> Result<f6
     let mut changes = watcher(scgs, watcher::Config::default()).default_backoff().applied_objects().boxed();
     let deadline = started + Duration::from_secs(1800);
     while ready.len() < total {
-        let scg = tokio::time::timeout_at(deadline.into(), changes.next())
+        let change = tokio::time::timeout_at(deadline.into(), changes.next())
             .await
             .map_err(|_| anyhow::anyhow!("{} of {total} GroupReady after 30 minutes", ready.len()))?
-            .context("the watch ended")??;
+            .context("the watch ended")?;
+        // The watcher relists after an error (its backoff): every object
+        // comes again, so nothing is missed.
+        let scg = match change {
+            Ok(scg) => scg,
+            Err(e) => {
+                eprintln!("watching the fleet: {e} (the watcher starts again)");
+                continue;
+            }
+        };
         let name = scg.metadata.name.clone().unwrap_or_default();
         let is_ready = scg
             .status
