@@ -107,10 +107,12 @@ struct RunArgs {
     /// At most this many resources reconciled at once; the others wait
     /// (in no set order). Unbounded, a fleet created at once means
     /// thousands of reconciles in flight, each holding its state and, while
-    /// it writes, a connection to the API server. A resource whose Redis
-    /// does not answer holds its place until the connect or its commands
-    /// time out (seconds each): many resources on one unreachable Redis
-    /// slow everyone's polls; raise this then.
+    /// it writes, a connection to the API server. An unreachable Redis is
+    /// connected to once at a time, and its failure is every other
+    /// resource's answer for 5 s; but once connected, a Redis that stops
+    /// answering holds each of its resources' places until their commands
+    /// time out (10 s): many resources on one Redis gone silent slow
+    /// everyone's polls; raise this then.
     #[arg(long, env = "STREAMFLEET_MAX_CONCURRENT_RECONCILES", default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..))]
     max_concurrent_reconciles: u16,
 }

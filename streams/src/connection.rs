@@ -437,6 +437,8 @@ impl ConnectionLike for StreamConnection {
 #[derive(Clone, Default)]
 pub struct Connections {
     by_endpoint: Arc<Mutex<HashMap<Endpoint, Shared>>>,
+    /// Connects under way or failed, per endpoint not yet connected.
+    attempts: Arc<std::sync::Mutex<HashMap<Endpoint, Arc<Attempt>>>>,
 }
 
 #[derive(Clone)]
@@ -452,6 +454,47 @@ struct Shared {
 /// `CONFIG SET` shows within this.
 pub const SAFETY_CHECK_EVERY: Duration = Duration::from_secs(60);
 
+/// How long a connect that failed as unreachable is the answer for its
+/// endpoint before one caller tries again: half the default poll. Every resource that names a
+/// dead endpoint would otherwise hold one of the operator's bounded
+/// reconciles for a whole connect timeout, every poll, and starve the
+/// resources whose Redis answers.
+pub const CONNECT_FAILURE_REMEMBERED: Duration = Duration::from_secs(5);
+
+/// The connects to one endpoint: one at a time, and the last failure.
+#[derive(Default)]
+struct Attempt {
+    /// Held by the caller connecting.
+    connecting: Mutex<()>,
+    failed: std::sync::Mutex<Option<Failure>>,
+}
+
+struct Failure {
+    at: std::time::Instant,
+    class: crate::error::ErrorClass,
+    action: &'static str,
+    message: String,
+}
+
+impl Attempt {
+    /// The last failure, if younger than `within`.
+    fn failure(&self, within: Duration) -> Option<StreamError> {
+        let failed = self.failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let f = failed.as_ref().filter(|f| f.at.elapsed() < within)?;
+        Some(StreamError::remembered(f.class, f.action, &f.message, f.at.elapsed()))
+    }
+
+    fn remember(&self, e: &StreamError) {
+        let failure = Failure {
+            at: std::time::Instant::now(),
+            class: e.class,
+            action: e.action,
+            message: crate::error::redact(&e.source.to_string()),
+        };
+        *self.failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(failure);
+    }
+}
+
 impl Connections {
     /// The shared connection for `endpoint`, connecting on first use.
     pub async fn get(&self, endpoint: &Endpoint) -> Result<StreamConnection, StreamError> {
@@ -461,58 +504,109 @@ impl Connections {
     /// The shared connection for `endpoint` and the server's eviction and
     /// persistence settings, read at most every [`SAFETY_CHECK_EVERY`]
     /// (unknown when they could not be read: never an error for the caller).
+    /// One caller at a time connects to an endpoint; a connect that failed
+    /// as unreachable is every caller's answer for
+    /// [`CONNECT_FAILURE_REMEMBERED`], and while one caller tries again
+    /// after it, the others get it at once.
     pub async fn get_checked(
         &self,
         endpoint: &Endpoint,
     ) -> Result<(StreamConnection, crate::version::Safety), StreamError> {
-        let cached = {
+        loop {
+            let cached = {
+                let mut map = self.by_endpoint.lock().await;
+                match map.get_mut(endpoint) {
+                    Some(shared) if shared.checked.elapsed() < SAFETY_CHECK_EVERY => {
+                        return Ok((shared.conn.clone(), shared.safety.clone()));
+                    }
+                    // Due: this caller reads it again; the others meanwhile use
+                    // what is known (one INFO per endpoint, not one per caller).
+                    Some(shared) => {
+                        shared.checked = std::time::Instant::now();
+                        Some(shared.clone())
+                    }
+                    None => None,
+                }
+            };
+            let Some(mut shared) = cached else {
+                // Connected here or by another caller meanwhile: taken from the map.
+                self.connect_once(endpoint).await?;
+                continue;
+            };
+            // A failed read keeps what was known: a setting, not a figure, and
+            // it does not change because one read failed.
+            if let Ok(read) = crate::version::server_safety(&mut shared.conn).await {
+                shared.safety = read;
+            }
             let mut map = self.by_endpoint.lock().await;
-            match map.get_mut(endpoint) {
-                Some(shared) if shared.checked.elapsed() < SAFETY_CHECK_EVERY => {
-                    return Ok((shared.conn.clone(), shared.safety.clone()));
+            if let Some(entry) = map.get_mut(endpoint) {
+                entry.safety = shared.safety.clone();
+            }
+            return Ok((shared.conn, shared.safety));
+        }
+    }
+
+    /// Connects to `endpoint` and puts the connection in the map, unless
+    /// another caller is connecting: then this one waits for it the first
+    /// time, and after a failure gets that failure at once.
+    async fn connect_once(&self, endpoint: &Endpoint) -> Result<(), StreamError> {
+        let attempt = {
+            let mut attempts = self.attempts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            Arc::clone(attempts.entry(endpoint.clone()).or_default())
+        };
+        if let Some(recent) = attempt.failure(CONNECT_FAILURE_REMEMBERED) {
+            return Err(recent);
+        }
+        let _connecting = match attempt.connecting.try_lock() {
+            Ok(connecting) => connecting,
+            Err(_) => {
+                // Being tried again after a failure: that failure is the answer.
+                if let Some(last) = attempt.failure(Duration::MAX) {
+                    return Err(last);
                 }
-                // Due: this caller reads it again; the others meanwhile use
-                // what is known (one INFO per endpoint, not one per caller).
-                Some(shared) => {
-                    shared.checked = std::time::Instant::now();
-                    Some(shared.clone())
+                let connecting = attempt.connecting.lock().await;
+                if let Some(recent) = attempt.failure(CONNECT_FAILURE_REMEMBERED) {
+                    return Err(recent);
                 }
-                None => None,
+                if self.by_endpoint.lock().await.contains_key(endpoint) {
+                    return Ok(());
+                }
+                connecting
             }
         };
-        let (mut conn, known) = match cached {
-            Some(shared) => (shared.conn, Some(shared.safety)),
-            None => {
-                // Connect outside the lock: one slow endpoint must not block the others.
-                let mut conn = StreamConnection::connect(endpoint).await?;
-                // Once per connection: a server too old is refused (never
-                // kept, so every poll says so again until it is upgraded).
-                if let Some(version) = crate::version::server_version(&mut conn).await?.filter(|v| !v.is_supported()) {
-                    return Err(StreamError::unsupported(version));
-                }
-                (conn, None)
+        match connect_and_check(endpoint).await {
+            Ok(shared) => {
+                self.by_endpoint.lock().await.insert(endpoint.clone(), shared);
+                self.attempts.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(endpoint);
+                Ok(())
             }
-        };
-        // A failed read keeps what was known: a setting, not a figure, and
-        // it does not change because one read failed.
-        let safety = match crate::version::server_safety(&mut conn).await {
-            Ok(read) => read,
-            Err(_) => known.unwrap_or(crate::version::Safety::UNKNOWN),
-        };
-        let mut map = self.by_endpoint.lock().await;
-        let shared = map.entry(endpoint.clone()).or_insert(Shared {
-            conn,
-            safety: safety.clone(),
-            checked: std::time::Instant::now(),
-        });
-        shared.safety = safety;
-        Ok((shared.conn.clone(), shared.safety.clone()))
+            Err(e) => {
+                // Only what is slow to fail: a refusal by a server that
+                // answers (credentials, version) is as quick to ask again.
+                if e.class == crate::error::ErrorClass::Unreachable {
+                    attempt.remember(&e);
+                }
+                Err(e)
+            }
+        }
     }
 
     /// How many endpoints have a shared connection.
     pub async fn endpoints(&self) -> usize {
         self.by_endpoint.lock().await.len()
     }
+}
+
+/// A new connection, refused when the server is too old (never kept, so
+/// every poll says so again until it is upgraded), with the server's
+/// eviction and persistence settings.
+async fn connect_and_check(endpoint: &Endpoint) -> Result<Shared, StreamError> {
+    let mut conn = StreamConnection::connect(endpoint).await?;
+    if let Some(version) = crate::version::server_version(&mut conn).await?.filter(|v| !v.is_supported()) {
+        return Err(StreamError::unsupported(version));
+    }
+    let safety = crate::version::server_safety(&mut conn).await.unwrap_or(crate::version::Safety::UNKNOWN);
+    Ok(Shared { conn, safety, checked: std::time::Instant::now() })
 }
 
 #[cfg(test)]

@@ -51,6 +51,14 @@ impl StreamError {
         Self { class: classify(&source), action, source }
     }
 
+    /// A failure met `ago` by another caller and remembered: its class and
+    /// message, and how old it is.
+    pub fn remembered(class: ErrorClass, action: &'static str, message: &str, ago: std::time::Duration) -> Self {
+        let detail = format!("{message} ({:.1} s ago; tried again shortly)", ago.as_secs_f64());
+        let source = redis::RedisError::from((redis::ErrorKind::Client, "remembered failure", detail));
+        Self { class, action, source }
+    }
+
     /// A server too old to run on (`version`, what it reported).
     pub fn unsupported(version: crate::version::Version) -> Self {
         let oldest = crate::version::Version::OLDEST_SUPPORTED;

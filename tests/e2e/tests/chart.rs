@@ -29,6 +29,19 @@ async fn rendered(bed: &TestBed, sets: &[&str]) -> Result<Vec<serde_json::Value>
     Ok(docs)
 }
 
+/// `helm template` with `sets` fails, and its error says `names`.
+async fn refused_by_template(bed: &TestBed, sets: &[&str], names: &str) -> Result<()> {
+    let chart = repo_path("charts/streamfleet").display().to_string();
+    let mut args = vec!["template", "t", &chart, "--kube-version", "1.35.0"];
+    for set in sets {
+        args.extend(["--set", set]);
+    }
+    let refused = run_tool(bed, "helm", &args, None).await?;
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && said.contains(names), "{sets:?}: {said}");
+    Ok(())
+}
+
 /// The first rendered object of `kind` that is the operator's own, not the
 /// console's (which has its own Deployment, Service, Roles).
 fn operator_object<'a>(docs: &'a [serde_json::Value], kind: &str) -> &'a serde_json::Value {
@@ -302,57 +315,17 @@ async fn the_chart_renders_what_a_production_install_sets() -> Result<()> {
     assert_eq!(env["HTTPS_PROXY"], "http://proxy:3128");
 
     // A ServiceMonitor without the Service it scrapes is refused with a reason.
-    let refused = run_tool(
+    refused_by_template(
         bed,
-        "helm",
-        &[
-            "template",
-            "t",
-            &repo_path("charts/streamfleet").display().to_string(),
-            "--kube-version",
-            "1.35.0",
-            "--set",
-            "metrics.serviceMonitor.enabled=true",
-            "--set",
-            "metrics.service.enabled=false",
-        ],
-        None,
+        &["metrics.serviceMonitor.enabled=true", "metrics.service.enabled=false"],
+        "needs metrics.service.enabled",
     )
     .await?;
-    assert!(!refused.status.success());
-    assert!(String::from_utf8_lossy(&refused.stderr).contains("needs metrics.service.enabled"));
-
     // No reconcile at all is refused by the schema, named.
-    let refused = run_tool(
-        bed,
-        "helm",
-        &[
-            "template",
-            "t",
-            &repo_path("charts/streamfleet").display().to_string(),
-            "--kube-version",
-            "1.35.0",
-            "--set",
-            "maxConcurrentReconciles=0",
-        ],
-        None,
-    )
-    .await?;
-    let said = String::from_utf8_lossy(&refused.stderr);
-    assert!(!refused.status.success() && said.contains("maxConcurrentReconciles"), "{said}");
-
+    refused_by_template(bed, &["maxConcurrentReconciles=0"], "maxConcurrentReconciles").await?;
     // A misspelt alert name is refused, named, instead of tuning nothing.
-    let chart = repo_path("charts/streamfleet").display().to_string();
-    let args = ["template", "t", &chart, "--kube-version", "1.35.0", "--set"];
-    let refused = run_tool(
-        bed,
-        "helm",
-        &[&args[..], &["prometheusRule.alerts.StreamfleetLagUnknwn.enabled=false"]].concat(),
-        None,
-    )
-    .await?;
-    let said = String::from_utf8_lossy(&refused.stderr);
-    assert!(!refused.status.success() && said.contains("StreamfleetLagUnknwn"), "{said}");
+    refused_by_template(bed, &["prometheusRule.alerts.StreamfleetLagUnknwn.enabled=false"], "StreamfleetLagUnknwn")
+        .await?;
     Ok(())
 }
 

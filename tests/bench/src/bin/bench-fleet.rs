@@ -216,6 +216,11 @@ async fn all_ready(client: &Client, total: usize, started: Instant) -> Result<f6
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Level {
     resources: usize,
+    /// Resources created at this level (the ones before it stay).
+    created: usize,
+    /// The operator's requests from the first create until all were
+    /// ready, by "verb resource".
+    ramp: BTreeMap<String, usize>,
     live: usize,
     ready_seconds: f64,
     /// Seconds from all ready until no resource moved over two polls.
@@ -232,11 +237,16 @@ struct Level {
     apiserver: BTreeMap<String, f64>,
 }
 
+/// Whether a "verb resource" request writes.
+fn is_write(kind: &str) -> bool {
+    !kind.starts_with("get ") && !kind.starts_with("list ")
+}
+
 impl Level {
     /// The operator's writes in the window (Lease renewals and watches
     /// are not counted in `operator`).
     fn writes(&self) -> usize {
-        self.operator.iter().filter(|(k, _)| !k.starts_with("get ") && !k.starts_with("list ")).map(|(_, n)| n).sum()
+        self.operator.iter().filter(|(k, _)| is_write(k)).map(|(_, n)| n).sum()
     }
 
     /// What the level claims at rest, or why not: every recovering
@@ -371,9 +381,14 @@ async fn one_run(levels: &[usize], live_max: usize, dir: &std::path::Path, out: 
         if !pipe.is_empty() {
             let () = pipe.query_async(&mut conn).await?;
         }
-        let started = Instant::now();
+        let (started, ramp_offset) = (Instant::now(), audit::offset(&bed.audit_log)?);
         create(&client, done..total, live_max).await?;
         let ready_seconds = all_ready(&client, total, started).await?;
+        // What the operator wrote to bring the new resources up.
+        let ramp: Vec<_> = audit::since(&bed.audit_log, ramp_offset, &operator_user)?
+            .into_iter()
+            .filter(|r| r.resource != "leases" && r.verb != "watch")
+            .collect();
         // At rest first: rollouts done, pods started, the live resources'
         // backlog (nobody reads it) reported Stalled, every recovering
         // resource's first run reported. Until nothing moves over two
@@ -431,6 +446,8 @@ async fn one_run(levels: &[usize], live_max: usize, dir: &std::path::Path, out: 
         let recovery_runs = apiserver.get("post jobs").copied().unwrap_or(0.0) as usize;
         let level = Level {
             resources: total,
+            created: total - done,
+            ramp: audit::count_by_kind(&ramp),
             live: (0..total).filter(|i| i % 2 == 0 && i / 2 < live_max).count(),
             ready_seconds,
             settle_seconds,
@@ -489,6 +506,19 @@ fn publish(levels: &[usize], runs: &[Vec<Level>], live_max: usize, redis_version
                 .join(", ")
         };
         let writes: Vec<String> = of_level.iter().map(|l| format!("{}/{}", l.writes(), l.recovery_runs)).collect();
+        // The ramp's writes per created resource, summed over the runs.
+        let mut ramp: BTreeMap<&str, usize> = BTreeMap::new();
+        for l in &of_level {
+            for (k, n) in l.ramp.iter().filter(|(k, _)| is_write(k)) {
+                *ramp.entry(k).or_insert(0) += n;
+            }
+        }
+        let created: usize = of_level.iter().map(|l| l.created).sum::<usize>().max(1);
+        let ramp = format!(
+            "{:.2} ({})",
+            ramp.values().sum::<usize>() as f64 / created as f64,
+            ramp.iter().map(|(k, n)| format!("{k} {:.2}", *n as f64 / created as f64)).collect::<Vec<_>>().join(", ")
+        );
         let mut level_problems = Vec::new();
         for (run, l) in of_level.iter().enumerate() {
             if let Some(p) = l.at_rest_problem() {
@@ -506,6 +536,7 @@ fn publish(levels: &[usize], runs: &[Vec<Level>], live_max: usize, redis_version
             first.live,
             ready.listed(1),
             format!("{:.1}", ready.median()),
+            ramp,
             format!("{:.3}", cpu.median()),
             rss.listed(1),
             operator,
@@ -546,7 +577,7 @@ fn publish(levels: &[usize], runs: &[Vec<Level>], live_max: usize, redis_version
                 "recovering resources": RECOVERING,
                 "kubernetes": "kube-apiserver, etcd, kube-controller-manager from scripts/build-tools.sh; pods run by the kubelet stand-in",
             },
-            "columns": ["resources", "live", "all ready after, s (runs)", "median s", "operator CPU per poll cycle, s (median)", "operator RSS, MiB (runs)", "operator requests in the window per run (verb resource; Lease and watches left out)", "operator writes / recovery runs in the window (each run)", "all clients' requests per minute (median)", "at rest"],
+            "columns": ["resources", "live", "all ready after, s (runs)", "median s", "operator writes per resource created, until all ready (verb resource)", "operator CPU per poll cycle, s (median)", "operator RSS, MiB (runs)", "operator requests in the window per run (verb resource; Lease and watches left out)", "operator writes / recovery runs in the window (each run)", "all clients' requests per minute (median)", "at rest"],
             "rows": rows,
             "summary": summary,
         }),
