@@ -481,17 +481,20 @@ impl Attempt {
     fn failure(&self, within: Duration) -> Option<StreamError> {
         let failed = self.failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let f = failed.as_ref().filter(|f| f.at.elapsed() < within)?;
-        Some(StreamError::remembered(f.class, f.action, &f.message, f.at.elapsed()))
+        Some(StreamError::remembered(f.class, f.action, &f.message))
     }
 
-    fn remember(&self, e: &StreamError) {
-        let failure = Failure {
+    /// Remembers a failure as unreachable, or forgets the last one: a
+    /// server that answers (wrong credentials, too old) is quick to ask
+    /// again, and what it said must not be hidden by an older outage.
+    fn record(&self, e: &StreamError) {
+        let failure = (e.class == crate::error::ErrorClass::Unreachable).then(|| Failure {
             at: std::time::Instant::now(),
             class: e.class,
             action: e.action,
-            message: crate::error::redact(&e.source.to_string()),
-        };
-        *self.failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(failure);
+            message: e.source.to_string(),
+        });
+        *self.failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = failure;
     }
 }
 
@@ -558,6 +561,8 @@ impl Connections {
             return Err(recent);
         }
         let _connecting = match attempt.connecting.try_lock() {
+            // Connected by another caller since this one looked.
+            Ok(_) if self.by_endpoint.lock().await.contains_key(endpoint) => return Ok(()),
             Ok(connecting) => connecting,
             Err(_) => {
                 // Being tried again after a failure: that failure is the answer.
@@ -576,16 +581,12 @@ impl Connections {
         };
         match connect_and_check(endpoint).await {
             Ok(shared) => {
-                self.by_endpoint.lock().await.insert(endpoint.clone(), shared);
+                self.by_endpoint.lock().await.entry(endpoint.clone()).or_insert(shared);
                 self.attempts.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(endpoint);
                 Ok(())
             }
             Err(e) => {
-                // Only what is slow to fail: a refusal by a server that
-                // answers (credentials, version) is as quick to ask again.
-                if e.class == crate::error::ErrorClass::Unreachable {
-                    attempt.remember(&e);
-                }
+                attempt.record(&e);
                 Err(e)
             }
         }

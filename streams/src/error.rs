@@ -51,11 +51,11 @@ impl StreamError {
         Self { class: classify(&source), action, source }
     }
 
-    /// A failure met `ago` by another caller and remembered: its class and
-    /// message, and how old it is.
-    pub fn remembered(class: ErrorClass, action: &'static str, message: &str, ago: std::time::Duration) -> Self {
-        let detail = format!("{message} ({:.1} s ago; tried again shortly)", ago.as_secs_f64());
-        let source = redis::RedisError::from((redis::ErrorKind::Client, "remembered failure", detail));
+    /// A failure another caller met, remembered: its class, and its
+    /// message word for word (a message that changed every poll would be a
+    /// new status and a new Event every poll).
+    pub fn remembered(class: ErrorClass, action: &'static str, message: &str) -> Self {
+        let source = redis::RedisError::from(std::io::Error::other(message.to_string()));
         Self { class, action, source }
     }
 

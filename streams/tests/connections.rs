@@ -42,10 +42,15 @@ async fn callers_of_a_silent_endpoint_share_one_connect_and_then_its_failure() -
             tokio::spawn(async move { connections.get_checked(&endpoint).await.map(|_| ()) })
         })
         .collect();
+    let mut said = std::collections::BTreeSet::new();
     for caller in callers {
         let e = caller.await?.expect_err("nothing answers");
         assert_eq!(e.class, ErrorClass::Unreachable, "{e}");
+        said.insert(e.to_string());
     }
+    // The same words for every caller: a message that changed would be a
+    // new status write and a new Event per resource per poll.
+    assert_eq!(said.len(), 1, "{said:?}");
     let first = began.elapsed();
     let connects = accepted.load(Ordering::SeqCst);
     println!("20 callers failed together after {first:?}; {connects} TCP connections accepted");
@@ -56,9 +61,9 @@ async fn callers_of_a_silent_endpoint_share_one_connect_and_then_its_failure() -
     // Within the window: the same failure at once, and no new connection.
     let asked = Instant::now();
     let e = connections.get_checked(&endpoint).await.map(|_| ()).expect_err("remembered");
-    assert!(asked.elapsed() < Duration::from_millis(100), "{:?}", asked.elapsed());
+    assert!(asked.elapsed() < Duration::from_secs(1), "{:?}", asked.elapsed());
     assert_eq!(e.class, ErrorClass::Unreachable);
-    assert!(e.to_string().contains("s ago"), "{e}");
+    assert!(said.contains(&e.to_string()), "{e} is not what the first callers were told: {said:?}");
     assert_eq!(accepted.load(Ordering::SeqCst), connects);
 
     // After it: one caller tries again, and meanwhile another gets the
@@ -75,7 +80,7 @@ async fn callers_of_a_silent_endpoint_share_one_connect_and_then_its_failure() -
     }
     let asked = Instant::now();
     let e = connections.get_checked(&endpoint).await.map(|_| ()).expect_err("being tried again");
-    assert!(asked.elapsed() < Duration::from_millis(100), "queued behind the attempt: {:?}", asked.elapsed());
+    assert!(asked.elapsed() < Duration::from_secs(1), "queued behind the attempt: {:?}", asked.elapsed());
     assert_eq!(e.class, ErrorClass::Unreachable);
     retry.abort();
     Ok(())
