@@ -35,9 +35,9 @@ step() {
 # copies it to docs/figures/ and docs/benchmarks.md shows it): the test
 # command's time is measured by the test command, never typed.
 record_timings() {
-  STEPS=$(printf '%s\n' "${steps[@]}") python3 - "$1" "$2" "$target_state" "$tools_state" <<'PY'
+  STEPS=$(printf '%s\n' "${steps[@]}") python3 - "$1" "$2" "$target_state" "$tools_state" "${cpu_busy:-}" <<'PY'
 import json, os, pathlib, subprocess, sys
-name, what, target, tools = sys.argv[1:5]
+name, what, target, tools, busy = sys.argv[1:6]
 marks = [line.split("\t", 1) for line in os.environ["STEPS"].splitlines() if line]
 rows = [[label, int(marks[i + 1][0]) - int(at)] for i, (at, label) in enumerate(marks[:-1])]
 total = int(marks[-1][0])
@@ -51,7 +51,13 @@ cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.start
 mem = next(int(l.split()[1]) for l in open("/proc/meminfo") if l.startswith("MemTotal:")) // 1024 // 1024
 figure = {
     "what": what,
-    "settings": {"target/ before the run": target, "Go-built tools": tools, "RUST_TEST_THREADS": os.environ.get("RUST_TEST_THREADS", "4"), "target/ after the run": disk},
+    "settings": {
+        "target/ before the run": target,
+        "Go-built tools": tools,
+        "RUST_TEST_THREADS": os.environ.get("RUST_TEST_THREADS", "4"),
+        "target/ after the run": disk,
+        **({"test lanes": os.environ.get("STREAMFLEET_TEST_LANES", "4"), "both cores busy during the tests step": busy} if busy else {}),
+    },
     "columns": ["step", "seconds"],
     "rows": rows,
     "summary": f"{total // 60} min {total % 60} s in all (target/ {target}, tools {tools})",
@@ -66,6 +72,20 @@ path.parent.mkdir(parents=True, exist_ok=True)
 path.write_text(json.dumps(figure, indent=2, ensure_ascii=False) + "\n")
 print(f"timings written to {path}", file=sys.stderr)
 PY
+}
+
+# How busy the cores were since `$1` (a /proc/stat "cpu" line), in percent:
+# whether more test lanes could use them.
+busy_since() {
+  local before now
+  read -r -a before <<< "$1"
+  read -r -a now < /proc/stat
+  awk -v b="${before[*]}" -v n="${now[*]}" 'BEGIN {
+    split(b, x); split(n, y); total = 0
+    for (i = 2; i <= 9; i++) total += y[i] - x[i]
+    idle = (y[5] - x[5]) + (y[6] - x[6])
+    printf "%d%%", (total > 0 ? 100 * (total - idle) / total : 0)
+  }'
 }
 
 step "install Debian packages"
@@ -195,6 +215,7 @@ for package in $(cargo metadata --no-deps --format-version 1 --locked | python3 
   fi
 done
 
+cpu_before=$(head -n 1 /proc/stat)
 step "tests and the images, side by side (scripts/test-lanes.sh; the server matrix, docs/compatibility.md, among them)"
 # The images (OCI layouts in target/images; tests/e2e/tests/images.rs checks
 # and runs them) are built beside the tests, niced: their release build
@@ -225,6 +246,7 @@ for job in "${jobs[@]}"; do
   esac
   printf '%s %s\n' "$name" "$command"
 done | bash scripts/test-lanes.sh
+cpu_busy=$(busy_since "$cpu_before")
 step "done"
 # A run from a fresh clone and a run again over its target/ are figures of their own.
 if [ "$target_state" = fresh ]; then
