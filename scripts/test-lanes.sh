@@ -8,7 +8,8 @@
 # `kubelet::Slot`), so they do not meet.
 #
 # Reads jobs from stdin, one per line: `<name> <command...>`, longest first
-# (they start in that order). Each job's output goes to
+# (they start in that order); when an earlier run left its times, they start
+# longest first by those instead, so no long job starts last. Each job's output goes to
 # target/test-logs/<name>.log and is printed whole when it fails. Every job
 # runs, whatever fails; the exit status is 1 if any failed. The jobs' times
 # go to target/test-logs/times.tsv.
@@ -17,6 +18,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 lanes=${STREAMFLEET_TEST_LANES:-4}
 logs="$root/target/test-logs"
 mkdir -p "$logs"
+# The last run's seconds per job (none: the order given).
+if [ -f "$logs/times.tsv" ]; then mv "$logs/times.tsv" "$logs/times-before.tsv"; else : > "$logs/times-before.tsv"; fi
 : > "$logs/times.tsv"
 start=$(date +%s)
 run_job() {
@@ -34,8 +37,21 @@ run_job() {
 }
 export -f run_job
 export logs start
-# One line per job: the name, then the command (read whole by `read`).
+# Longest first by the last run's times; a job the last run did not have
+# counts as the longest; ties keep their order; the last job given stays
+# last (test.sh's images test waits for the images built beside the jobs).
+# Then one line per job: the name, then the command (read whole by `read`).
 # shellcheck disable=SC2016 # run_job's arguments, expanded by the inner bash
+awk -v before="$logs/times-before.tsv" 'BEGIN {
+  while ((getline line < before) > 0) { split(line, f, "\t"); took[f[1]] = f[3] }
+}
+NF { split($0, words, " "); job[++n] = $0; name[n] = words[1] }
+END {
+  for (i = 1; i <= n; i++) {
+    key = (i == n) ? -1 : ((name[i] in took) ? took[name[i]] : 1000000)
+    printf "%d\t%d\t%s\n", key, i, job[i]
+  }
+}' | sort -t$'\t' -k1,1nr -k2,2n | cut -f3- |
 while read -r name command; do
   [ -n "$name" ] && printf '%s\0%s\0' "$name" "$command"
 done | xargs -0 -n 2 -P "$lanes" bash -c 'run_job "$0" "$1"'

@@ -174,7 +174,8 @@ step "build the tests"
 # Every test job of the next step, each with the packages and features it
 # runs with (so that building it here is what it runs: nothing is rebuilt
 # while the jobs run side by side). One per line: a name, then the
-# arguments of `cargo test`. The longest first: they start in this order.
+# arguments of `cargo test`. The longest first: they start in this order
+# (a run after another starts them by that run's times: scripts/test-lanes.sh).
 valkey=$(printf '%q' "${HOME}/.cache/streamfleet/bin/valkey-server")
 jobs=()
 e2e_first=(drill delay_objective recovery api_at_rest status_truth retries pipeline console_outage sharding)
