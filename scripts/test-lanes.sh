@@ -37,13 +37,13 @@ run_job() {
 }
 export -f run_job
 export logs start
-# Longest first by the last run's times; a job the last run did not have
-# counts as the longest; ties keep their order; the last job given stays
+# Longest first by the last run's times; a job the last run did not have,
+# or that failed in it (perhaps early), counts as the longest; ties keep their order; the last job given stays
 # last (test.sh's images test waits for the images built beside the jobs).
 # Then one line per job: the name, then the command (read whole by `read`).
 # shellcheck disable=SC2016 # run_job's arguments, expanded by the inner bash
 awk -v before="$logs/times-before.tsv" 'BEGIN {
-  while ((getline line < before) > 0) { split(line, f, "\t"); took[f[1]] = f[3] }
+  while ((getline line < before) > 0) { split(line, f, "\t"); if (f[2] == 0) took[f[1]] = f[3] }
 }
 NF { split($0, words, " "); job[++n] = $0; name[n] = words[1] }
 END {

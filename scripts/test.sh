@@ -56,7 +56,7 @@ figure = {
         "Go-built tools": tools,
         "RUST_TEST_THREADS": os.environ.get("RUST_TEST_THREADS", "4"),
         "target/ after the run": disk,
-        **({"test lanes": os.environ.get("STREAMFLEET_TEST_LANES", "4"), "both cores busy during the tests step": busy} if busy else {}),
+        **({"test lanes": os.environ["STREAMFLEET_TEST_LANES"], "cores busy during the tests step (the niced images build included)": busy} if busy else {}),
     },
     "columns": ["step", "seconds"],
     "rows": rows,
@@ -216,6 +216,7 @@ for package in $(cargo metadata --no-deps --format-version 1 --locked | python3 
   fi
 done
 
+export STREAMFLEET_TEST_LANES=${STREAMFLEET_TEST_LANES:-4}
 cpu_before=$(head -n 1 /proc/stat)
 step "tests and the images, side by side (scripts/test-lanes.sh; the server matrix, docs/compatibility.md, among them)"
 # The images (OCI layouts in target/images; tests/e2e/tests/images.rs checks
