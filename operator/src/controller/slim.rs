@@ -1,14 +1,15 @@
 //! What the watch caches keep of each object: only what a reconcile reads.
-//! Managed fields, annotations and the owned objects' pod templates are
-//! most of an object's size and nothing here reads them; a fleet of
-//! thousands of resources would otherwise hold them all in memory.
+//! A fleet of thousands of resources holds two owned objects per resource;
+//! their managed fields, annotations, pod templates and status conditions
+//! are most of an object's size and nothing here reads them.
 //!
-//! Read from the caches: metadata (name, namespace, uid, generation, labels,
-//! owner references) everywhere; a Deployment's `spec.replicas` and status;
-//! a CronJob's status; a recovery Job's creation time and how it finished; a
-//! pod's identity only; the resource's spec and status.
+//! Read from the caches: the resource's metadata, spec and status; of an
+//! owned object its identity (name, namespace, uid, generation, owner
+//! references: what maps it to its resource); a Deployment's `spec.replicas`
+//! and `status.availableReplicas`; a pod's labels (which resource it works
+//! for); a recovery Job's creation time and how it finished.
 
-use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStatus};
 use k8s_openapi::api::batch::v1::{CronJob, Job};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -20,18 +21,25 @@ fn metadata(meta: &mut ObjectMeta) {
     meta.annotations = None;
 }
 
+/// An owned object's identity only: labels and annotations go too.
+fn identity(meta: &mut ObjectMeta) {
+    metadata(meta);
+    meta.labels = None;
+}
+
 pub fn deployment(d: &mut Deployment) {
-    metadata(&mut d.metadata);
-    if let Some(spec) = d.spec.as_mut() {
-        spec.template = Default::default();
-    }
+    identity(&mut d.metadata);
+    d.spec = d.spec.take().map(|spec| DeploymentSpec { replicas: spec.replicas, ..Default::default() });
+    d.status = d
+        .status
+        .take()
+        .map(|status| DeploymentStatus { available_replicas: status.available_replicas, ..Default::default() });
 }
 
 pub fn cronjob(c: &mut CronJob) {
-    metadata(&mut c.metadata);
-    if let Some(spec) = c.spec.as_mut() {
-        spec.job_template = Default::default();
-    }
+    identity(&mut c.metadata);
+    c.spec = None;
+    c.status = None;
 }
 
 /// A recovery Job: its identity, when it was created, and how it finished.
@@ -70,24 +78,36 @@ mod tests {
     use super::*;
 
     #[test]
-    fn owned_objects_keep_identity_replicas_and_status_only() {
+    fn owned_objects_keep_their_identity_replicas_and_available_replicas_only() {
         let mut d: Deployment = serde_json::from_value(serde_json::json!({
             "metadata": {"name": "w", "uid": "u", "generation": 3, "labels": {"a": "b"},
                          "annotations": {"deployment.kubernetes.io/revision": "1"},
                          "managedFields": [{"manager": "streamfleet"}],
                          "ownerReferences": [{"apiVersion": "streamfleet.io/v1alpha1", "kind": "StreamConsumerGroup", "name": "p", "uid": "o"}]},
-            "spec": {"replicas": 2, "selector": {}, "template": {"spec": {"containers": [{"name": "c", "image": "i"}]}}},
-            "status": {"availableReplicas": 1}
+            "spec": {"replicas": 2, "selector": {"matchLabels": {"a": "b"}}, "template": {"spec": {"containers": [{"name": "c", "image": "i"}]}}},
+            "status": {"availableReplicas": 1, "replicas": 1, "conditions": [{"type": "Available", "status": "True"}]}
         }))
         .unwrap_or_else(|e| panic!("{e}"));
         deployment(&mut d);
         assert_eq!((d.metadata.uid.as_deref(), d.metadata.generation), (Some("u"), Some(3)));
         assert_eq!(d.metadata.owner_references.as_ref().map(Vec::len), Some(1));
-        assert!(d.metadata.labels.is_some());
-        assert!(d.metadata.managed_fields.is_none() && d.metadata.annotations.is_none());
+        assert!(d.metadata.labels.is_none() && d.metadata.managed_fields.is_none() && d.metadata.annotations.is_none());
         assert_eq!(d.spec.as_ref().and_then(|s| s.replicas), Some(2));
-        assert!(d.spec.as_ref().is_some_and(|s| s.template.spec.is_none()));
+        assert!(d.spec.as_ref().is_some_and(|s| s.template.spec.is_none() && s.selector.match_labels.is_none()));
         assert_eq!(d.status.as_ref().and_then(|s| s.available_replicas), Some(1));
+        assert!(d.status.as_ref().is_some_and(|s| s.conditions.is_none() && s.replicas.is_none()));
+
+        let mut c: CronJob = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "r", "uid": "cu", "generation": 2, "labels": {"a": "b"},
+                         "ownerReferences": [{"apiVersion": "streamfleet.io/v1alpha1", "kind": "StreamConsumerGroup", "name": "p", "uid": "o"}]},
+            "spec": {"schedule": "* * * * *", "jobTemplate": {"spec": {"template": {"spec": {"containers": []}}}}},
+            "status": {"lastScheduleTime": "2026-01-01T00:00:00Z"}
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+        cronjob(&mut c);
+        assert_eq!((c.metadata.uid.as_deref(), c.metadata.generation), (Some("cu"), Some(2)));
+        assert_eq!(c.metadata.owner_references.as_ref().map(Vec::len), Some(1));
+        assert!(c.metadata.labels.is_none() && c.spec.is_none() && c.status.is_none());
 
         let mut p: Pod = serde_json::from_value(serde_json::json!({
             "metadata": {"name": "w-1", "uid": "pu", "labels": {"x": "y"}},
