@@ -117,6 +117,13 @@ struct RunArgs {
     max_concurrent_reconciles: u16,
 }
 
+// glibc's malloc kept what a ramp of thousands of new resources had
+// grown, whatever its tuning; jemalloc returns freed pages to the kernel
+// (the chart's `_RJEM_MALLOC_CONF`) and costs less CPU per poll
+// (docs/benchmarks.md, the fleet).
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[tokio::main]
 async fn main() -> Result<()> {
     let cli = Cli::parse_from(streamfleet_operator::cli::plugin_args(std::env::args_os()));
