@@ -57,10 +57,13 @@ impl Reason {
 }
 
 /// Per entry: XADD the dead letter, and only once that succeeded ack the
-/// entry, drop its last error and, for a lost payload, record it. A failing
-/// `redis.call` stops the script there (Redis does not undo what ran): every
-/// entry before it is dead-lettered and acked, the failing one neither acked
-/// nor lost, the rest untouched. (A MULTI would ack even when the XADD failed.)
+/// entry, drop its last error and, for a lost payload, record it. A letter
+/// that cannot be written (`XADD` refused: out of memory, say) stops the
+/// script there: every entry before it is dead-lettered and acked, the
+/// failing one neither acked nor lost, the rest untouched, and the script
+/// returns the error. (A MULTI would ack even when the XADD failed.) The
+/// acks, record deletions and loss counts go out once per call, after the
+/// letters.
 /// An entry flagged `p` is dead-lettered only while it is still pending: run
 /// again (a client re-sending after a lost reply, the sweep and a claim both
 /// finding one lost payload) it writes no second letter and counts no second
@@ -73,24 +76,47 @@ impl Reason {
 static DEAD_LETTER: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     crate::started::record_fields_lua()
         + r"
-    local ids = {}
+    -- Lua's unpack takes a few thousand values at most: long lists go in chunks.
+    local function call_in_chunks(list, ...)
+        for j = 1, #list, 1000 do
+            local args = { ... }
+            for k = j, math.min(j + 999, #list) do args[#args + 1] = list[k] end
+            redis.call(unpack(args))
+        end
+    end
+    local ids, written, fields, lost, seen, failure = {}, {}, {}, {}, {}, nil
     local i = 3
     while i <= #ARGV do
         local id, flags, n = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
-        if string.find(flags, 'p', 1, true) and #redis.call('XPENDING', KEYS[2], ARGV[1], id, id, 1) == 0 then
+        if string.find(flags, 'p', 1, true)
+            and (seen[id] or #redis.call('XPENDING', KEYS[2], ARGV[1], id, id, 1) == 0) then
             ids[#ids + 1] = ''
         else
-            ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, i + 3, i + 2 + n))
-            redis.call('XACK', KEYS[2], ARGV[1], id)
-            redis.call('HDEL', KEYS[3], unpack(record_fields(id, {})))
-            if string.find(flags, 'l', 1, true) then
-                redis.call('HINCRBY', KEYS[4], 'count', 1)
-                redis.call('LPUSH', KEYS[5], id)
-                redis.call('LTRIM', KEYS[5], 0, tonumber(ARGV[2]))
+            local added = redis.pcall('XADD', KEYS[1], '*', unpack(ARGV, i + 3, i + 2 + n))
+            if type(added) == 'table' and added.err then
+                failure = added
+                break
             end
+            ids[#ids + 1] = added
+            seen[id] = true
+            written[#written + 1] = id
+            record_fields(id, fields)
+            if string.find(flags, 'l', 1, true) then lost[#lost + 1] = id end
         end
         i = i + 3 + n
     end
+    -- What was written is acked, its records dropped and its losses
+    -- counted, all at once: a few calls per page, not per entry.
+    if #written > 0 then
+        call_in_chunks(written, 'XACK', KEYS[2], ARGV[1])
+        call_in_chunks(fields, 'HDEL', KEYS[3])
+    end
+    if #lost > 0 then
+        redis.call('HINCRBY', KEYS[4], 'count', #lost)
+        call_in_chunks(lost, 'LPUSH', KEYS[5])
+        redis.call('LTRIM', KEYS[5], 0, tonumber(ARGV[2]))
+    end
+    if failure then return failure end
     return ids"
 });
 

@@ -76,16 +76,19 @@ pub fn record_fields_lua() -> String {
 /// the `n` IDs of the set `wanted`, all between `low` and `high`, `consumer`
 /// holds in the PEL. Read from its own PEL over that span, in pages of `n`
 /// (`XPENDING … <consumer>`): one call for entries read together, not one
-/// point lookup each.
+/// point lookup each, and no further page once all `n` are found.
 pub const HELD_BY_LUA: &str = r"
         local function held_by(stream, group, consumer, low, high, wanted, n)
-            local held, from = {}, low
+            local held, from, found = {}, low, 0
             while n > 0 do
                 local page = redis.call('XPENDING', stream, group, from, high, n, consumer)
                 for _, p in ipairs(page) do
-                    if wanted[p[1]] then held[p[1]] = true end
+                    if wanted[p[1]] then
+                        held[p[1]] = true
+                        found = found + 1
+                    end
                 end
-                if #page < n then break end
+                if #page < n or found == n then break end
                 from = '(' .. page[#page][1]
             end
             return held

@@ -17,7 +17,7 @@ use crate::recovery::{RecoveryReport, now_ms};
 use crate::retention::StreamId;
 use crate::started;
 use redis::aio::ConnectionLike;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 pub struct SweepSettings<'a> {
@@ -50,52 +50,98 @@ const PRESENT: &str = r"
 type PendingRow = (String, String, u64, u64);
 
 /// One full pass over the PEL, a page at a time: scan, judge who may be
-/// claimed, check which payloads exist, classify, settle. What cannot be
-/// settled is left pending and named in `left_pending`; only a scan that
-/// fails ends the pass early.
-pub async fn sweep<C: ConnectionLike + Send>(
+/// claimed, check which payloads exist, classify, settle. The next page is
+/// scanned, judged and checked (on a clone of `conn`) while this one
+/// settles, so the client's work and the server's overlap: pages are
+/// disjoint ID ranges, and a page's settling changes nothing the next
+/// page's checks read. What cannot be settled is left pending and named in
+/// `left_pending`; only a scan that fails ends the pass early.
+pub async fn sweep<C: ConnectionLike + Send + Clone>(
     conn: &mut C,
     s: &SweepSettings<'_>,
 ) -> Result<RecoveryReport, StreamError> {
     let min_idle_ms = crate::millis(s.min_idle);
     let mut report = RecoveryReport::default();
-    let mut start = "-".to_string();
-    loop {
-        let page = scan_page(conn, s, min_idle_ms, &start).await?;
-        let (Some((first, ..)), Some((last, ..))) = (page.first(), page.last()) else { break };
-        let span = format!("{first} to {last}");
-        start = format!("({last}");
-        report.scanned += u64::try_from(page.len()).unwrap_or(u64::MAX);
-        let full_page = page.len() >= s.batch;
+    let mut ahead = conn.clone();
+    let mut next = scan_and_check(&mut ahead, s, min_idle_ms, "-").await?;
+    while let Some(page) = next.take() {
+        report.scanned += u64::try_from(page.rows).unwrap_or(u64::MAX);
+        let following = async {
+            match &page.after {
+                Some(start) => scan_and_check(&mut ahead, s, min_idle_ms, start).await,
+                None => Ok(None),
+            }
+        };
+        let settling = async {
+            let checked = page.checked?;
+            settle(conn, s, min_idle_ms, checked, &mut report).await
+        };
+        let (settled, following) = tokio::join!(settling, following);
         // A page that cannot be settled is left pending for the next run
         // and named; the pages after it are still swept.
-        if let Err(e) = sweep_page(conn, s, min_idle_ms, page, &mut report).await {
-            report.left_pending.push(format!("a page of pending entries from {span}: {e}"));
+        if let Err(e) = settled {
+            report.left_pending.push(format!("a page of pending entries from {}: {e}", page.span));
         }
-        if !full_page {
-            break;
-        }
+        next = following?;
     }
     crate::consumers::delete_if_empty(conn, s.sweeper()).await?;
     report.finished_at_ms = now_ms();
     Ok(report)
 }
 
-/// Judge, check, classify and settle one scanned page.
-async fn sweep_page<C: ConnectionLike + Send>(
+/// A scanned page, and what its checks found.
+struct ScannedPage {
+    /// Its first to last ID, to name it if it cannot be settled.
+    span: String,
+    /// How many pending entries the scan returned.
+    rows: usize,
+    /// Where the next page starts (`None`: this page was the last).
+    after: Option<String>,
+    /// Its entries to settle, or why they could not be checked.
+    checked: Result<CheckedPage, StreamError>,
+}
+
+/// A page's entries that may be claimed, with the lost and the poison among
+/// them, and the payloads the check read.
+#[derive(Default)]
+struct CheckedPage {
+    page: Vec<PendingRow>,
+    lost: Vec<usize>,
+    poison: Vec<usize>,
+    payloads: Payloads,
+}
+
+/// Scans the page after `start` and checks it (judge, payloads, classify).
+/// `None` when nothing is left to scan; an error only when the scan fails.
+async fn scan_and_check<C: ConnectionLike + Send>(
+    conn: &mut C,
+    s: &SweepSettings<'_>,
+    min_idle_ms: u64,
+    start: &str,
+) -> Result<Option<ScannedPage>, StreamError> {
+    let page = scan_page(conn, s, min_idle_ms, start).await?;
+    let (Some((first, ..)), Some((last, ..))) = (page.first(), page.last()) else { return Ok(None) };
+    let span = format!("{first} to {last}");
+    let after = (page.len() >= s.batch).then(|| format!("({last}"));
+    let rows = page.len();
+    let checked = check_page(conn, s, min_idle_ms, page).await;
+    Ok(Some(ScannedPage { span, rows, after, checked }))
+}
+
+/// Judge, check and classify one scanned page.
+async fn check_page<C: ConnectionLike + Send>(
     conn: &mut C,
     s: &SweepSettings<'_>,
     min_idle_ms: u64,
     page: Vec<PendingRow>,
-    report: &mut RecoveryReport,
-) -> Result<(), StreamError> {
+) -> Result<CheckedPage, StreamError> {
     let (page, owner_alive) = judge(conn, s, min_idle_ms, page).await?;
     if page.is_empty() {
-        return Ok(());
+        return Ok(CheckedPage::default());
     }
-    let present = payloads_present(conn, s, &page).await?;
-    let (lost, poison) = classify(s, &page, &present, &owner_alive);
-    settle(conn, s, min_idle_ms, &page, &lost, &poison, report).await
+    let payloads = payloads_present(conn, s, &page).await?;
+    let (lost, poison) = classify(s, &page, &payloads, &owner_alive);
+    Ok(CheckedPage { page, lost, poison, payloads })
 }
 
 /// Scan: the next page of entries nobody has touched for min-idle-time
@@ -145,17 +191,22 @@ async fn judge<C: ConnectionLike + Send>(
     Ok((kept, owner_alive))
 }
 
+/// The payloads of a page's entries that still exist, by ID: the fields
+/// as Redis sent them, or `Nil` for one known to exist but not read.
+type Payloads = HashMap<String, redis::Value>;
+
 /// Which of the page's payloads still exist. Pending entries mostly sit
 /// together, so one bounded XRANGE over the page's span answers for the IDs
-/// it covers; IDs past where it stopped (a span full of acked entries) are
-/// checked one by one on the server by a script.
+/// it covers (and its payloads are kept for the poison's dead letters); IDs
+/// past where it stopped (a span full of acked entries) are checked one by
+/// one on the server by a script.
 async fn payloads_present<C: ConnectionLike + Send>(
     conn: &mut C,
     s: &SweepSettings<'_>,
     page: &[PendingRow],
-) -> Result<HashSet<String>, StreamError> {
+) -> Result<Payloads, StreamError> {
     let (Some((first, ..)), Some((last, ..))) = (page.first(), page.last()) else {
-        return Ok(HashSet::new());
+        return Ok(Payloads::new());
     };
     let bound = s.batch.saturating_mul(2).max(1);
     let span: Vec<(String, redis::Value)> = redis::cmd("XRANGE")
@@ -171,7 +222,7 @@ async fn payloads_present<C: ConnectionLike + Send>(
         Some((id, _)) if span.len() >= bound => StreamId::parse(id),
         _ => StreamId::parse(last),
     };
-    let mut present: HashSet<String> = span.into_iter().map(|(id, _)| id).collect();
+    let mut present: Payloads = span.into_iter().collect();
     let beyond: Vec<&str> = page
         .iter()
         .map(|(id, ..)| id.as_str())
@@ -182,7 +233,8 @@ async fn payloads_present<C: ConnectionLike + Send>(
         presence.arg(PRESENT).arg(1).arg(s.stream).arg(&beyond);
         let flags: String =
             presence.query_async(conn).await.map_err(|e| StreamError::new("checking pending payloads", e))?;
-        present.extend(beyond.iter().zip(flags.bytes()).filter(|(_, p)| *p == b'1').map(|(id, _)| id.to_string()));
+        let found = beyond.iter().zip(flags.bytes()).filter(|(_, p)| *p == b'1');
+        present.extend(found.map(|(id, _)| (id.to_string(), redis::Value::Nil)));
     }
     Ok(present)
 }
@@ -194,12 +246,12 @@ async fn payloads_present<C: ConnectionLike + Send>(
 fn classify(
     s: &SweepSettings<'_>,
     page: &[PendingRow],
-    present: &HashSet<String>,
+    present: &Payloads,
     owner_alive: &HashSet<String>,
 ) -> (Vec<usize>, Vec<usize>) {
     let (mut lost, mut poison) = (Vec::new(), Vec::new());
     for (i, (id, owner, _, deliveries)) in page.iter().enumerate() {
-        if !present.contains(id) {
+        if !present.contains_key(id) {
             if !owner_alive.contains(id) {
                 lost.push(i);
             }
@@ -223,11 +275,11 @@ async fn settle<C: ConnectionLike + Send>(
     conn: &mut C,
     s: &SweepSettings<'_>,
     min_idle_ms: u64,
-    page: &[PendingRow],
-    lost: &[usize],
-    poison: &[usize],
+    checked: CheckedPage,
     report: &mut RecoveryReport,
 ) -> Result<(), StreamError> {
+    let CheckedPage { page, lost, poison, mut payloads } = checked;
+    let (page, lost, poison) = (page.as_slice(), lost.as_slice(), poison.as_slice());
     let err = |what| move |e| StreamError::new(what, e);
     let entry = |i: usize| {
         let (id, _, _, deliveries) = &page[i];
@@ -296,10 +348,12 @@ async fn settle<C: ConnectionLike + Send>(
     for &i in poison {
         errors.arg(started::key_field(&page[i].0));
     }
-    for &i in poison {
+    // The payloads the check did not read.
+    let unread_payload = |i: &usize| !matches!(payloads.get(&page[*i].0), Some(v) if *v != redis::Value::Nil);
+    for &i in poison.iter().filter(|i| unread_payload(i)) {
         pipe.cmd("XRANGE").arg(s.stream).arg(&page[i].0).arg(&page[i].0);
     }
-    // The claim, the last errors and keys, then one payload per poison entry.
+    // The claim, the last errors and keys, then those payloads.
     let replies: Vec<redis::Value> = pipe.query_async(conn).await.map_err(err("claiming poison entries"))?;
     report.payload_lost += lost_count;
     let mut replies = replies.into_iter();
@@ -313,7 +367,14 @@ async fn settle<C: ConnectionLike + Send>(
     let business_keys = errors.split_off(poison.len().min(errors.len()));
     // One by one: an entry that cannot be read stays pending, named, and
     // its page-mates go on.
-    let payloads: Vec<_> = (0..poison.len()).map(|_| crate::entry::entries_from_value(next())).collect();
+    let payloads: Vec<_> = poison
+        .iter()
+        .map(|i| match payloads.remove(&page[*i].0) {
+            Some(fields) if fields != redis::Value::Nil => crate::entry::fields_from_value(fields),
+            _ => crate::entry::entries_from_value(next())
+                .map(|read| read.into_iter().next().map(|(_, fields)| fields).unwrap_or_default()),
+        })
+        .collect();
     let (mut taken, mut unread) = (Vec::new(), Vec::new());
     for (((&i, error), payload), key) in poison.iter().zip(errors).zip(payloads).zip(business_keys) {
         let mut e = entry(i);
@@ -328,8 +389,9 @@ async fn settle<C: ConnectionLike + Send>(
                 continue;
             }
         };
-        // Deleted between the check and the claim: still a dead letter, without fields.
-        e.fields = payload.into_iter().next().map(|(_, fields)| fields).unwrap_or_default();
+        // (Deleted between the check and the claim: still a dead letter,
+        // with the payload read by the check, or else without fields.)
+        e.fields = payload;
         let error = error.unwrap_or_else(|| format!("delivered {} times without an ack", e.deliveries));
         taken.push((e, page[i].1.as_str(), error, key));
     }
@@ -413,7 +475,7 @@ mod tests {
             row("4-0", parked.as_str(), 9), // parked for a retry: its next delivery decides
             row("5-0", "w1", 2),            // the workers'
         ];
-        let present: HashSet<String> = ["3-0", "4-0", "5-0"].map(String::from).into();
+        let present: Payloads = ["3-0", "4-0", "5-0"].map(|id| (id.to_string(), redis::Value::Nil)).into();
         let owner_alive: HashSet<String> = ["2-0"].map(String::from).into();
         assert_eq!(classify(&s, &page, &present, &owner_alive), (vec![0], vec![2]));
     }

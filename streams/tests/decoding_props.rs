@@ -27,14 +27,17 @@ use streamfleet_streams::retention::StreamId;
 use streamfleet_streams::{Entry, claim, consumers, entry, payload_loss, recovery, replay, retention, sweep, version};
 
 /// Answers each command with the next scripted reply, and with a dropped
-/// connection once they run out (so every loop ends).
+/// connection once they run out (so every loop ends). Clones share the
+/// replies, as clones of a real connection share it.
+#[derive(Clone)]
 struct Hostile {
-    replies: VecDeque<Value>,
+    replies: std::sync::Arc<std::sync::Mutex<VecDeque<Value>>>,
 }
 
 impl Hostile {
     fn next(&mut self) -> redis::RedisResult<Value> {
-        self.replies.pop_front().ok_or_else(|| {
+        let next = self.replies.lock().map(|mut replies| replies.pop_front()).ok().flatten();
+        next.ok_or_else(|| {
             redis::RedisError::from(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "no more replies"))
         })
     }
@@ -387,7 +390,7 @@ fn letter(reason: Reason) -> Letter<'static> {
 /// Runs every reply-reading function of the crate, each against the
 /// replies `replies` gives for its name; returns which answered with a value.
 async fn every_reader(replies: impl Fn(&str) -> Vec<Value>) -> Vec<(&'static str, bool)> {
-    let conn = |name: &str| Hostile { replies: replies(name).into() };
+    let conn = |name: &str| Hostile { replies: std::sync::Arc::new(std::sync::Mutex::new(replies(name).into())) };
     let entry = Entry {
         stream: "s".into(),
         id: "1-0".into(),

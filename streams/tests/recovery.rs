@@ -186,6 +186,7 @@ fn poison_sweep() -> SweepSettings<'static> {
 }
 
 /// A real connection that refuses the first script call carrying `needle`.
+#[derive(Clone)]
 struct RefusesOnce {
     conn: Conn,
     needle: &'static str,
@@ -256,6 +257,51 @@ async fn a_page_that_cannot_be_settled_is_left_pending_and_named_while_the_sweep
     let again = sweep(&mut conn, &poison_sweep()).await?;
     assert_eq!((again.scanned, again.dead_lettered), (2, 2), "found again at once: {again:?}");
     assert!(owners(&mut conn).await?.is_empty());
+    Ok(())
+}
+
+/// A letter Redis refuses (out of memory) acks nothing: the entries stay
+/// pending, with no letter and no loss, and the call fails saying why.
+#[tokio::test]
+async fn dead_letters_redis_refuses_leave_their_entries_pending() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    ensure_group(&mut conn, "orders", "g", "0").await?;
+    let mut ids = Vec::new();
+    for i in 0..2 {
+        ids.push(conn.xadd::<_, _, _, _, String>("orders", "*", &[("order_id", format!("o{i}"))]).await?);
+    }
+    read_raw(&mut conn, "w1").await?;
+    let entries: Vec<Entry> = ids
+        .iter()
+        .map(|id| Entry { stream: "orders".into(), id: id.clone(), fields: vec![], deliveries: 1, crashes: 0 })
+        .collect();
+    let letter = |reason| dl::Letter {
+        group: "g",
+        consumer: "w1",
+        reason,
+        error: "refused",
+        business_key: None,
+        while_pending: true,
+    };
+    let (refused, lost) = (letter(dl::Reason::Permanent), letter(dl::Reason::PayloadMissing));
+    let _: () = redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg(1).query_async(&mut conn).await?;
+    let sent: redis::RedisResult<redis::Value> =
+        dl::command("{orders}:dead", &[(&entries[0], &refused), (&entries[1], &lost)]).query_async(&mut conn).await;
+    let _: () = redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg(0).query_async(&mut conn).await?;
+    let error = sent.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(error.contains("OOM"), "refused, saying why: {error:?}");
+    assert_eq!(owners(&mut conn).await?.len(), 2, "both still pending");
+    let letters: u64 = conn.xlen("{orders}:dead").await?;
+    assert_eq!(letters, 0, "no letter");
+    let loss =
+        streamfleet_streams::payload_loss::read(&mut conn, streamfleet_streams::GroupRef::new("orders", "g")).await?;
+    assert_eq!(loss.total, 0, "no loss counted");
+    // Once Redis accepts writes again, the same call settles both.
+    let written: Vec<String> =
+        dl::command("{orders}:dead", &[(&entries[0], &refused), (&entries[1], &lost)]).query_async(&mut conn).await?;
+    assert!(written.iter().all(|id| !id.is_empty()), "{written:?}");
+    assert!(owners(&mut conn).await?.is_empty(), "both acked");
     Ok(())
 }
 

@@ -63,6 +63,37 @@ async fn a_dead_letter_sent_twice_is_written_and_a_loss_counted_once() -> Result
     Ok(())
 }
 
+/// The acks of a call's letters go out together after its letters: an
+/// entry named twice in one call (a lost payload the sweep and a claim
+/// both found) still gets one letter and one loss.
+#[tokio::test]
+async fn an_entry_named_twice_in_one_call_is_dead_lettered_and_its_loss_counted_once() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    let ids = pending_entries(&mut conn, 2).await?;
+    let lost = dl::Letter {
+        group: "g",
+        consumer: "w",
+        reason: dl::Reason::PayloadMissing,
+        error: "gone",
+        business_key: None,
+        while_pending: true,
+    };
+    let (first, second) = (entry(&ids[0], 1), entry(&ids[1], 1));
+    let letters = [(&first, &lost), (&first, &lost), (&second, &lost)];
+    let written: Vec<String> = dl::command("{orders}:dead", &letters).query_async(&mut conn).await?;
+    assert_eq!(written.len(), 3);
+    assert!(!written[0].is_empty() && written[1].is_empty() && !written[2].is_empty(), "{written:?}");
+    let letters: u64 = conn.xlen("{orders}:dead").await?;
+    assert_eq!(letters, 2, "one letter per entry");
+    let loss = payload_loss::read(&mut conn, streamfleet_streams::GroupRef::new("orders", "g")).await?;
+    assert_eq!(loss.total, 2, "each loss counted once");
+    assert_eq!(loss.latest, vec![ids[1].clone(), ids[0].clone()], "the latest first");
+    let pending: redis::streams::StreamPendingReply = conn.xpending("orders", "g").await?;
+    assert_eq!(pending.count(), 0, "both acked");
+    Ok(())
+}
+
 #[tokio::test]
 async fn one_dead_letter_replayed_by_many_at_once_is_requeued_once() -> Result<()> {
     let server = RedisServer::start().await?;
