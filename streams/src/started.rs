@@ -72,13 +72,61 @@ pub fn record_fields_lua() -> String {
     )
 }
 
-/// Lua: `held_by(stream, group, consumer, low, high, wanted, n)`: which of
+/// Proof, on Redis's own clock, that a consumer still holds the entries one
+/// read delivered to it: the server's time (ms) no later than their
+/// delivery, read on the server that delivered them. Every claim waits for
+/// an entry to be idle min-idle-time, and only the entry's holder sets its
+/// idle time otherwise, so while the server's clock is less than
+/// [`HeldSince::window_ms`] (half min-idle-time: a margin for its clock
+/// stepping back) past `at_ms`, no other consumer can have taken them, and
+/// the scripts that act on them skip the ownership check (the `XPENDING` of
+/// [`HELD_BY_LUA`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeldSince {
+    pub at_ms: u64,
+    pub window_ms: u64,
+}
+
+impl HeldSince {
+    /// The proof for entries delivered after `at_ms` (server time) to a
+    /// group whose claims wait `min_idle`.
+    pub fn new(at_ms: u64, min_idle: std::time::Duration) -> Self {
+        Self { at_ms, window_ms: crate::millis(min_idle) / 2 }
+    }
+
+    /// The script arguments: `at_ms`, `window_ms` (`0 0`: no proof).
+    pub fn args(proof: Option<Self>) -> [u64; 2] {
+        proof.map_or([0, 0], |p| [p.at_ms, p.window_ms])
+    }
+}
+
+/// Lua: the server's time now, in ms.
+pub const SERVER_MS_LUA: &str = r"
+        local function server_ms()
+            local t = redis.call('TIME')
+            return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+        end
+        ";
+
+/// A script returning the server's time in ms, keyed by a stream so it runs
+/// on the server that holds it (a cluster's node of its slot).
+pub fn server_ms_command(stream: &str) -> redis::Cmd {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(format!("{SERVER_MS_LUA} return server_ms()")).arg(1).arg(stream);
+    cmd
+}
+
+/// Lua: `held_by(stream, group, consumer, low, high, wanted, n, at, window)`: which of
 /// the `n` IDs of the set `wanted`, all between `low` and `high`, `consumer`
 /// holds in the PEL. Read from its own PEL over that span, in pages of `n`
 /// (`XPENDING … <consumer>`): one call for entries read together, not one
-/// point lookup each, and no further page once all `n` are found.
+/// point lookup each, and no further page once all `n` are found. All of
+/// them, unread, while `at` and `window` prove the hold ([`HeldSince`];
+/// `0 0`: no proof). Needs [`SERVER_MS_LUA`].
 pub const HELD_BY_LUA: &str = r"
-        local function held_by(stream, group, consumer, low, high, wanted, n)
+        local function held_by(stream, group, consumer, low, high, wanted, n, at, window)
+            at, window = tonumber(at) or 0, tonumber(window) or 0
+            if at > 0 and server_ms() - at < window then return wanted end
             local held, from, found = {}, low, 0
             while n > 0 do
                 local page = redis.call('XPENDING', stream, group, from, high, n, consumer)
@@ -117,7 +165,8 @@ pub async fn record_not_started<C: ConnectionLike + Send>(
     consumer: &str,
 ) -> Result<bool, StreamError> {
     let runs = [(entry.id.as_str(), handed_back(entry.deliveries), business_key)];
-    let written = record_runs(conn, &entry.stream, group, consumer, &runs, "recording an entry left unstarted").await?;
+    let action = "recording an entry left unstarted";
+    let written = record_runs(conn, &entry.stream, group, consumer, None, &runs, action).await?;
     Ok(written.first() == Some(&true))
 }
 
@@ -128,16 +177,18 @@ pub async fn record_not_started<C: ConnectionLike + Send>(
 /// the record behind for the next claim to read. Per entry, false (and
 /// nothing written for it) when `consumer` no longer holds it (its hold
 /// lapsed and another claimed, acked or dead-lettered it): its handler
-/// must not start.
+/// must not start. With `held` (a proof the hold is young), they are not
+/// looked up.
 pub async fn record_starts<C: ConnectionLike + Send>(
     conn: &mut C,
     who: ConsumerRef<'_>,
+    held: Option<HeldSince>,
     starting: &[(&str, u64, Option<&str>)],
 ) -> Result<Vec<bool>, StreamError> {
     let ConsumerRef { stream, group, consumer } = who;
     let runs: Vec<(&str, String, Option<&str>)> =
         starting.iter().map(|(id, deliveries, key)| (*id, deliveries.to_string(), *key)).collect();
-    record_runs(conn, stream, group, consumer, &runs, "recording handlers' start").await
+    record_runs(conn, stream, group, consumer, held, &runs, "recording handlers' start").await
 }
 
 /// Sets each entry's run record ([`run_field`]) and business key
@@ -145,21 +196,22 @@ pub async fn record_starts<C: ConnectionLike + Send>(
 /// holder whose hold lapsed never leaves a record for an entry that has
 /// left the PEL (where nothing would ever delete it) or that another
 /// consumer now runs. KEYS: the stream, the entry-record hash. ARGV: group,
-/// consumer, the lowest and highest of the IDs, then per entry its ID,
-/// value and business key ('' for none). Returns per entry 1 written, 0 not
-/// held. Which are held comes from one `XPENDING` over the IDs' span
+/// consumer, the lowest and highest of the IDs, the proof of the hold
+/// ([`HeldSince::args`]), then per entry its ID, value and business key
+/// ('' for none). Returns per entry 1 written, 0 not held. Which are held
+/// comes from the proof, else one `XPENDING` over the IDs' span
 /// ([`HELD_BY_LUA`]), and one `HSET` writes them all.
 static RECORD_RUNS: std::sync::LazyLock<redis::Script> =
-    std::sync::LazyLock::new(|| redis::Script::new(&format!("{HELD_BY_LUA}{RECORD_RUNS_LUA}")));
+    std::sync::LazyLock::new(|| redis::Script::new(&format!("{SERVER_MS_LUA}{HELD_BY_LUA}{RECORD_RUNS_LUA}")));
 
 const RECORD_RUNS_LUA: &str = r"
         local out, fields, wanted, n = {}, {}, {}, 0
-        for j = 5, #ARGV, 3 do
+        for j = 7, #ARGV, 3 do
             wanted[ARGV[j]] = true
             n = n + 1
         end
-        local held = held_by(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], wanted, n)
-        for j = 5, #ARGV, 3 do
+        local held = held_by(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], wanted, n, ARGV[5], ARGV[6])
+        for j = 7, #ARGV, 3 do
             local id = ARGV[j]
             if held[id] then
                 fields[#fields + 1] = id .. ':run'
@@ -183,6 +235,7 @@ async fn record_runs<C: ConnectionLike + Send>(
     stream: &str,
     group: &str,
     consumer: &str,
+    held: Option<HeldSince>,
     runs: &[(&str, String, Option<&str>)],
     action: &'static str,
 ) -> Result<Vec<bool>, StreamError> {
@@ -192,6 +245,8 @@ async fn record_runs<C: ConnectionLike + Send>(
     let mut script = RECORD_RUNS.prepare_invoke();
     let (low, high) = crate::retention::StreamId::span(runs.iter().map(|(id, _, _)| *id));
     script.key(stream).key(keys::last_error_key(stream, group)).arg(group).arg(consumer).arg(low).arg(high);
+    let [at, window] = HeldSince::args(held);
+    script.arg(at).arg(window);
     for (id, value, key) in runs {
         script.arg(*id).arg(value).arg(key.unwrap_or_default());
     }

@@ -65,6 +65,7 @@ async fn sweep_dead_letters_poison_records_lost_payloads_and_leaves_the_rest() -
     let held = streamfleet_streams::started::record_starts(
         &mut conn,
         streamfleet_streams::ConsumerRef::new("orders", "g", "w1"),
+        None,
         &starting,
     )
     .await?;

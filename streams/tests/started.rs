@@ -29,7 +29,8 @@ async fn start_records_are_written_for_exactly_the_entries_the_consumer_holds() 
         redis::cmd("XCLAIM").arg("orders").arg("g").arg("other").arg(0).arg(&ids[6]).query_async(&mut conn).await?;
     // Three asked, six of w's entries between the lowest and the highest.
     let starting = [(ids[7].as_str(), 1, None), (ids[0].as_str(), 1, Some("k0")), (ids[6].as_str(), 1, None)];
-    let held = record_starts(&mut conn, streamfleet_streams::ConsumerRef::new("orders", "g", "w"), &starting).await?;
+    let held =
+        record_starts(&mut conn, streamfleet_streams::ConsumerRef::new("orders", "g", "w"), None, &starting).await?;
     assert_eq!(held, vec![true, true, false], "held: the last and the first; the claimed one is not");
     let records: std::collections::HashMap<String, String> = conn.hgetall(last_error_key("orders", "g")).await?;
     let mut fields: Vec<&str> = records.keys().map(String::as_str).collect();
@@ -37,5 +38,52 @@ async fn start_records_are_written_for_exactly_the_entries_the_consumer_holds() 
     let mut expected = vec![run_field(&ids[0]), format!("{}:key", ids[0]), run_field(&ids[7])];
     expected.sort_unstable();
     assert_eq!(fields, expected, "records for the held entries only");
+    Ok(())
+}
+
+/// `XPENDING` calls so far, by the server's own count.
+async fn xpending_calls(conn: &mut redis::aio::MultiplexedConnection) -> Result<u64> {
+    let stats: String = redis::cmd("INFO").arg("commandstats").query_async(conn).await?;
+    let line = stats.lines().find(|l| l.starts_with("cmdstat_xpending:")).unwrap_or("calls=0,");
+    let calls = line.split("calls=").nth(1).and_then(|rest| rest.split(',').next()).unwrap_or("0");
+    Ok(calls.parse()?)
+}
+
+/// With a proof that the hold is young (the server's time before the read,
+/// within half min-idle-time), the script takes the entries as held without
+/// reading the PEL; a proof that has run out is no proof, and the PEL says
+/// which are held.
+#[tokio::test]
+async fn a_young_hold_is_taken_as_proven_and_an_old_one_is_checked() -> Result<()> {
+    use streamfleet_streams::started::{HeldSince, server_ms_command};
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    ensure_group(&mut conn, "orders", "g", "0").await?;
+    let read_at: u64 = server_ms_command("orders").query_async(&mut conn).await?;
+    let mut ids = Vec::new();
+    for i in 0..4 {
+        ids.push(conn.xadd::<_, _, _, _, String>("orders", "*", &[("order_id", i.to_string())]).await?);
+    }
+    let opts = redis::streams::StreamReadOptions::default().group("g", "w").count(10);
+    let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
+    let who = streamfleet_streams::ConsumerRef::new("orders", "g", "w");
+    let young = HeldSince::new(read_at, std::time::Duration::from_secs(60));
+    assert_eq!(young.window_ms, 30_000, "half min-idle-time");
+    let before = xpending_calls(&mut conn).await?;
+    let held =
+        record_starts(&mut conn, who, Some(young), &[(ids[0].as_str(), 1, None), (ids[1].as_str(), 1, None)]).await?;
+    assert_eq!(held, vec![true, true]);
+    assert_eq!(xpending_calls(&mut conn).await?, before, "no PEL read under a young hold");
+    let records: std::collections::HashMap<String, String> = conn.hgetall(last_error_key("orders", "g")).await?;
+    assert!(records.contains_key(&run_field(&ids[0])) && records.contains_key(&run_field(&ids[1])));
+    // Another consumer took one (its idle past min-idle-time, as a claim
+    // needs): the hold ran out long before, so the proof is stale.
+    let _: redis::Value =
+        redis::cmd("XCLAIM").arg("orders").arg("g").arg("other").arg(0).arg(&ids[3]).query_async(&mut conn).await?;
+    let old = HeldSince { at_ms: read_at.saturating_sub(40_000), window_ms: 30_000 };
+    let held =
+        record_starts(&mut conn, who, Some(old), &[(ids[2].as_str(), 1, None), (ids[3].as_str(), 1, None)]).await?;
+    assert_eq!(held, vec![true, false], "checked in the PEL: the claimed one is not held");
+    assert!(xpending_calls(&mut conn).await? > before, "the PEL was read");
     Ok(())
 }

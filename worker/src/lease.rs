@@ -16,6 +16,7 @@
 //!   delivery (`started`).
 
 use streamfleet_streams::retention::StreamId;
+use streamfleet_streams::started::HeldSince;
 use streamfleet_streams::{ConsumerRef, StreamConnection, StreamError};
 
 /// KEYS: stream, the group's alive registry, the stream's server epoch,
@@ -65,28 +66,30 @@ static EXTEND: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
 
 /// KEYS: stream, the group's last-error hash, then per entry to complete
 /// its completion record and its lock. ARGV: group, consumer, completed TTL
-/// ms, the lowest and highest ID of the entries, then per entry: ID, 1 to
+/// ms, the lowest and highest ID of the entries, the proof of the hold
+/// (`started::HeldSince::args`), then per entry: ID, 1 to
 /// complete it, the lock's mark ('' for none). Completing writes the event's
 /// completion record and releases the lock if it still holds this
 /// delivery's mark; it happens whether or not the entry is still ours (its
 /// effect happened); the ack (and the entry's last error cleared) only when
-/// it is. Which are ours comes from this consumer's own PEL over the
-/// entries' ID span (`started::HELD_BY_LUA`). Returns the IDs another
+/// it is. Which are ours comes from the proof, else from this consumer's
+/// own PEL over the entries' ID span (`started::HELD_BY_LUA`). Returns the IDs another
 /// consumer holds now (not acked here); run twice, the second run acks
 /// nothing and reports those IDs again
 /// (`protocol::a_commit_sent_twice_acks_once_and_never_acks_what_another_holds`).
 static COMMIT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         &(streamfleet_streams::started::record_fields_lua()
+            + streamfleet_streams::started::SERVER_MS_LUA
             + streamfleet_streams::started::HELD_BY_LUA
             + r"
         local wanted, n = {}, 0
-        for j = 6, #ARGV, 3 do
+        for j = 8, #ARGV, 3 do
             wanted[ARGV[j]] = true
             n = n + 1
         end
         if n == 0 then return {} end
-        local ours = held_by(KEYS[1], ARGV[1], ARGV[2], ARGV[4], ARGV[5], wanted, n)
+        local ours = held_by(KEYS[1], ARGV[1], ARGV[2], ARGV[4], ARGV[5], wanted, n, ARGV[6], ARGV[7])
         local acked, lost, m = {}, {}, 3
         local function ack()
             redis.call('XACK', KEYS[1], ARGV[1], unpack(acked))
@@ -96,7 +99,7 @@ static COMMIT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| 
             redis.call('HDEL', KEYS[2], unpack(fields))
             acked = {}
         end
-        for j = 6, #ARGV, 3 do
+        for j = 8, #ARGV, 3 do
             local id = ARGV[j]
             if ARGV[j + 1] == '1' then
                 redis.call('SET', KEYS[m], 'completed', 'PX', ARGV[3])
@@ -191,15 +194,18 @@ impl Lease<'_> {
         Ok(owned.into_iter().map(|o| o == 1).collect())
     }
 
-    /// Commits settled entries: `(ID, what to complete)`. Returns the IDs
-    /// not acked because another consumer owns them now.
+    /// Commits settled entries: `(ID, what to complete)`; `held` proves
+    /// they are still this consumer's without a look at the PEL. Returns
+    /// the IDs not acked because another consumer owns them now.
     pub async fn commit(
         &self,
         conn: &mut StreamConnection,
         completed_ttl_ms: u64,
+        held: Option<HeldSince>,
         settled: &[(&str, Option<Completion>)],
     ) -> Result<Vec<String>, StreamError> {
         let (low, high) = StreamId::span(settled.iter().map(|(id, _)| *id));
+        let [at, window] = HeldSince::args(held);
         let mut script = COMMIT.prepare_invoke();
         script
             .key(self.holder.stream)
@@ -208,7 +214,9 @@ impl Lease<'_> {
             .arg(self.holder.consumer)
             .arg(completed_ttl_ms)
             .arg(low)
-            .arg(high);
+            .arg(high)
+            .arg(at)
+            .arg(window);
         for (id, completion) in settled {
             script.arg(*id);
             match completion {

@@ -928,12 +928,12 @@ async fn a_commit_sent_twice_acks_once_and_never_acks_what_another_holds() -> Re
         let locks: Vec<Option<String>> = vec![c.get(lock("k0")).await?, c.get(lock("k1")).await?];
         anyhow::Ok((owners, locks))
     };
-    let first = lease.commit(&mut stream_conn, 60_000, &settled).await?;
+    let first = lease.commit(&mut stream_conn, 60_000, None, &settled).await?;
     assert_eq!(first, vec![taken.clone()], "the claimed entry is reported, not acked");
     let after_first = state(conn.clone()).await?;
     assert_eq!(after_first.0, vec![(taken.clone(), "thief".to_string())], "ours acked, the thief's left");
     assert_eq!(after_first.1, vec![None, None], "both locks released: both effects happened");
-    let second = lease.commit(&mut stream_conn, 60_000, &settled).await?;
+    let second = lease.commit(&mut stream_conn, 60_000, None, &settled).await?;
     assert_eq!(second, first, "sent again: the same report");
     assert_eq!(state(conn.clone()).await?, after_first, "sent again: nothing changed");
     for event in [&ours, &taken] {

@@ -222,6 +222,7 @@ async fn a_vanished_group_is_created_again_without_its_old_entries_records() {
     streamfleet_streams::started::record_starts(
         &mut admin,
         streamfleet_streams::ConsumerRef::new(&stream, &group, "w1"),
+        None,
         &starting,
     )
     .await

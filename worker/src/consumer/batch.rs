@@ -23,6 +23,9 @@ pub(super) struct Batch {
     /// them, and by an entry leaving (`release`), so a guard mark released
     /// is never put back by an extension that read the entry as held.
     pub(super) extending: tokio::sync::Mutex<()>,
+    /// Per stream, the proof that its entries are still this consumer's
+    /// while young (from the read that delivered them; none for claimed ones).
+    pub(super) held: BTreeMap<String, HeldSince>,
 }
 
 impl Batch {
@@ -32,6 +35,11 @@ impl Batch {
         if let Err(phase) = self.phase[i].apply(event) {
             tracing::error!(id = %self.entries[i].id, ?phase, ?event, "an entry's phase does not allow this event (a defect)");
         }
+    }
+
+    /// The proof that this batch's entries of `stream` are still held.
+    pub(super) fn held_since(&self, stream: &str) -> Option<HeldSince> {
+        self.held.get(stream).copied()
     }
 
     /// Entry `i`'s business key, if its extractor gave one.
@@ -82,7 +90,12 @@ impl<H: Handler> Worker<H> {
     /// neither a slow handler nor a long queue lets another consumer claim
     /// them. What was not started (shutdown, a failed batch) or still runs at
     /// the drain deadline is handed back, claimable at once.
-    pub(super) async fn process(&self, conn: &mut StreamConnection, entries: Vec<Entry>) -> Result<(), WorkerError> {
+    pub(super) async fn process(
+        &self,
+        conn: &mut StreamConnection,
+        entries: Vec<Entry>,
+        held: BTreeMap<String, HeldSince>,
+    ) -> Result<(), WorkerError> {
         let (foreign, entries): (Vec<Entry>, Vec<Entry>) = entries.into_iter().partition(|e| {
             e.field_str(streamfleet_streams::replay::F_REPLAY_FOR).is_some_and(|group| group != self.config.group)
         });
@@ -141,6 +154,7 @@ impl<H: Handler> Worker<H> {
             crash: tokio::sync::Notify::new(),
             born: Instant::now(),
             extending: tokio::sync::Mutex::new(()),
+            held,
         });
         let (settled_tx, settled_rx) = tokio::sync::mpsc::unbounded_channel::<(usize, Settled)>();
         let failure: std::sync::Mutex<Option<WorkerError>> = std::sync::Mutex::new(None);
@@ -209,7 +223,7 @@ impl<H: Handler> Worker<H> {
             by_stream.entry(entry.stream.as_str()).or_default().push((entry.id.as_str(), None));
         }
         for (stream, ids) in by_stream {
-            self.lease(stream).commit(conn, 0, &ids).await?;
+            self.lease(stream).commit(conn, 0, None, &ids).await?;
         }
         self.stats.add(&self.stats.foreign_replays, foreign.len());
         Ok(())

@@ -135,7 +135,8 @@ impl<H: Handler> Worker<H> {
             _ => 0,
         };
         for (stream, settled) in by_stream {
-            let not_ours = self.lease(stream).commit(conn, completed_ttl, &settled).await?;
+            let held = batch.held_since(stream);
+            let not_ours = self.lease(stream).commit(conn, completed_ttl, held, &settled).await?;
             // Committed (acked here, or by the consumer that claimed it).
             for (i, _) in ready.iter().filter(|(i, _)| batch.entries[*i].stream == stream) {
                 batch.advance(*i, Event::Committed);

@@ -34,6 +34,7 @@ use streamfleet_streams::deadletter::{self, Letter, Reason};
 use streamfleet_streams::entry::read_reply_from_value;
 use streamfleet_streams::recovery::{RecoveryReport, now_ms, write_report};
 use streamfleet_streams::retry::Parked;
+use streamfleet_streams::started::HeldSince;
 use streamfleet_streams::{ConsumerRef, Entry, StreamConnection, StreamError};
 
 /// What becomes of one entry of a batch.
@@ -393,7 +394,7 @@ impl<H: Handler> Worker<H> {
         }
         // Never cancel a read in flight: entries it delivered would sit in our
         // PEL unseen until claimed. The short BLOCK bounds the drain instead.
-        let entries = self.read(readers).await?;
-        self.process(conn, entries).await
+        let delivered = self.read(readers).await?;
+        self.process(conn, delivered.entries, delivered.held).await
     }
 }

@@ -6,6 +6,14 @@ use super::*;
 /// How long each read blocks when a worker reads several slots of a cluster.
 pub(super) const MULTI_SLOT_BLOCK: Duration = Duration::from_millis(200);
 
+/// Entries one read delivered, and per stream the proof that they are
+/// still this consumer's while young (`started::HeldSince`).
+#[derive(Default)]
+pub(super) struct Delivered {
+    pub(super) entries: Vec<Entry>,
+    pub(super) held: BTreeMap<String, HeldSince>,
+}
+
 /// A blocking read connection and the streams it reads together.
 pub(super) struct Reader {
     pub(super) streams: Vec<String>,
@@ -44,23 +52,26 @@ impl<H: Handler> Worker<H> {
     /// an idle slot's block. Entries any reader delivered are returned even
     /// when another failed (they are in our PEL now); the error only when
     /// none delivered anything.
-    pub(super) async fn read(&self, readers: &mut [Reader]) -> Result<Vec<Entry>, StreamError> {
+    pub(super) async fn read(&self, readers: &mut [Reader]) -> Result<Delivered, StreamError> {
         if readers.len() > 1 {
-            let entries = self.read_all(readers, false).await?;
-            if !entries.is_empty() {
-                return Ok(entries);
+            let delivered = self.read_all(readers, false).await?;
+            if !delivered.entries.is_empty() {
+                return Ok(delivered);
             }
         }
         self.read_all(readers, true).await
     }
 
-    pub(super) async fn read_all(&self, readers: &mut [Reader], block: bool) -> Result<Vec<Entry>, StreamError> {
+    pub(super) async fn read_all(&self, readers: &mut [Reader], block: bool) -> Result<Delivered, StreamError> {
         let readers_count = readers.len();
         let results = futures::future::join_all(readers.iter_mut().map(|r| self.read_from(r, block))).await;
-        let (mut entries, mut failure, mut failed) = (Vec::new(), None, 0);
+        let (mut entries, mut failure, mut failed) = (Delivered::default(), None, 0);
         for result in results {
             match result {
-                Ok(mut read) => entries.append(&mut read),
+                Ok(mut read) => {
+                    entries.entries.append(&mut read.entries);
+                    entries.held.append(&mut read.held);
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "a read failed");
                     failed += 1;
@@ -71,7 +82,7 @@ impl<H: Handler> Worker<H> {
         match failure {
             // Every reader failed: the caller backs off. One slot down must
             // not hold up the others.
-            Some(e) if entries.is_empty() && failed == readers_count => Err(e),
+            Some(e) if entries.entries.is_empty() && failed == readers_count => Err(e),
             _ => Ok(entries),
         }
     }
@@ -85,8 +96,10 @@ impl<H: Handler> Worker<H> {
 
     /// New entries only: idle ones are taken by the claim cycle, never by
     /// `XREADGROUP … CLAIM` (8.4), which would bypass what the claim script
-    /// checks (a young server epoch, a live holder's trimmed entry).
-    pub(super) async fn read_from(&self, reader: &mut Reader, block: bool) -> Result<Vec<Entry>, StreamError> {
+    /// checks (a young server epoch, a live holder's trimmed entry). The
+    /// server's time, read in the same round trip just before, is the proof
+    /// of the hold on what the read delivers.
+    pub(super) async fn read_from(&self, reader: &mut Reader, block: bool) -> Result<Delivered, StreamError> {
         let mut opts =
             StreamReadOptions::default().group(&self.config.group, &self.config.consumer).count(self.take_at_once());
         if block {
@@ -96,17 +109,28 @@ impl<H: Handler> Worker<H> {
             opts = opts.noack();
         }
         let ids: Vec<&str> = reader.streams.iter().map(|_| ">").collect();
-        let mut cmd = redis::cmd("XREADGROUP");
-        cmd.arg(&opts);
-        let reply: redis::Value = cmd
-            .arg("STREAMS")
-            .arg(&reader.streams)
-            .arg(&ids)
-            .query_async(&mut reader.conn)
-            .await
-            .map_err(|e| StreamError::new("reading new entries", e))?;
-        let streams = read_reply_from_value(reply).map_err(|e| StreamError::new("reading new entries", e.into()))?;
-        Ok(streams
+        let mut read = redis::cmd("XREADGROUP");
+        read.arg(&opts).arg("STREAMS").arg(&reader.streams).arg(&ids);
+        let failed = |e| StreamError::new("reading new entries", e);
+        // (At-most-once: nothing is held.)
+        let (read_at, reply): (Option<u64>, redis::Value) = match reader.streams.first() {
+            Some(first) if !self.at_most_once => {
+                let mut pipe = redis::pipe();
+                pipe.add_command(streamfleet_streams::started::server_ms_command(first)).add_command(read);
+                let (at, reply): (u64, redis::Value) = pipe.query_async(&mut reader.conn).await.map_err(failed)?;
+                (Some(at), reply)
+            }
+            _ => (None, read.query_async(&mut reader.conn).await.map_err(failed)?),
+        };
+        let streams = read_reply_from_value(reply).map_err(|e| failed(e.into()))?;
+        let held = match read_at {
+            Some(at) => {
+                let proof = HeldSince::new(at, self.config.min_idle);
+                streams.iter().map(|(stream, _)| (stream.clone(), proof)).collect()
+            }
+            None => BTreeMap::new(),
+        };
+        let entries = streams
             .into_iter()
             .flat_map(|(stream, entries)| {
                 entries.into_iter().map(move |(id, fields)| Entry {
@@ -117,6 +141,7 @@ impl<H: Handler> Worker<H> {
                     fields,
                 })
             })
-            .collect())
+            .collect();
+        Ok(Delivered { entries, held })
     }
 }

@@ -89,14 +89,14 @@ impl<H: Handler> Worker<H> {
         // share the blame (`started`), and it alone reaches the crash limit.
         let (suspects, rest): (Vec<Entry>, Vec<Entry>) = entries.into_iter().partition(|e| e.crashes > 0);
         if suspects.is_empty() {
-            return self.process(conn, rest).await;
+            return self.process(conn, rest, BTreeMap::new()).await;
         }
         // Their batch-mates would wait unheld while the suspects run one by
         // one: handed back first, unstarted (not counted), claimable at once.
         self.hand_back_unstarted(conn, &rest).await;
         for suspect in suspects {
             tracing::warn!(stream, id = %suspect.id, crashes = suspect.crashes, "running alone an entry whose handler was running when a worker died");
-            self.process(conn, vec![suspect]).await?;
+            self.process(conn, vec![suspect], BTreeMap::new()).await?;
         }
         Ok(())
     }

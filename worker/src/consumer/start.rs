@@ -63,8 +63,13 @@ impl<H: Handler> Worker<H> {
                         .collect();
                     let mut conn = conn.clone();
                     async move {
-                        let held =
-                            streamfleet_streams::started::record_starts(&mut conn, self.me(stream), &starting).await;
+                        let held = streamfleet_streams::started::record_starts(
+                            &mut conn,
+                            self.me(stream),
+                            batch.held_since(stream),
+                            &starting,
+                        )
+                        .await;
                         (stream, held)
                     }
                 })

@@ -4,7 +4,10 @@
 //!
 //! * the ceiling: a library-free loop, `XREADGROUP COUNT 500` then one
 //!   `XACK` carrying every ID of the batch, one connection;
-//! * the streamfleet worker at the same batch size, guard off and guard on;
+//! * the streamfleet worker at the same batch size, guard off and guard on,
+//!   and guard off with `concurrency` = the batch (one wave of handlers
+//!   per batch: what the round trips of waves cost, apart from the work
+//!   per entry);
 //! * a naive loop (`XREADGROUP COUNT 1`, handle, `XACK`);
 //! * Watermill's Redis Streams subscriber (Go, tests/bench/watermill), when
 //!   Go is installed.
@@ -24,6 +27,10 @@ use streamfleet_testbed::redis_server::{calls_between, command_calls, command_mi
 use streamfleet_worker::{Worker, WorkerConfig};
 
 const BATCH: usize = 500;
+// The one-wave row's name says its concurrency, the batch size.
+const _: () = assert!(BATCH == 500);
+/// The index of the Watermill row (it fills its own stream).
+const WATERMILL: usize = 5;
 const RUNS: usize = 3;
 type Conn = redis::aio::MultiplexedConnection;
 
@@ -55,7 +62,15 @@ async fn raw_loop(conn: &mut Conn, stream: &str, n: usize, count: usize) -> Resu
     Ok(start.elapsed())
 }
 
-async fn library(server: &RedisServer, stream: &str, n: usize, guard: bool) -> Result<Duration> {
+/// The library at the batch size, guard on or off; `concurrency` overrides
+/// the library default (and `BENCH_CONCURRENCY`).
+async fn library(
+    server: &RedisServer,
+    stream: &str,
+    n: usize,
+    guard: bool,
+    concurrency: Option<usize>,
+) -> Result<Duration> {
     let vars: HashMap<&str, String> = HashMap::from([
         (env::REDIS_URL, server.url()),
         (env::STREAMS, stream.to_string()),
@@ -66,6 +81,9 @@ async fn library(server: &RedisServer, stream: &str, n: usize, guard: bool) -> R
     let mut vars = vars;
     if let Ok(c) = std::env::var("BENCH_CONCURRENCY") {
         vars.insert(env::CONCURRENCY, c);
+    }
+    if let Some(c) = concurrency {
+        vars.insert(env::CONCURRENCY, c.to_string());
     }
     let config = WorkerConfig::from_lookup(|k| vars.get(k).cloned())?;
     let mut worker = Worker::new(config, Trivial);
@@ -169,6 +187,7 @@ async fn main() -> Result<()> {
             "one script per flush of settled entries: ownership check, then XACK",
         ),
         Row::new("streamfleet, guard on", &BATCH.to_string(), "one script per flush: completion marks, then acks"),
+        Row::new("streamfleet, guard off, concurrency 500 (one wave per batch)", &BATCH.to_string(), "as guard off"),
         Row::new("naive loop", "1", "one XACK per entry"),
     ];
     if watermill_bin.is_some() {
@@ -182,7 +201,7 @@ async fn main() -> Result<()> {
                 continue;
             }
             let stream = format!("s-{i}-{run}");
-            if i != 4 {
+            if i != WATERMILL {
                 ensure_group(&mut conn, &stream, "g", "0").await?;
                 fill(&mut conn, &stream, n).await?;
             }
@@ -194,15 +213,16 @@ async fn main() -> Result<()> {
             );
             let took = match i {
                 0 => raw_loop(&mut conn, &stream, n, BATCH).await?,
-                1 => library(&server, &stream, n, false).await?,
-                2 => library(&server, &stream, n, true).await?,
-                3 => raw_loop(&mut conn, &stream, n, 1).await?,
+                1 => library(&server, &stream, n, false, None).await?,
+                2 => library(&server, &stream, n, true, None).await?,
+                3 => library(&server, &stream, n, false, Some(BATCH)).await?,
+                4 => raw_loop(&mut conn, &stream, n, 1).await?,
                 _ => match &watermill_bin {
                     Some(bin) => watermill(bin, &server, n).await?,
                     None => continue,
                 },
             };
-            if i != 4 {
+            if i != WATERMILL {
                 *row.client_cpu.get_or_insert(0.0) += own_cpu() - cpu_before;
                 *row.redis_cpu.get_or_insert(0.0) += redis_cpu(&mut conn).await? - redis_before;
             }
@@ -211,7 +231,7 @@ async fn main() -> Result<()> {
             let calls = calls_between(&calls_before, &command_calls(&mut conn).await?);
             for (name, us) in &spent {
                 // The Watermill peer fills its own stream.
-                let filling = i == 4 && name == "xadd";
+                let filling = i == WATERMILL && name == "xadd";
                 if !filling && !name.starts_with("info") {
                     *row.redis_us.entry(name.clone()).or_default() += us;
                 }
@@ -239,12 +259,14 @@ async fn main() -> Result<()> {
     let share = |row: &Row| 100.0 * row.runs.median() / ceiling;
     let bound = |row: &Row| row.redis_bound(n * RUNS).map_or(f64::NAN, |b| 100.0 * b / ceiling);
     let summary = format!(
-        "Of the ceiling (median): guard off {:.0}% (target ≥ 80%), guard on {:.0}% (target ≥ 50%); naive loop {:.1}%. Redis's own CPU per entry alone would cap guard off at {:.0}% and guard on at {:.0}% of the ceiling",
+        "Of the ceiling (median): guard off {:.0}% (target ≥ 80%), guard on {:.0}% (target ≥ 50%); guard off in one wave per batch {:.0}%; naive loop {:.1}%. Redis's own CPU per entry alone would cap guard off at {:.0}%, guard on at {:.0}% and one wave per batch at {:.0}% of the ceiling",
         share(&rows[1]),
         share(&rows[2]),
         share(&rows[3]),
+        share(&rows[4]),
         bound(&rows[1]),
-        bound(&rows[2])
+        bound(&rows[2]),
+        bound(&rows[3])
     );
     println!("{summary}");
     let table: Vec<serde_json::Value> = rows
