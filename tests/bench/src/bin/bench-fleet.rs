@@ -84,19 +84,35 @@ fn proc_usage(pid: u32) -> Result<(f64, f64)> {
     Ok((cpu, rss_kib / 1024.0))
 }
 
-/// The pid of the operator pod's process (`streamfleet run`).
+/// The pid of the operator pod's process (`streamfleet run`), which must
+/// be this tree's build: the figure is this commit's.
 fn operator_pid() -> Result<u32> {
     let binary = tools::cargo_bin("streamfleet")?;
+    let mut other = None;
     for entry in std::fs::read_dir("/proc")?.flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
         let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-        if exe.as_deref() == Some(binary.as_path()) && args.get(1) == Some(&b"run".as_slice()) {
-            return Ok(pid);
+        let is_operator =
+            args.first().is_some_and(|a| a.ends_with(b"streamfleet")) && args.get(1) == Some(&b"run".as_slice());
+        match exe {
+            Some(exe) if is_operator && exe == binary => return Ok(pid),
+            Some(exe) if is_operator => other = Some(exe),
+            _ => {}
         }
     }
-    bail!("no operator process ({} run)", binary.display())
+    match other {
+        // The test bed's kubelet prefers an image in `target/images` tagged
+        // as the chart's image (left by a plain `scripts/build-images.sh`).
+        Some(exe) => bail!(
+            "the operator pod runs {}, not this tree's build {}: an image in target/images carries the chart's tag \
+             (a `scripts/build-images.sh` run); move target/images away and run again",
+            exe.display(),
+            binary.display()
+        ),
+        None => bail!("no operator process ({} run)", binary.display()),
+    }
 }
 
 /// `apiserver_request_total`, summed by "verb resource[/subresource]".
