@@ -166,7 +166,12 @@ pub async fn declare_dead<C: ConnectionLike + Send>(conn: &mut C, who: ConsumerR
 /// next XAUTOCLAIM of any live consumer takes them, without waiting out
 /// min-idle-time; the consumer is declared dead first ([`declare_dead`]), so
 /// its idempotency-guard marks do not hold them up either. Returns how many were released now (entries already
-/// released earlier are left as they are).
+/// released earlier are left as they are). Entries idle for less than a
+/// read's proof of the hold lasts ([`crate::started::hold_proof_window`])
+/// are left for a later call: a process still running behind a deleted pod
+/// may have just read them, and acts on them without a look at its PEL
+/// (`started::HeldSince`); a dead consumer's entries are idle for
+/// [`SILENT_FOR`] at least.
 pub async fn release_pending<C: ConnectionLike + Send>(
     conn: &mut C,
     who: ConsumerRef<'_>,
@@ -182,8 +187,12 @@ pub async fn release_pending<C: ConnectionLike + Send>(
     if !declare_dead(conn, who).await? {
         return Ok(Released { alive: true, ..Released::default() });
     }
-    let stale: Vec<&str> =
-        pending.iter().filter(|(_, _, idle, _)| *idle < idle_ms).map(|(id, ..)| id.as_str()).collect();
+    let fresh_ms = crate::millis(crate::started::hold_proof_window(min_idle));
+    let stale: Vec<&str> = pending
+        .iter()
+        .filter(|(_, _, idle, _)| *idle >= fresh_ms && *idle < idle_ms)
+        .map(|(id, ..)| id.as_str())
+        .collect();
     if stale.is_empty() {
         return Ok(Released::default());
     }

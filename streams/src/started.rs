@@ -74,24 +74,45 @@ pub fn record_fields_lua() -> String {
 
 /// Proof, on Redis's own clock, that a consumer still holds the entries one
 /// read delivered to it: the server's time (ms) no later than their
-/// delivery, read on the server that delivered them. Every claim waits for
-/// an entry to be idle min-idle-time, and only the entry's holder sets its
-/// idle time otherwise, so while the server's clock is less than
-/// [`HeldSince::window_ms`] (half min-idle-time: a margin for its clock
-/// stepping back) past `at_ms`, no other consumer can have taken them, and
-/// the scripts that act on them skip the ownership check (the `XPENDING` of
-/// [`HELD_BY_LUA`]).
+/// delivery, read on the server that delivered them. While the server's
+/// clock is less than [`HeldSince::window_ms`] past `at_ms`, and the lowest
+/// of the entries acted on is still in the consumer's PEL, no other
+/// consumer can hold any of them, and the scripts that act on them skip the
+/// ownership check over their span (the `XPENDING` page of [`HELD_BY_LUA`]):
+///
+/// * every claim and the sweep wait for an entry to be idle min-idle-time,
+///   and no consumer of a resource claims after less than one second (the
+///   CRD's least `minIdleTimeMs`, whatever value its pods run with during a
+///   change); the window is at most half of that ([`HOLD_PROOF_LIMIT`]);
+/// * the operator's release of a dead consumer's entries leaves those idle
+///   for less than [`HOLD_PROOF_LIMIT`] (`consumers::release_pending`): a
+///   process still reading behind a deleted pod keeps what it just read;
+/// * a read lost in a failover or a restart (the PEL rolled back), or a
+///   group deleted and created again, takes all of the read's entries out
+///   of the consumer's PEL at once (a read is replicated and written to the
+///   AOF as one transaction, and the consumer reads nothing else while its
+///   batch is in hand): the one entry looked up tells.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HeldSince {
     pub at_ms: u64,
     pub window_ms: u64,
 }
 
+/// The longest a read's proof of the hold lasts ([`HeldSince`]): half the
+/// least min-idle-time a resource admits (1 s).
+pub const HOLD_PROOF_LIMIT: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// How long a read's proof of the hold lasts in a group whose claims wait
+/// `min_idle`: half of it, at most [`HOLD_PROOF_LIMIT`].
+pub fn hold_proof_window(min_idle: std::time::Duration) -> std::time::Duration {
+    (min_idle / 2).min(HOLD_PROOF_LIMIT)
+}
+
 impl HeldSince {
     /// The proof for entries delivered after `at_ms` (server time) to a
-    /// group whose claims wait `min_idle`.
+    /// group whose claims wait `min_idle` ([`hold_proof_window`]).
     pub fn new(at_ms: u64, min_idle: std::time::Duration) -> Self {
-        Self { at_ms, window_ms: crate::millis(min_idle) / 2 }
+        Self { at_ms, window_ms: crate::millis(hold_proof_window(min_idle)) }
     }
 
     /// The script arguments: `at_ms`, `window_ms` (`0 0`: no proof).
@@ -121,12 +142,15 @@ pub fn server_ms_command(stream: &str) -> redis::Cmd {
 /// holds in the PEL. Read from its own PEL over that span, in pages of `n`
 /// (`XPENDING … <consumer>`): one call for entries read together, not one
 /// point lookup each, and no further page once all `n` are found. All of
-/// them, unread, while `at` and `window` prove the hold ([`HeldSince`];
-/// `0 0`: no proof). Needs [`SERVER_MS_LUA`].
+/// them, with one point lookup of `low`, while `at` and `window` prove the
+/// hold ([`HeldSince`]; `0 0`: no proof). Needs [`SERVER_MS_LUA`].
 pub const HELD_BY_LUA: &str = r"
         local function held_by(stream, group, consumer, low, high, wanted, n, at, window)
             at, window = tonumber(at) or 0, tonumber(window) or 0
-            if at > 0 and server_ms() - at < window then return wanted end
+            if at > 0 and server_ms() - at < window
+                and #redis.call('XPENDING', stream, group, low, low, 1, consumer) > 0 then
+                return wanted
+            end
             local held, from, found = {}, low, 0
             while n > 0 do
                 local page = redis.call('XPENDING', stream, group, from, high, n, consumer)

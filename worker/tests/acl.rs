@@ -237,11 +237,15 @@ impl Flows {
             .await?;
         self.delete(&released[1]).await?;
         let idle = Duration::from_millis(300);
+        // Released when no longer fresh (a dead pod's entries are not), and
+        // not yet claimable.
+        let release_idle = Duration::from_secs(1);
+        tokio::time::sleep(streamfleet_streams::started::hold_proof_window(release_idle)).await;
         let r = consumers::release_pending(
             &mut self.conn,
             streamfleet_streams::ConsumerRef::new("orders", "g", "dead-pod-2"),
             DEAD,
-            idle,
+            release_idle,
             10,
         )
         .await?;

@@ -11,6 +11,7 @@ use anyhow::Result;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
+use streamfleet_streams::started::HOLD_PROOF_LIMIT;
 use streamfleet_testbed::eventually;
 use streamfleet_worker::{Stats, Worker};
 
@@ -130,12 +131,8 @@ async fn a_refused_commit_keeps_done_work_held_and_it_runs_once() -> Result<()> 
     Ok(())
 }
 
-/// min-idle-time of the tests whose entry is claimed away: short, so the
-/// worker's pause before the claim outlasts its proof of the hold (half of it).
-const SHORT_MIN_IDLE_MS: u64 = 2_000;
-
 /// At failpoint `point`, once: the worker pauses past its proof of the hold
-/// (`started::HeldSince`: half of [`SHORT_MIN_IDLE_MS`]), then entry `id`
+/// (`started::HeldSince`, [`HOLD_PROOF_LIMIT`] at most), then entry `id`
 /// is claimed for consumer "thief", as a claim after a long pause would
 /// (one that waits for the whole min-idle-time only makes the pause longer).
 /// Returns whether it has happened.
@@ -147,7 +144,7 @@ fn claim_away_at(point: &str, server: &streamfleet_testbed::RedisServer, id: &st
         if claimed.swap(true, Ordering::SeqCst) {
             return;
         }
-        std::thread::sleep(Duration::from_millis(SHORT_MIN_IDLE_MS / 2 + 100));
+        std::thread::sleep(HOLD_PROOF_LIMIT + Duration::from_millis(100));
         let mut sync = redis::Client::open(url.as_str()).unwrap().get_connection().unwrap();
         let _: redis::Value =
             redis::cmd("XCLAIM").arg("orders").arg("g").arg("thief").arg(0).arg(&id).query(&mut sync).unwrap();
@@ -168,8 +165,8 @@ async fn an_entry_claimed_away_before_its_commit_is_not_acked_by_the_old_holder(
     let id = add(&mut conn, &[("kind", "ok"), ("key", "k1")]).await?;
     claim_away_at("worker::before-commit", &server, &id);
     let handler = Scripted::default();
-    let worker = Worker::new(config(&server, "c1", SHORT_MIN_IDLE_MS, 5), handler.clone())
-        .with_idempotency_guard(Duration::from_secs(600));
+    let worker =
+        Worker::new(config(&server, "c1", 10_000, 5), handler.clone()).with_idempotency_guard(Duration::from_secs(600));
     let stats = worker.stats();
     let (stop, run) = spawn(worker);
     eventually("commit attempted", T, || async { Ok((Stats::get(&stats.ownership_lost) == 1).then_some(())) }).await?;
@@ -197,7 +194,7 @@ async fn an_entry_claimed_away_before_its_start_is_not_run_by_the_old_holder() -
     let id = add(&mut conn, &[("kind", "ok"), ("key", "k1")]).await?;
     let fired = claim_away_at("worker::before-start", &server, &id);
     let handler = Scripted::default();
-    let (stop, run) = spawn(Worker::new(config(&server, "c1", SHORT_MIN_IDLE_MS, 5), handler.clone()));
+    let (stop, run) = spawn(Worker::new(config(&server, "c1", 10_000, 5), handler.clone()));
     eventually("claimed away before the start", T, || async { Ok(fired.load(Ordering::SeqCst).then_some(())) }).await?;
     // A drain settles what the worker holds: its decision on the entry is made.
     let _ = stop.send(());

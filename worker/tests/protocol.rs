@@ -357,15 +357,23 @@ async fn entries_of_a_consumer_declared_dead_are_handled_at_once_despite_its_gua
     let _: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
     let _: i64 = conn.xdel("orders", &[&gone]).await?;
     // The operator's reaper releases its entries (min-idle-time 60 s); the
-    // lost one is recorded, not silently dropped.
-    let released = streamfleet_streams::consumers::release_pending(
-        &mut conn,
-        streamfleet_streams::ConsumerRef::new("orders", "g", "dead-pod"),
-        "{orders}:dead:g",
-        Duration::from_secs(60),
-        10,
-    )
-    .await?;
+    // lost one is recorded, not silently dropped. Not while they are fresh:
+    // a process still running behind a deleted pod may have just read them.
+    let dead_pod = streamfleet_streams::ConsumerRef::new("orders", "g", "dead-pod");
+    let release = |mut conn: redis::aio::MultiplexedConnection| async move {
+        streamfleet_streams::consumers::release_pending(
+            &mut conn,
+            dead_pod,
+            "{orders}:dead:g",
+            Duration::from_secs(60),
+            10,
+        )
+        .await
+    };
+    let fresh = release(conn.clone()).await?;
+    assert_eq!((fresh.released, fresh.payload_lost), (0, 0), "fresh entries are left for a later pass");
+    tokio::time::sleep(streamfleet_streams::started::HOLD_PROOF_LIMIT).await;
+    let released = release(conn.clone()).await?;
     assert_eq!((released.released, released.payload_lost), (3, 1));
     let lost: HashMap<String, u64> = conn.hgetall("{orders}:payload-lost:g").await?;
     assert_eq!(lost.get("count"), Some(&1));
