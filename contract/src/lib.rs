@@ -417,6 +417,11 @@ impl WorkerEnv {
 
 /// Defaults a worker takes for what it is not told.
 pub const DEFAULT_MIN_IDLE_MS: u64 = 60_000;
+
+/// The least [`MIN_IDLE_MS`] a worker accepts: no consumer of a group claims
+/// an entry idle for less (workers rely on it to prove their hold on what
+/// they just read).
+pub const LEAST_MIN_IDLE_MS: u64 = 100;
 pub const DEFAULT_MAX_DELIVERIES: u64 = 10;
 pub const DEFAULT_BATCH_SIZE: u64 = 100;
 
@@ -455,8 +460,9 @@ impl ParsedEnv {
             return Err(ContractError::Invalid { name: MAX_DELIVERIES, why: "must be at least 1".into() });
         }
         let min_idle_ms = number(MIN_IDLE_MS)?.unwrap_or(DEFAULT_MIN_IDLE_MS);
-        if min_idle_ms < 100 {
-            return Err(ContractError::Invalid { name: MIN_IDLE_MS, why: "must be at least 100".into() });
+        if min_idle_ms < LEAST_MIN_IDLE_MS {
+            let why = format!("must be at least {LEAST_MIN_IDLE_MS}");
+            return Err(ContractError::Invalid { name: MIN_IDLE_MS, why });
         }
         let run_mode = match one_of(MODE, &["consume", "recovery"])? {
             Some(1) => RunMode::Recovery,

@@ -81,9 +81,10 @@ pub fn record_fields_lua() -> String {
 /// ownership check over their span (the `XPENDING` page of [`HELD_BY_LUA`]):
 ///
 /// * every claim and the sweep wait for an entry to be idle min-idle-time,
-///   and no consumer of a resource claims after less than one second (the
-///   CRD's least `minIdleTimeMs`, whatever value its pods run with during a
-///   change); the window is at most half of that ([`HOLD_PROOF_LIMIT`]);
+///   and no consumer claims after less than the least min-idle-time a
+///   worker accepts (`contract::LEAST_MIN_IDLE_MS`, whatever values the
+///   group's consumers run with, during a change say); the window is at
+///   most half of that ([`HOLD_PROOF_LIMIT`]);
 /// * the operator's release of a dead consumer's entries leaves those idle
 ///   for less than [`HOLD_PROOF_LIMIT`] (`consumers::release_pending`): a
 ///   process still reading behind a deleted pod keeps what it just read;
@@ -92,6 +93,13 @@ pub fn record_fields_lua() -> String {
 ///   of the consumer's PEL at once (a read is replicated and written to the
 ///   AOF as one transaction, and the consumer reads nothing else while its
 ///   batch is in hand): the one entry looked up tells.
+///
+/// Not covered: a group rewound by hand (`XGROUP SETID` to an earlier ID,
+/// to replay) hands entries still pending to whichever consumer reads them
+/// next, without any wait; within the window the old holder may still start
+/// and ack them. A rewind asks for them to run again anyway (at least once;
+/// the guard keeps the two runs of a key apart), and it was a race before:
+/// a look at the PEL before the start did not stop a rewind right after.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HeldSince {
     pub at_ms: u64,
@@ -99,8 +107,10 @@ pub struct HeldSince {
 }
 
 /// The longest a read's proof of the hold lasts ([`HeldSince`]): half the
-/// least min-idle-time a resource admits (1 s).
-pub const HOLD_PROOF_LIMIT: std::time::Duration = std::time::Duration::from_millis(500);
+/// least min-idle-time a worker accepts. A batch of light handlers is done
+/// within it; slower ones look at the PEL.
+pub const HOLD_PROOF_LIMIT: std::time::Duration =
+    std::time::Duration::from_millis(streamfleet_contract::LEAST_MIN_IDLE_MS / 2);
 
 /// How long a read's proof of the hold lasts in a group whose claims wait
 /// `min_idle`: half of it, at most [`HOLD_PROOF_LIMIT`].
@@ -313,6 +323,16 @@ pub fn redelivery_lua() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_proof_lasts_half_min_idle_time_and_never_past_half_the_least_a_worker_accepts() {
+        use std::time::Duration;
+        assert_eq!(hold_proof_window(Duration::from_millis(100)), Duration::from_millis(50));
+        assert_eq!(hold_proof_window(Duration::from_secs(60)), Duration::from_millis(50));
+        assert_eq!(HOLD_PROOF_LIMIT.as_millis() * 2, u128::from(streamfleet_contract::LEAST_MIN_IDLE_MS));
+        assert_eq!(HeldSince::new(7, Duration::from_secs(60)), HeldSince { at_ms: 7, window_ms: 50 });
+        assert_eq!(HeldSince::args(None), [0, 0], "no proof");
+    }
 
     #[test]
     fn fields_are_the_entrys_own() {
