@@ -159,6 +159,38 @@ async fn a_changed_status_is_applied_once_by_its_own_field_manager() {
 }
 
 #[tokio::test]
+async fn a_pass_before_the_watch_shows_a_write_does_not_restamp_its_conditions() {
+    // Under load the next pass (an owned object's event) comes a second
+    // later, still on the cached resource without the write: its conditions
+    // get new transition times, and nothing else is new.
+    let (ctx, mut server) = mocked();
+    let r = resource(DeletionPolicy::Retain, &[]);
+    let stamped = |second: i64| {
+        let mut status = status_with_lag(0);
+        let at = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            k8s_openapi::jiff::Timestamp::from_second(second).unwrap(),
+        );
+        crate::conditions::set(&mut status.conditions, "Ready", true, "Reconciled", "ready", Some(1), &at);
+        status
+    };
+    let mut reply = r.clone();
+    reply.status = Some(stamped(10));
+    let reply = serde_json::to_value(&reply).unwrap();
+    let (written, _) = tokio::join!(status::write(&ctx, &r, stamped(10)), serve(&mut server, &reply));
+    written.unwrap();
+    let (written, ()) = tokio::join!(status::write(&ctx, &r, stamped(11)), no_request(&mut server));
+    written.unwrap();
+    assert_eq!(writes(&ctx, "streamfleet-status"), 1);
+    // A changed condition is news, whatever its time.
+    let mut changed = stamped(11);
+    changed.conditions[0].message = "ready again".into();
+    let (written, seen) = tokio::join!(status::write(&ctx, &r, changed), serve(&mut server, &reply));
+    written.unwrap();
+    assert_eq!(seen.method, Method::PATCH);
+    assert_eq!(writes(&ctx, "streamfleet-status"), 2);
+}
+
+#[tokio::test]
 async fn a_repeated_event_is_one_event_with_a_series_and_a_new_note_a_new_event() {
     let (ctx, mut server) = mocked();
     let r = resource(DeletionPolicy::Retain, &[]);

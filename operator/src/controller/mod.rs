@@ -414,11 +414,19 @@ pub async fn run(
         .await;
 }
 
-/// A digest of a status, to tell one just written from another.
+/// A digest of a status, to tell one just written from another. Without the
+/// conditions' transition times: a pass that comes before the watch shows a
+/// write stamps its conditions again from the older cached status, a
+/// second later under load, and the same status restamped is not news.
 fn status_digest(status: &streamfleet_crd::StreamConsumerGroupStatus) -> u64 {
     use std::hash::{Hash as _, Hasher as _};
+    let mut unstamped = status.clone();
+    for condition in &mut unstamped.conditions {
+        condition.last_transition_time =
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH);
+    }
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    serde_json::to_vec(status).unwrap_or_default().hash(&mut hasher);
+    serde_json::to_vec(&unstamped).unwrap_or_default().hash(&mut hasher);
     hasher.finish()
 }
 
