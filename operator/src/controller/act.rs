@@ -9,6 +9,7 @@ use super::validate::ValidSpec;
 use crate::error::Error;
 use crate::events::EventType;
 use crate::objects;
+use k8s_openapi::api::apps::v1::Deployment;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Resource as _, ResourceExt as _};
@@ -17,8 +18,8 @@ use streamfleet_crd::StreamConsumerGroup;
 use streamfleet_streams::{ConsumerRef, GroupCreation, StreamConnection};
 
 /// Field managers, one per call site, so `managedFields` says who set what.
-const MANAGER_DEPLOYMENT: &str = "streamfleet-worker-deployment";
-const MANAGER_CRONJOB: &str = "streamfleet-recovery-cronjob";
+pub(super) const MANAGER_DEPLOYMENT: &str = "streamfleet-worker-deployment";
+pub(super) const MANAGER_CRONJOB: &str = "streamfleet-recovery-cronjob";
 const MANAGER_DELETION_COST: &str = "streamfleet-pod-deletion-cost";
 /// Read by the ReplicaSet controller when it scales down: pods with the
 /// lowest cost go first.
@@ -97,14 +98,14 @@ pub async fn stand_down(ctx: &Context, scg: &StreamConsumerGroup, plan: &Conflic
     if let Some(deployment) = &plan.deployment {
         let name = objects::worker_deployment_name(scg);
         let live = ctx.deployments.get(&ObjectRef::new(&name).within(&namespace(scg)));
-        if let Err(e) = apply_owned(ctx, scg, &name, MANAGER_DEPLOYMENT, deployment, live).await {
+        if let Err(e) = apply_owned(ctx, scg, &name, MANAGER_DEPLOYMENT, deployment, live, available).await {
             refused.push(e.refused("Deployment"));
         }
     }
     if let Some(cronjob) = &plan.cronjob {
         let name = objects::recovery_cronjob_name(scg);
         let live = ctx.cronjobs.get(&ObjectRef::new(&name).within(&namespace(scg)));
-        if let Err(e) = apply_owned(ctx, scg, &name, MANAGER_CRONJOB, cronjob, live).await {
+        if let Err(e) = apply_owned(ctx, scg, &name, MANAGER_CRONJOB, cronjob, live, |_| 0).await {
             refused.push(e.refused("CronJob"));
         }
     }
@@ -197,16 +198,17 @@ pub(super) async fn apply_objects(ctx: &Context, scg: &StreamConsumerGroup, owne
     let mut refused = Vec::new();
     let name = objects::worker_deployment_name(scg);
     let live = ctx.deployments.get(&ObjectRef::new(&name).within(&namespace(scg)));
-    let available_replicas = match apply_owned(ctx, scg, &name, MANAGER_DEPLOYMENT, &owned.deployment, live).await {
-        Ok(applied) => applied.status.as_ref().and_then(|s| s.available_replicas).unwrap_or(0),
-        Err(e) => {
-            refused.push(e.refused("Deployment"));
-            0
-        }
-    };
+    let available_replicas =
+        match apply_owned(ctx, scg, &name, MANAGER_DEPLOYMENT, &owned.deployment, live, available).await {
+            Ok(available) => available,
+            Err(e) => {
+                refused.push(e.refused("Deployment"));
+                0
+            }
+        };
     let name = objects::recovery_cronjob_name(scg);
     let live = ctx.cronjobs.get(&ObjectRef::new(&name).within(&namespace(scg)));
-    if let Err(e) = apply_owned(ctx, scg, &name, MANAGER_CRONJOB, &owned.cronjob, live).await {
+    if let Err(e) = apply_owned(ctx, scg, &name, MANAGER_CRONJOB, &owned.cronjob, live, |_| 0).await {
         refused.push(e.refused("CronJob"));
     }
     (available_replicas, refused)
@@ -321,11 +323,18 @@ pub async fn publish(ctx: &Context, scg: &StreamConsumerGroup, event: &PlannedEv
     ctx.publish(&scg.object_ref(&()), event.type_, event.reason, event.action, event.note.clone()).await;
 }
 
+fn available(deployment: &Deployment) -> i32 {
+    deployment.status.as_ref().and_then(|s| s.available_replicas).unwrap_or(0)
+}
+
 /// Server-side applies an owned object, unless it is exactly what this
 /// operator last applied and the live object (from the watch cache) is the
-/// same object with the same spec generation: a poll where nothing changed
-/// makes no API write. A repair (someone edited the spec, or deleted the
-/// object) changes the generation or uid and is applied again.
+/// same object with the same spec generation, or is not in the cache yet
+/// after an apply a moment ago (`Context::applied_unchanged`): a poll where
+/// nothing changed makes no API write. A repair (someone edited the spec,
+/// or deleted the object) changes the generation or uid and is applied
+/// again. Returns `replicas` of the object: the cached one's, the applied
+/// one's, or while the cache has not shown an apply, the apply's reply's.
 async fn apply_owned<K>(
     ctx: &Context,
     scg: &StreamConsumerGroup,
@@ -333,7 +342,8 @@ async fn apply_owned<K>(
     manager: &'static str,
     desired: &K,
     live: Option<Arc<K>>,
-) -> Result<K, Error>
+    replicas: fn(&K) -> i32,
+) -> Result<i32, Error>
 where
     K: kube::Resource<Scope = kube::core::NamespaceResourceScope, DynamicType = ()>
         + Clone
@@ -344,14 +354,15 @@ where
     let fingerprint = fingerprint(desired)?;
     let live_identity = live.as_ref().map(|l| identity(l.meta()));
     let key = super::key(scg);
-    if let (true, Some(live)) = (ctx.applied_unchanged(&key, manager, fingerprint, live_identity.as_deref()), live) {
-        return Ok((*live).clone());
+    if let Some(as_applied) = ctx.applied_unchanged(&key, manager, fingerprint, live_identity.as_deref()) {
+        return Ok(live.map_or(as_applied, |live| replicas(&live)));
     }
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &namespace(scg));
     let applied = api.patch(name, &PatchParams::apply(manager).force(), &Patch::Apply(desired)).await?;
     ctx.metrics.api_write(manager);
-    ctx.remember_applied(&key, manager, fingerprint, identity(applied.meta()));
-    Ok(applied)
+    let shown = replicas(&applied);
+    ctx.remember_applied(&key, manager, super::Applied::new(fingerprint, identity(applied.meta()), shown));
+    Ok(shown)
 }
 
 fn fingerprint<K: serde::Serialize>(desired: &K) -> Result<u64, Error> {

@@ -332,3 +332,84 @@ async fn owned_objects_are_applied_each_by_its_own_field_manager_and_a_refusal_i
     assert_eq!((writes(&ctx, "streamfleet-worker-deployment"), writes(&ctx, "streamfleet-recovery-cronjob")), (1, 0));
     no_request(&mut api).await;
 }
+
+/// Under load the watch cache shows an applied object seconds later: the
+/// reconcile the Deployment's own event wakes must not apply the CronJob
+/// (or the Deployment) again. One the watch saw deleted is applied again,
+/// and so is one missing after a relist or for longer than the cache lags.
+#[tokio::test]
+async fn an_object_applied_a_moment_ago_is_not_applied_again_until_the_watch_sees_it_deleted() {
+    use super::act::{MANAGER_CRONJOB, MANAGER_DEPLOYMENT};
+    use k8s_openapi::api::apps::v1::Deployment;
+    use kube::runtime::watcher::Event as WatchEvent;
+    let (ctx, mut api) = mocked();
+    let r = resource(DeletionPolicy::Retain, &[]);
+    let spec = super::validate::validate(&scg()).unwrap();
+    let owned = super::decide::OwnedObjects {
+        deletion_costs: Vec::new(),
+        deployment: crate::objects::worker_deployment(&spec, 1).unwrap(),
+        cronjob: crate::objects::recovery_cronjob(&spec, &ctx.settings).unwrap(),
+    };
+    let mut deployment = owned.deployment.clone();
+    deployment.metadata.uid = Some("d1".into());
+    deployment.metadata.namespace = r.metadata.namespace.clone();
+    deployment.metadata.owner_references = Some(vec![k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+        kind: "StreamConsumerGroup".into(),
+        name: r.metadata.name.clone().unwrap(),
+        ..Default::default()
+    }]);
+    let mut reply = serde_json::to_value(&deployment).unwrap();
+    reply["status"] = json!({"availableReplicas": 1});
+    let cronjob = serde_json::to_value(&owned.cronjob).unwrap();
+    let in_time = Duration::from_secs(5);
+    let apply = || tokio::time::timeout(in_time, super::act::apply_objects(&ctx, &r, &owned));
+    let (applied, (d, c)) =
+        tokio::join!(apply(), async { (serve(&mut api, &reply).await, serve(&mut api, &cronjob).await) });
+    assert!(applied.unwrap().1.is_empty());
+    assert!(d.path.contains("/deployments/") && c.path.contains("/cronjobs/"), "{} {}", d.path, c.path);
+
+    // The caches (empty here) have shown neither yet: nothing is applied,
+    // and the Deployment's replicas are the apply's reply's.
+    let (applied, ()) = tokio::join!(apply(), no_request(&mut api));
+    let (available, refused) = applied.unwrap();
+    assert!(refused.is_empty(), "{refused:?}");
+    assert_eq!(available, 1, "as the apply's reply said");
+
+    // A late Delete of another (older) Deployment changes nothing.
+    let deployments = super::OwnedWatch::new(&ctx.memory, &ctx.relisted, MANAGER_DEPLOYMENT).hook::<Deployment>();
+    let mut older = deployment.clone();
+    older.metadata.uid = Some("d0".into());
+    deployments(&WatchEvent::Delete(older));
+    let (applied, ()) = tokio::join!(apply(), no_request(&mut api));
+    assert!(applied.unwrap().1.is_empty());
+
+    // The watch sees this Deployment deleted: it is applied again, the CronJob not.
+    deployments(&WatchEvent::Delete(deployment.clone()));
+    let again = async { serve(&mut api, &reply).await };
+    let (applied, again) = tokio::join!(apply(), tokio::time::timeout(in_time, again));
+    assert!(applied.unwrap().1.is_empty());
+    assert!(again.expect("the Deployment applied again").path.contains("/deployments/"));
+    no_request(&mut api).await;
+
+    // A relist ends after the CronJob's apply: its absence is believed.
+    let cronjobs = super::OwnedWatch::new(&ctx.memory, &ctx.relisted, MANAGER_CRONJOB);
+    cronjobs.hook::<k8s_openapi::api::batch::v1::CronJob>()(&WatchEvent::InitDone);
+    let again = async { serve(&mut api, &cronjob).await };
+    let (applied, again) = tokio::join!(apply(), tokio::time::timeout(in_time, again));
+    assert!(applied.unwrap().1.is_empty());
+    assert!(again.expect("the CronJob applied again").path.contains("/cronjobs/"));
+    no_request(&mut api).await;
+
+    // Missing for longer than a cache lags: applied again.
+    if let Some(applied) =
+        ctx.memory.lock().unwrap().get_mut("shop/orders").and_then(|m| m.applied.get_mut(MANAGER_DEPLOYMENT))
+    {
+        applied.at -= super::CACHE_CATCH_UP;
+    }
+    let again = async { serve(&mut api, &reply).await };
+    let (applied, again) = tokio::join!(apply(), tokio::time::timeout(in_time, again));
+    assert!(applied.unwrap().1.is_empty());
+    assert!(again.expect("the Deployment applied again").path.contains("/deployments/"));
+    no_request(&mut api).await;
+    assert_eq!((writes(&ctx, "streamfleet-worker-deployment"), writes(&ctx, "streamfleet-recovery-cronjob")), (3, 2));
+}

@@ -90,7 +90,8 @@ pub struct Context {
     endpoints: Mutex<HashMap<String, Endpoint>>,
     caches_synced: Arc<AtomicBool>,
     failures: Mutex<HashMap<String, u32>>,
-    memory: Mutex<HashMap<String, ResourceMemory>>,
+    memory: Memory,
+    relisted: Relisted,
     clock: Instant,
 }
 
@@ -104,13 +105,43 @@ struct Stores {
     secrets: Store<secrets::SecretMeta>,
 }
 
+/// What a field manager last applied to one owned object.
+struct Applied {
+    /// Of the object as applied.
+    fingerprint: u64,
+    /// The uid/generation the API server gave it.
+    identity: String,
+    /// Its available replicas in the apply's reply.
+    replicas: i32,
+    at: Instant,
+}
+
+impl Applied {
+    fn new(fingerprint: u64, identity: String, replicas: i32) -> Self {
+        Self { fingerprint, identity, replicas, at: Instant::now() }
+    }
+}
+
+/// How long an applied object missing from the watch cache is taken as not
+/// yet shown rather than deleted. Under load the cache is seconds behind:
+/// the reconcile the Deployment's own event wakes finds no CronJob there
+/// yet. A deletion the watch reports is forgotten at once, and one a relist
+/// may have hidden makes the next miss an apply (`OwnedWatch`).
+const CACHE_CATCH_UP: Duration = Duration::from_secs(10);
+
+/// The shared memory of every resource, by key.
+type Memory = Arc<Mutex<HashMap<String, ResourceMemory>>>;
+
+/// When each owned kind's watch last (re)listed, by field manager: a
+/// relist drops a deleted object from the cache without a Delete event.
+type Relisted = Arc<Mutex<HashMap<&'static str, Instant>>>;
+
 /// What the controller remembers about one resource between polls.
 #[derive(Default)]
 struct ResourceMemory {
     policy: PolicyMemory,
-    /// Per field manager: fingerprint of the object last applied, and the
-    /// uid/generation the API server gave it.
-    applied: HashMap<&'static str, (u64, String)>,
+    /// Per field manager: the object it last applied.
+    applied: HashMap<&'static str, Applied>,
     /// A digest of the status last written, and the resource version the
     /// resource had in the cache when it was: while the cache still shows
     /// that version, it has not seen the write yet. (A digest: a copy of
@@ -125,6 +156,8 @@ impl Context {
         metrics: Arc<Metrics>,
         instance: Option<String>,
         stores: Stores,
+        memory: Memory,
+        relisted: Relisted,
     ) -> Self {
         Self {
             events: EventPublisher::new(client.clone(), "streamfleet", instance),
@@ -142,7 +175,8 @@ impl Context {
             endpoints: Mutex::new(HashMap::new()),
             caches_synced: Arc::new(AtomicBool::new(false)),
             failures: Mutex::new(HashMap::new()),
-            memory: Mutex::new(HashMap::new()),
+            memory,
+            relisted,
             clock: Instant::now(),
         }
     }
@@ -160,7 +194,15 @@ impl Context {
             claimant_index: Arc::default(),
             secrets: reflector::store().0,
         };
-        Self::new(client, ObjectSettings::default(), Arc::new(Metrics::default()), None, stores)
+        Self::new(
+            client,
+            ObjectSettings::default(),
+            Arc::new(Metrics::default()),
+            None,
+            stores,
+            Memory::default(),
+            Relisted::default(),
+        )
     }
 
     /// Backoff for the next retry of `key`: 2s, 4s, ... capped at a minute,
@@ -193,18 +235,30 @@ impl Context {
     }
 
     /// Whether `manager` last applied exactly `fingerprint` to the object
-    /// that is still live as `live_identity`.
-    fn applied_unchanged(&self, key: &str, manager: &str, fingerprint: u64, live_identity: Option<&str>) -> bool {
-        let Ok(memory) = self.memory.lock() else { return false };
-        memory
-            .get(key)
-            .and_then(|m| m.applied.get(manager))
-            .is_some_and(|(f, id)| *f == fingerprint && live_identity == Some(id.as_str()))
+    /// that is still live as `live_identity`, or applied it a moment ago,
+    /// after the watch last relisted, and the cache has not shown it yet
+    /// (`None`). If so, the object's replicas as the apply's reply gave them.
+    fn applied_unchanged(
+        &self,
+        key: &str,
+        manager: &str,
+        fingerprint: u64,
+        live_identity: Option<&str>,
+    ) -> Option<i32> {
+        let relisted = self.relisted.lock().ok()?.get(manager).copied();
+        let memory = self.memory.lock().ok()?;
+        let applied = memory.get(key)?.applied.get(manager)?;
+        let unchanged = applied.fingerprint == fingerprint
+            && match live_identity {
+                Some(live) => live == applied.identity,
+                None => applied.at.elapsed() < CACHE_CATCH_UP && relisted.is_none_or(|at| at < applied.at),
+            };
+        unchanged.then_some(applied.replicas)
     }
 
-    fn remember_applied(&self, key: &str, manager: &'static str, fingerprint: u64, identity: String) {
+    fn remember_applied(&self, key: &str, manager: &'static str, applied: Applied) {
         if let Ok(mut memory) = self.memory.lock() {
-            memory.entry(key.to_string()).or_default().applied.insert(manager, (fingerprint, identity));
+            memory.entry(key.to_string()).or_default().applied.insert(manager, applied);
         }
     }
 
@@ -332,14 +386,26 @@ pub async fn run(
     let owned = watcher::Config::default().labels("app.kubernetes.io/managed-by=streamfleet");
     // Each owned kind is watched once: the watch fills a cache the reconciler
     // reads (no GET per poll) and triggers the owner's reconcile on change.
-    let (deployments, deployment_events) =
-        cached_watch::<Deployment>(&client, namespace.as_deref(), &owned, slim::deployment);
-    let (cronjobs, cronjob_events) = cached_watch::<CronJob>(&client, namespace.as_deref(), &owned, slim::cronjob);
+    let (memory, relisted) = (Memory::default(), Relisted::default());
+    let (deployments, deployment_events) = cached_watch::<Deployment>(
+        &client,
+        namespace.as_deref(),
+        &owned,
+        slim::deployment,
+        OwnedWatch::new(&memory, &relisted, act::MANAGER_DEPLOYMENT).hook(),
+    );
+    let (cronjobs, cronjob_events) = cached_watch::<CronJob>(
+        &client,
+        namespace.as_deref(),
+        &owned,
+        slim::cronjob,
+        OwnedWatch::new(&memory, &relisted, act::MANAGER_CRONJOB).hook(),
+    );
     // The recovery runs' Jobs (the CronJob's, labelled like it): a run that
     // ends is looked at at once.
-    let (jobs, job_events) = cached_watch::<Job>(&client, namespace.as_deref(), &owned, slim::job);
+    let (jobs, job_events) = cached_watch::<Job>(&client, namespace.as_deref(), &owned, slim::job, |_| ());
     // Pods: a worker's deletion is acted on at once (reaping).
-    let (pods, pod_events) = cached_watch::<Pod>(&client, namespace.as_deref(), &owned, slim::pod);
+    let (pods, pod_events) = cached_watch::<Pod>(&client, namespace.as_deref(), &owned, slim::pod, |_| ());
     // Secrets: metadata only, to know when a referenced one changed.
     let (secret_metadata, secret_writer) = reflector::store();
     let secret_events = reflector::reflector(
@@ -378,7 +444,7 @@ pub async fn run(
         claimant_index,
         secrets: secret_metadata,
     };
-    let ctx = Arc::new(Context::new(client, settings, metrics, instance, stores));
+    let ctx = Arc::new(Context::new(client, settings, metrics, instance, stores, memory, relisted));
     tokio::spawn(mark_synced(ctx.clone()));
     tokio::spawn(prune_vanished(ctx.clone()));
     controller
@@ -465,6 +531,7 @@ fn cached_watch<K>(
     namespace: Option<&str>,
     config: &watcher::Config,
     slim: fn(&mut K),
+    on_event: impl Fn(&watcher::Event<K>) + Send + 'static,
 ) -> (Store<K>, Touched<K>)
 where
     K: kube::Resource<Scope = kube::core::NamespaceResourceScope, DynamicType = ()>
@@ -477,10 +544,57 @@ where
 {
     let (store, writer) = reflector::store();
     let events = reflector::reflector(writer, watcher(scoped_api::<K>(client, namespace), config.clone()).modify(slim))
+        .inspect(move |event| {
+            if let Ok(event) = event {
+                on_event(event);
+            }
+        })
         .default_backoff()
         .touched_objects()
         .boxed();
     (store, events)
+}
+
+/// What one owned kind's watch tells the apply memo, before the reconcile
+/// its event wakes: a Delete forgets what `manager` applied to that object
+/// (that reconcile repairs it, not taking the gap for a lagging cache); a
+/// relist's end is remembered (it drops deleted objects silently).
+struct OwnedWatch {
+    memory: Memory,
+    relisted: Relisted,
+    manager: &'static str,
+}
+
+impl OwnedWatch {
+    fn new(memory: &Memory, relisted: &Relisted, manager: &'static str) -> Self {
+        Self { memory: memory.clone(), relisted: relisted.clone(), manager }
+    }
+
+    fn hook<K: kube::Resource>(self) -> impl Fn(&watcher::Event<K>) + Send + 'static {
+        move |event| match event {
+            watcher::Event::Delete(object) => self.deleted(object.meta()),
+            watcher::Event::InitDone => {
+                if let Ok(mut relisted) = self.relisted.lock() {
+                    relisted.insert(self.manager, Instant::now());
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn deleted(&self, meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) {
+        let owner = meta.owner_references.iter().flatten().find(|o| o.kind == "StreamConsumerGroup");
+        let Some(owner) = owner else { return };
+        let key = format!("{}/{}", meta.namespace.as_deref().unwrap_or_default(), owner.name);
+        // Only the object applied: a late Delete of an older one changes nothing.
+        let uid = format!("{}/", meta.uid.as_deref().unwrap_or_default());
+        if let Ok(mut memory) = self.memory.lock()
+            && let Some(resource) = memory.get_mut(&key)
+            && resource.applied.get(self.manager).is_some_and(|a| a.identity.starts_with(&uid))
+        {
+            resource.applied.remove(self.manager);
+        }
+    }
 }
 
 /// Reaping needs complete pod knowledge; applies need the owned caches.
