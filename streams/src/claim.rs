@@ -41,17 +41,18 @@ pub struct LossRecord<'a> {
 /// the entry, and the entry's business key when a handler started it,
 /// `started::key_field`) and the loss record, then acks the ID and drops its
 /// entry record (`started::redelivery_lua`'s `forget`, which must come first).
+/// The letter's delivery count is `deliveries` when given, else `0`.
 /// KEYS: stream, dead-letter stream, loss count, loss IDs. ARGV[1] group,
 /// ARGV[3] why.
 pub(crate) fn lost_lua() -> String {
     use crate::deadletter::*;
     format!(
         r"
-        local function lost(id, holder, record_key)
+        local function lost(id, holder, record_key, deliveries)
             local t = redis.call('TIME')
             local at = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
             local letter = {{'XADD', KEYS[2], '*', '{F_SOURCE_STREAM}', KEYS[1], '{F_SOURCE_ID}', id,
-                '{F_GROUP}', ARGV[1], '{F_CONSUMER}', holder, '{F_DELIVERIES}', '0',
+                '{F_GROUP}', ARGV[1], '{F_CONSUMER}', holder, '{F_DELIVERIES}', deliveries or '0',
                 '{F_REASON}', 'payload-missing', '{F_ERROR}', ARGV[3], '{F_AT}', at}}
             local key = redis.call('HGET', record_key, id .. ':key')
             if key then
@@ -173,141 +174,6 @@ pub fn claim_rules_lua() -> String {
             return claimable, alive
         end
         "
-}
-
-/// Which of a page's entries are claimable ([`claim_rules_lua`]). KEYS:
-/// server epoch, dead-consumer registry, alive registry. ARGV: min idle ms,
-/// then per entry its idle ms and owner. Returns per entry `0` (not
-/// claimable), `1` (claimable), `2` (claimable, its owner alive: if its
-/// payload is gone it is in the owner's hands, not lost).
-static CLAIMABLE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
-    redis::Script::new(&format!(
-        r"{}
-        local claimable, alive = claim_rules(KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[1]))
-        local out = {{}}
-        for j = 2, #ARGV, 2 do
-            local flag = '0'
-            if claimable(ARGV[j], ARGV[j + 1]) then flag = alive(ARGV[j + 1]) and '2' or '1' end
-            out[#out + 1] = flag
-        end
-        return table.concat(out)",
-        claim_rules_lua()
-    ))
-});
-
-/// Whether a page's entry may be claimed ([`claimable`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Claimability {
-    /// Not now: its holder may still renew after a restart, a failover or a stall.
-    Deferred,
-    Claimable,
-    /// Claimable, but its owner renewed a hold within min-idle-time: if its
-    /// payload is gone, it is in the owner's hands, not lost.
-    OwnerAlive,
-}
-
-/// Of `entries` (`(idle ms, owner)`), which are claimable now
-/// ([`claim_rules_lua`]): one round trip.
-pub async fn claimable<C: ConnectionLike + Send>(
-    conn: &mut C,
-    of: GroupRef<'_>,
-    min_idle_ms: u64,
-    entries: &[(u64, &str)],
-) -> Result<Vec<Claimability>, StreamError> {
-    let GroupRef { stream, group } = of;
-    if entries.is_empty() {
-        return Ok(Vec::new());
-    }
-    let mut script = CLAIMABLE.prepare_invoke();
-    script
-        .key(crate::keys::server_epoch_key(stream))
-        .key(crate::keys::dead_consumers_key(stream, group))
-        .key(crate::keys::alive_key(stream, group))
-        .arg(min_idle_ms);
-    for (idle, owner) in entries {
-        script.arg(*idle).arg(*owner);
-    }
-    let flags: String =
-        script.invoke_async(conn).await.map_err(|e| StreamError::new("checking claimable entries", e))?;
-    let flag = |b| match b {
-        b'1' => Claimability::Claimable,
-        b'2' => Claimability::OwnerAlive,
-        _ => Claimability::Deferred,
-    };
-    Ok(flags.bytes().map(flag).chain(std::iter::repeat(Claimability::Deferred)).take(entries.len()).collect())
-}
-
-/// `XCLAIM … JUSTID` of the given entries that are claimable
-/// ([`claim_rules_lua`], checked again here, atomically with the claim),
-/// still have their payload (`XCLAIM` would drop one without it from the
-/// PEL without a word: a later pass records it lost) and were delivered at
-/// least the given number of times, not counting a last delivery handed
-/// back unstarted (`started`). KEYS: stream, server epoch, dead-consumer
-/// registry, alive registry, entry records. ARGV: group, claimer, min idle
-/// ms, deliveries at least, then per entry its ID, idle ms, owner and
-/// delivery count as the caller saw them (the script goes by the PEL's own
-/// now). Returns the IDs claimed, and those among them already
-/// the claimer's (so run twice, by a client re-sending it, it returns them
-/// again rather than nothing). Sent with `EVAL` in a pipeline
-/// ([`claim_justid_command`]), as the dead-letter script is.
-static CLAIM_JUSTID: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-    format!(
-        r"{}{}
-        local claimable = claim_rules(KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[3]))
-        local ids, mine = {{}}, {{}}
-        for j = 5, #ARGV, 4 do
-            -- Judged by what the PEL says now (owner, idle time, count),
-            -- not by the caller's look at it, which may predate a renewal,
-            -- a stall or a restart.
-            local id = ARGV[j]
-            local held = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)[1]
-            if held then
-                local n = string.format('%d', held[4])
-                local counted = held[4]
-                if redis.call('HGET', KEYS[5], id .. ':run') == n .. ':back' then counted = counted - 1 end
-                if held[2] == ARGV[2] and #redis.call('XRANGE', KEYS[1], id, id) > 0 then
-                    -- Already the claimer's (this script run before, its reply lost).
-                    mine[#mine + 1] = id
-                elseif counted >= tonumber(ARGV[4]) and claimable(held[3], held[2])
-                    and #redis.call('XRANGE', KEYS[1], id, id) > 0 then
-                    ids[#ids + 1] = id
-                end
-            end
-        end
-        local claimed = xclaim(ARGV[2], ARGV[3], ids, {{ 'JUSTID' }})
-        for _, id in ipairs(mine) do claimed[#claimed + 1] = id end
-        return claimed",
-        claim_rules_lua(),
-        xclaim_lua()
-    )
-});
-
-/// The command that claims `entries` (`(ID, idle ms, owner, delivery
-/// count)`; `XCLAIM … JUSTID`, idle at least `min_idle_ms`) that are
-/// claimable and were delivered at least `min_deliveries` times (a last
-/// delivery handed back unstarted not counted), for a pipeline; replies
-/// with the IDs claimed.
-pub fn claim_justid_command(
-    stream: &str,
-    group: &str,
-    claimer: &str,
-    min_idle_ms: u64,
-    min_deliveries: u64,
-    entries: &[(&str, u64, &str, u64)],
-) -> redis::Cmd {
-    let mut cmd = redis::cmd("EVAL");
-    cmd.arg(CLAIM_JUSTID.as_str())
-        .arg(5)
-        .arg(stream)
-        .arg(crate::keys::server_epoch_key(stream))
-        .arg(crate::keys::dead_consumers_key(stream, group))
-        .arg(crate::keys::alive_key(stream, group))
-        .arg(crate::keys::last_error_key(stream, group));
-    cmd.arg(group).arg(claimer).arg(min_idle_ms).arg(min_deliveries);
-    for (id, idle, owner, deliveries) in entries {
-        cmd.arg(*id).arg(*idle).arg(*owner).arg(*deliveries);
-    }
-    cmd
 }
 
 /// Lua shared by the scripts that claim with a delivery (not `JUSTID`):

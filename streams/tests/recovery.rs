@@ -347,6 +347,92 @@ async fn sweep_finds_lost_payloads_among_scattered_pending_entries() -> Result<(
     Ok(())
 }
 
+/// A poison entry with more fields than a script can pass at once is
+/// dead-lettered packed, and comes back as it was.
+#[tokio::test]
+async fn a_huge_poison_entry_is_dead_lettered_packed_and_reads_back_whole() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    ensure_group(&mut conn, "orders", "g", "0").await?;
+    let fields: Vec<(String, String)> = (0..5_000).map(|i| (format!("f{i:05}"), format!("v{i}"))).collect();
+    let id: String = conn.xadd("orders", "*", &fields).await?;
+    read_raw(&mut conn, "w1").await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let report = sweep(&mut conn, &poison_sweep()).await?;
+    assert_eq!((report.dead_lettered, report.left_pending.len()), (1, 0), "{report:?}");
+    let found = letters(&mut conn).await?;
+    assert_eq!(found.len(), 1);
+    let letter = &found[0].1;
+    assert_eq!(letter[dl::F_SOURCE_ID], id);
+    let own: Vec<(&String, &String)> = letter.iter().filter(|(k, _)| !k.starts_with(dl::PREFIX)).collect();
+    assert_eq!(own.len(), 5_000, "every field, unpacked on reading");
+    assert!(fields.iter().all(|(k, v)| letter.get(k) == Some(v)));
+    Ok(())
+}
+
+/// A pending entry whose payload is gone while its owner renews holds
+/// (a producer's `MAXLEN` trim under a live worker) is in that worker's
+/// hands: the sweep records no loss. Once the owner falls silent, it does.
+#[tokio::test]
+async fn a_gone_payload_whose_owner_lives_is_not_a_loss_for_the_sweep() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    ensure_group(&mut conn, "orders", "g", "0").await?;
+    let id: String = conn.xadd("orders", "*", &[("order_id", "o1")]).await?;
+    read_raw(&mut conn, "w1").await?;
+    let _: i64 = conn.xdel("orders", &[&id]).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await?;
+    let now_ms = secs * 1000 + micros / 1000;
+    let alive = streamfleet_streams::keys::alive_key("orders", "g");
+    let _: i64 = conn.zadd(&alive, "w1", now_ms).await?;
+    let settings = SweepSettings { max_deliveries: 5, ..poison_sweep() };
+    let report = sweep(&mut conn, &settings).await?;
+    assert_eq!((report.scanned, report.payload_lost), (1, 0), "{report:?}");
+    assert_eq!(owners(&mut conn).await?.len(), 1, "still the owner's");
+    // w1 last beat a second ago; w2 beats now (a group with nobody beating
+    // would be a stalled server's, and wait).
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await?;
+    let now_ms = secs * 1000 + micros / 1000;
+    let _: i64 = conn.zadd(&alive, "w1", now_ms - 1_000).await?;
+    let _: i64 = conn.zadd(&alive, "w2", now_ms).await?;
+    let report = sweep(&mut conn, &settings).await?;
+    assert_eq!(report.payload_lost, 1, "silent for min-idle-time: lost, {report:?}");
+    assert!(owners(&mut conn).await?.is_empty());
+    Ok(())
+}
+
+/// Redis refuses the letters (out of memory): the page stays pending and
+/// is named, nothing is counted as written, no loss is recorded; once Redis
+/// takes writes again the next run settles it.
+#[tokio::test]
+async fn letters_redis_refuses_leave_the_sweeps_page_pending_and_counted_as_nothing() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    ensure_group(&mut conn, "orders", "g", "0").await?;
+    let mut ids = Vec::new();
+    for i in 0..2 {
+        ids.push(conn.xadd::<_, _, _, _, String>("orders", "*", &[("order_id", format!("o{i}"))]).await?);
+    }
+    read_raw(&mut conn, "w1").await?;
+    let _: i64 = conn.xdel("orders", &[&ids[1]]).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _: () = redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg(1).query_async(&mut conn).await?;
+    let refused = sweep(&mut conn, &poison_sweep()).await;
+    let _: () = redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg(0).query_async(&mut conn).await?;
+    let refused = refused?;
+    assert_eq!((refused.dead_lettered, refused.payload_lost), (0, 0), "{refused:?}");
+    assert_eq!(refused.left_pending.len(), 1, "{refused:?}");
+    assert!(refused.left_pending[0].contains("OOM"), "named, saying why: {refused:?}");
+    assert_eq!(owners(&mut conn).await?.len(), 2, "both still pending");
+    let letters: u64 = conn.xlen("{orders}:dead").await?;
+    assert_eq!(letters, 0);
+    let again = sweep(&mut conn, &poison_sweep()).await?;
+    assert_eq!((again.dead_lettered, again.payload_lost), (1, 1), "{again:?}");
+    assert!(owners(&mut conn).await?.is_empty());
+    Ok(())
+}
+
 #[tokio::test]
 async fn replay_requeues_original_fields_and_removes_the_dead_letter() -> Result<()> {
     let server = RedisServer::start().await?;

@@ -13,10 +13,11 @@ use anyhow::Result;
 use redis::AsyncCommands as _;
 use redis::streams::{StreamReadOptions, StreamReadReply};
 use std::time::Duration;
-use streamfleet_streams::claim::{LossRecord, claim_justid_command};
+use streamfleet_streams::claim::LossRecord;
 use streamfleet_streams::deadletter::{self as dl};
 use streamfleet_streams::replay::{Replayed, Selection, replay};
 use streamfleet_streams::retry::{Parked, Schedule, park};
+use streamfleet_streams::sweep::{PageReply, SweepSettings, page_command};
 use streamfleet_streams::{Entry, ensure_group, payload_loss};
 use streamfleet_testbed::RedisServer;
 
@@ -129,18 +130,36 @@ async fn one_dead_letter_replayed_by_many_at_once_is_requeued_once() -> Result<(
     Ok(())
 }
 
+/// A sweep's page script sent twice (a client re-sending after a lost
+/// reply): the first run letters both poison entries and records the lost
+/// one, the second finds nothing pending, so each has one letter and the
+/// loss is counted once.
 #[tokio::test]
-async fn a_claim_of_poison_sent_twice_returns_what_it_claimed() -> Result<()> {
+async fn a_sweep_page_sent_twice_writes_each_letter_once() -> Result<()> {
     let server = RedisServer::start().await?;
     let mut conn = server.connection().await?;
-    let ids = pending_entries(&mut conn, 2).await?;
+    let ids = pending_entries(&mut conn, 3).await?;
+    let _: i64 = conn.xdel("orders", &[&ids[2]]).await?;
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let rows: Vec<(&str, u64, &str, u64)> = ids.iter().map(|id| (id.as_str(), 50, "w", 1)).collect();
-    let command = claim_justid_command("orders", "g", "sweeper", 10, 1, &rows);
-    let first: Vec<String> = command.query_async(&mut conn).await?;
-    let second: Vec<String> = command.query_async(&mut conn).await?;
-    assert_eq!(first, ids);
-    assert_eq!(second, ids, "the second run returns the entries the first claimed, for the sweep to dead-letter");
+    let settings = SweepSettings {
+        stream: "orders",
+        group: "g",
+        consumer: "sweeper",
+        dead_letter_stream: "{orders}:dead",
+        min_idle: Duration::from_millis(10),
+        max_deliveries: 1,
+        batch: 10,
+    };
+    let command = page_command(&settings, 10, "-");
+    let first: PageReply = command.query_async(&mut conn).await?;
+    let second: PageReply = command.query_async(&mut conn).await?;
+    assert_eq!(first, (ids[2].clone(), 3, ids[..2].to_vec(), vec![ids[2].clone()], String::new()));
+    assert_eq!(second, (String::new(), 0, vec![], vec![], String::new()), "nothing is pending any more");
+    let letters: u64 = conn.xlen("{orders}:dead").await?;
+    assert_eq!(letters, 3, "one letter each");
+    let loss =
+        streamfleet_streams::payload_loss::read(&mut conn, streamfleet_streams::GroupRef::new("orders", "g")).await?;
+    assert_eq!(loss.total, 1, "the loss counted once");
     Ok(())
 }
 

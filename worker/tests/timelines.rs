@@ -128,8 +128,8 @@ async fn a_server_stall_longer_than_min_idle_hands_no_live_holders_entry_to_anot
         .await?;
 
     // A 3.5 s stall (a script that keeps the server busy), and queued right
-    // behind it on the same connection another consumer's claim: the first
-    // command the server runs when it resumes.
+    // behind it on the same connection a sweep's settling of the entry as
+    // poison: the first command the server runs when it resumes.
     let stall = redis::cmd("EVAL")
         .arg(
             "local function ms() local t = redis.call('TIME') return t[1] * 1000 + t[2] / 1000 end
@@ -140,15 +140,21 @@ async fn a_server_stall_longer_than_min_idle_hands_no_live_holders_entry_to_anot
         .arg(0)
         .arg(3500)
         .clone();
-    // (The idle time a sweep's look before the stall would pass; the script
-    // goes by the PEL's own.)
-    let claim =
-        streamfleet_streams::claim::claim_justid_command("orders", "g", "b", min_idle_ms, 1, &[(&id, 10_000, "a", 1)]);
+    let sweep = streamfleet_streams::sweep::SweepSettings {
+        stream: "orders",
+        group: "g",
+        consumer: "b",
+        dead_letter_stream: "{orders}:dead",
+        min_idle: Duration::from_millis(min_idle_ms),
+        max_deliveries: 1,
+        batch: 10,
+    };
+    let claim = streamfleet_streams::sweep::page_command(&sweep, min_idle_ms, "-");
     let mut stalled = server.connection().await?;
     stalled.set_response_timeout(Duration::from_secs(30));
     let mut pipe = redis::pipe();
     pipe.add_command(stall).add_command(claim);
-    let behind = pipe.query_async::<(i64, Vec<String>)>(&mut stalled);
+    let behind = pipe.query_async::<(i64, streamfleet_streams::sweep::PageReply)>(&mut stalled);
     // And a worker's claim step sent during the stall, queued with the
     // holder's renewal (which runs first is the server's choice).
     let mut other = server.connection().await?;
@@ -167,7 +173,7 @@ async fn a_server_stall_longer_than_min_idle_hands_no_live_holders_entry_to_anot
         }
     };
     let (behind, during) = tokio::join!(behind, during);
-    let ((_, claimed), during) = (behind?, during?);
+    let ((_, (_, _, claimed, _, _)), during) = (behind?, during?);
     let taken = claims_by_another(&server.url(), Duration::from_millis(min_idle_ms), Duration::from_secs(4)).await?;
     streamfleet_testbed::eventually("the holder acks it", T, || async {
         Ok((pending(&mut conn.clone()).await? == 0).then_some(()))
@@ -175,7 +181,7 @@ async fn a_server_stall_longer_than_min_idle_hands_no_live_holders_entry_to_anot
     .await?;
     let _ = stop.send(());
     running.await??;
-    assert!(claimed.is_empty(), "the claim behind the stall took the live holder's entry: {claimed:?}");
+    assert!(claimed.is_empty(), "the sweep behind the stall dead-lettered the live holder's entry: {claimed:?}");
     assert!(during.is_empty(), "the claim step sent during the stall took the live holder's entry: {during:?}");
     assert!(taken.is_empty(), "another consumer claimed the live holder's entry: {taken:?}");
     assert_eq!(handler.calls(&id), 1, "the entry ran once");

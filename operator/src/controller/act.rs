@@ -21,6 +21,16 @@ use streamfleet_streams::{ConsumerRef, GroupCreation, StreamConnection};
 pub(super) const MANAGER_DEPLOYMENT: &str = "streamfleet-worker-deployment";
 pub(super) const MANAGER_CRONJOB: &str = "streamfleet-recovery-cronjob";
 const MANAGER_DELETION_COST: &str = "streamfleet-pod-deletion-cost";
+
+/// Server-side apply as `manager`, with the server's field validation off:
+/// every patch is serialized from typed structs, so it has no unknown or
+/// duplicate field for the server to find, and the check parses the whole
+/// patch as YAML a second time: a share of the API server's CPU as large as
+/// the apply's own merge when a fleet comes up (its CPU profile). Values
+/// are still validated against the schema.
+pub(super) fn apply_params(manager: &str) -> PatchParams {
+    PatchParams::apply(manager).validation_ignore()
+}
 /// Read by the ReplicaSet controller when it scales down: pods with the
 /// lowest cost go first.
 const DELETION_COST: &str = "controller.kubernetes.io/pod-deletion-cost";
@@ -223,7 +233,7 @@ async fn price_pod(ctx: &Context, scg: &StreamConsumerGroup, pod: &str, cost: i3
         "kind": "Pod",
         "metadata": {"name": pod, "annotations": {DELETION_COST: cost.to_string()}},
     });
-    match api.patch(pod, &PatchParams::apply(MANAGER_DELETION_COST), &Patch::Apply(&patch)).await {
+    match api.patch(pod, &apply_params(MANAGER_DELETION_COST), &Patch::Apply(&patch)).await {
         Ok(_) => ctx.metrics.api_write(MANAGER_DELETION_COST),
         Err(e) => tracing::warn!(pod, error = %e, "setting the pod's deletion cost before a scale-down"),
     }
@@ -358,7 +368,7 @@ where
         return Ok(live.map_or(as_applied, |live| replicas(&live)));
     }
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &namespace(scg));
-    let applied = api.patch(name, &PatchParams::apply(manager).force(), &Patch::Apply(desired)).await?;
+    let applied = api.patch(name, &apply_params(manager).force(), &Patch::Apply(desired)).await?;
     ctx.metrics.api_write(manager);
     let shown = replicas(&applied);
     ctx.remember_applied(&key, manager, super::Applied::new(fingerprint, identity(applied.meta()), shown));

@@ -137,7 +137,12 @@ async fn a_changed_status_is_applied_once_by_its_own_field_manager() {
     written.unwrap();
     assert_eq!((&seen.method, seen.path.as_str()), (&Method::PATCH, format!("{RESOURCE}/status").as_str()));
     assert_eq!(seen.content_type, "application/apply-patch+yaml");
-    assert!(seen.query.contains("fieldManager=streamfleet-status") && seen.query.contains("force=true"), "{seen:?}");
+    assert!(
+        seen.query.contains("fieldManager=streamfleet-status")
+            && seen.query.contains("force=true")
+            && seen.query.contains("fieldValidation=Ignore"),
+        "{seen:?}"
+    );
     assert_eq!(
         seen.body,
         json!({"apiVersion": "streamfleet.io/v1alpha1", "kind": "StreamConsumerGroup", "status": {"lag": 5, "pending": 2}})

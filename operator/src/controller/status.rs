@@ -9,7 +9,7 @@ use super::recovery_runs::{self, LastRun};
 use crate::conditions;
 use crate::error::Error;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::api::{Patch, PatchParams};
+use kube::api::Patch;
 use kube::{Api, ResourceExt as _};
 use serde_json::json;
 use streamfleet_crd::{
@@ -336,7 +336,7 @@ pub async fn write(ctx: &Context, scg: &StreamConsumerGroup, status: StreamConsu
         "kind": "StreamConsumerGroup",
         "status": status,
     });
-    api.patch_status(&scg.name_any(), &PatchParams::apply(MANAGER_STATUS).force(), &Patch::Apply(&patch)).await?;
+    api.patch_status(&scg.name_any(), &super::act::apply_params(MANAGER_STATUS).force(), &Patch::Apply(&patch)).await?;
     ctx.metrics.api_write(MANAGER_STATUS);
     ctx.remember_status(&key, cached_version, &status);
     Ok(())
