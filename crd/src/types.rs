@@ -88,7 +88,8 @@ pub struct StreamConsumerGroupSpec {
     #[serde(default)]
     pub scaling: ScalingSpec,
 
-    /// The recovery sweep that claims stuck entries and dead-letters poison ones.
+    /// The recovery runs that settle stuck entries: dead-letter poison ones and
+    /// record lost payloads (`Sweep`), or claim and re-run them (`Worker`).
     #[serde(default)]
     pub recovery: RecoverySpec,
 
@@ -534,7 +535,8 @@ pub struct RecoverySpec {
     #[serde(default)]
     pub retry: RetrySpec,
 
-    /// Entries claimed per XAUTOCLAIM call.
+    /// Entries per claim step of a worker, and per page of the recovery
+    /// sweep (at most 1000 per page: one script settles a page).
     #[serde(default = "default_batch_size")]
     #[schemars(range(min = 1, max = 10000))]
     pub batch_size: i32,
@@ -568,9 +570,10 @@ pub struct RecoverySpec {
     #[schemars(range(min = 60))]
     pub dead_letter_max_age_seconds: Option<i64>,
 
-    /// `Sweep` runs the operator image, which claims and dead-letters
-    /// without running handlers; `Worker` runs the worker template in
-    /// recovery mode, which claims idle entries and re-runs the handlers.
+    /// `Sweep` runs the operator image, which dead-letters poison and
+    /// records lost payloads without running handlers (the workers' own
+    /// claims take the rest); `Worker` runs the worker template in recovery
+    /// mode, which claims idle entries and re-runs the handlers.
     #[serde(default)]
     pub mode: RecoveryMode,
 }
@@ -664,7 +667,8 @@ impl Default for RecoverySpec {
 /// Who runs the recovery sweep.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
 pub enum RecoveryMode {
-    /// The operator image claims and dead-letters; handlers are not re-run.
+    /// The operator image dead-letters poison and records lost payloads;
+    /// handlers are not re-run.
     #[default]
     Sweep,
     /// The worker image runs in recovery mode and re-runs handlers.
@@ -958,7 +962,8 @@ pub enum Health {
 pub struct RecoveryStatus {
     /// When the sweep finished.
     pub time: Time,
-    /// Entries claimed.
+    /// Entries taken from their holders: by a sweep, to dead-letter them;
+    /// in `Worker` mode, to run them again.
     pub claimed: i64,
     /// Entries moved to the dead-letter stream.
     pub dead_lettered: i64,

@@ -36,12 +36,16 @@ pub struct LossRecord<'a> {
     pub why: &'a str,
 }
 
-/// Lua shared by the claim scripts: `lost(id, holder, record_key)` writes the
-/// payload-missing dead letter (naming `holder`, the consumer that last held
-/// the entry, and the entry's business key when a handler started it,
-/// `started::key_field`) and the loss record, then acks the ID and drops its
-/// entry record (`started::redelivery_lua`'s `forget`, which must come first).
-/// The letter's delivery count is `deliveries` when given, else `0`.
+/// Lua shared by the claim scripts and the sweep: `lost(id, holder,
+/// record_key, deliveries)` writes the payload-missing dead letter (naming
+/// `holder`, the consumer that last held the entry, and the entry's
+/// business key when a handler started it, `started::key_field`), acks the
+/// ID and drops its entry record (`started::redelivery_lua`'s `forget`,
+/// which must come first), then counts the loss. The letter's delivery
+/// count is `deliveries` when given, else `0`. A letter Redis refuses (out
+/// of memory) writes nothing and is returned, to stop the caller there;
+/// `nil` once written. Any later failure raises: the letter is acked by then,
+/// so it is never written twice.
 /// KEYS: stream, dead-letter stream, loss count, loss IDs. ARGV[1] group,
 /// ARGV[3] why.
 pub(crate) fn lost_lua() -> String {
@@ -59,12 +63,13 @@ pub(crate) fn lost_lua() -> String {
                 letter[#letter + 1] = '{F_BUSINESS_KEY}'
                 letter[#letter + 1] = key
             end
-            redis.call(unpack(letter))
+            local added = redis.pcall(unpack(letter))
+            if type(added) == 'table' and added.err then return added end
+            redis.call('XACK', KEYS[1], ARGV[1], id)
+            forget(record_key, id)
             redis.call('HINCRBY', KEYS[3], 'count', 1)
             redis.call('LPUSH', KEYS[4], id)
             redis.call('LTRIM', KEYS[4], 0, {latest})
-            redis.call('XACK', KEYS[1], ARGV[1], id)
-            forget(record_key, id)
         end
         ",
         latest = crate::payload_loss::LATEST - 1
@@ -292,7 +297,8 @@ static CLAIM_IDLE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new
                 -- in hand, its payload trimmed under it: its hold cannot
                 -- reset the idle time of an entry without a payload. The
                 -- owner finishes and acks it: not a loss.)
-                lost(p[1], p[2], KEYS[8])
+                local refused = lost(p[1], p[2], KEYS[8])
+                if refused then return refused end
                 gone[#gone + 1] = p[1]
             end
         end
@@ -330,7 +336,8 @@ static CLAIM_IDS: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(
                     existing[#existing + 1] = id
                     counts[id] = p[4]
                 else
-                    lost(id, p[2], KEYS[5])
+                    local refused = lost(id, p[2], KEYS[5])
+                    if refused then return refused end
                     gone[#gone + 1] = id
                 end
             end
@@ -459,7 +466,8 @@ static CLAIM_DUE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(
                 existing[#existing + 1] = p[1]
                 counts[p[1]] = p[4]
             else
-                lost(p[1], p[2], KEYS[5])
+                local refused = lost(p[1], p[2], KEYS[5])
+                if refused then return refused end
                 gone[#gone + 1] = p[1]
             end
         end

@@ -14,7 +14,9 @@ pub struct RecoveryReport {
     pub finished_at_ms: u64,
     /// Pending entries examined.
     pub scanned: u64,
-    /// Entries claimed (to dead-letter, in a sweep; to re-run, by a worker).
+    /// Entries taken from their holders: by a sweep, to dead-letter them (in
+    /// the script that writes the letter, with no claim); by a worker, to
+    /// re-run them.
     pub claimed: u64,
     pub dead_lettered: u64,
     /// Pending entries whose payload was gone (recorded, never success).

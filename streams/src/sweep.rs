@@ -16,6 +16,7 @@ use crate::deadletter::{F_SOURCE_ID, F_SOURCE_STREAM, Reason};
 use crate::error::StreamError;
 use crate::keys;
 use crate::recovery::{RecoveryReport, now_ms};
+use crate::retention::StreamId;
 use redis::aio::ConnectionLike;
 use std::time::Duration;
 
@@ -36,7 +37,16 @@ impl<'a> SweepSettings<'a> {
     pub fn sweeper(&self) -> crate::ConsumerRef<'a> {
         crate::ConsumerRef::new(self.stream, self.group, self.consumer)
     }
+
+    /// Entries per page: `batch`, at most [`PAGE_MAX`].
+    fn page(&self) -> usize {
+        self.batch.clamp(1, PAGE_MAX)
+    }
 }
+
+/// The most entries one page's script takes: it holds the server while it
+/// runs (about 3 ms for 1,000 entries, `docs/benchmarks.md`).
+pub const PAGE_MAX: usize = 1000;
 
 /// One full pass over the PEL, a page at a time, each page scanned,
 /// checked and settled by one script ([`SWEEP_PAGE`]): the client only
@@ -57,15 +67,29 @@ pub async fn sweep<C: ConnectionLike + Send>(
                 page.count_into(&mut report);
                 (page.rows, page.last)
             }
+            // The script failed as a whole (or its reply was lost): the
+            // page is scanned again to name it and go past it. Part of it
+            // may have been settled before the failure, uncounted.
             Err(e) => {
                 let rows = scan_page(conn, s, min_idle_ms, &start).await?;
-                let (Some((first, ..)), Some((last, ..))) = (rows.first(), rows.last()) else { break };
+                let (Some((first, ..)), Some((last, ..))) = (rows.first(), rows.last()) else {
+                    report.left_pending.push(format!("the pending entries {}: {e}", after(&start)));
+                    break;
+                };
                 report.left_pending.push(format!("a page of pending entries from {first} to {last}: {e}"));
                 (rows.len(), last.clone())
             }
         };
-        report.scanned += u64::try_from(rows).unwrap_or(u64::MAX);
-        if rows < s.batch || last.is_empty() {
+        report.scanned = report.scanned.saturating_add(u64::try_from(rows).unwrap_or(u64::MAX));
+        if rows < s.page() || last.is_empty() {
+            break;
+        }
+        // The cursor only moves forward (a reply that says otherwise would
+        // loop for ever).
+        let from = start.strip_prefix('(').and_then(StreamId::parse);
+        let moved = StreamId::parse(&last).is_some_and(|to| from.is_none_or(|from| from < to));
+        if !moved {
+            report.left_pending.push(format!("the pending entries {}: the PEL's page ended at {last}", after(&start)));
             break;
         }
         start = format!("({last}");
@@ -93,7 +117,7 @@ async fn scan_page<C: ConnectionLike + Send>(
         .arg(min_idle_ms)
         .arg(start)
         .arg("+")
-        .arg(s.batch)
+        .arg(s.page())
         .query_async(conn)
         .await
         .map_err(|e| StreamError::new("scanning the PEL", e))
@@ -117,9 +141,11 @@ async fn scan_page<C: ConnectionLike + Send>(
 ///   (`started::key_field`);
 /// * the rest are the workers'.
 ///
-/// Nothing is claimed: each letter, the ack and the drop of the entry's
-/// record go together in the script. A letter Redis refuses (out of memory)
-/// stops the page there and is returned, the entries before it settled.
+/// Nothing is claimed: each letter goes with its ack and the drop of the
+/// entry's record. A letter Redis refuses (out of memory) stops the page
+/// there and is returned, with what was settled before it. (Redis refuses a
+/// script's write only before its first one: the server epoch's record, on
+/// a server never seen before, or the first letter.)
 /// Returns the page's last ID (empty for none), how many entries it held,
 /// the poison IDs lettered, the lost IDs recorded, and the refusal (empty
 /// if none). Run twice (a resend after a lost reply), the second run finds
@@ -142,13 +168,13 @@ static SWEEP_PAGE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
             if type(e) == 'table' then return tostring(e.err) end
             return tostring(e)
         end
-        local group, min_idle, max, bound = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[4]), tonumber(ARGV[7])
+        local group, min_idle, max = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[4])
         local rows = redis.call('XPENDING', KEYS[1], group, 'IDLE', ARGV[2], ARGV[5], '+', ARGV[6])
         if #rows == 0 then return {{'', 0, {{}}, {{}}, ''}} end
-        local span = redis.call('XRANGE', KEYS[1], rows[1][1], rows[#rows][1], 'COUNT', bound)
+        local span = redis.call('XRANGE', KEYS[1], rows[1][1], rows[#rows][1], 'COUNT', ARGV[7])
         local payloads = {{}}
         for _, e in ipairs(span) do payloads[e[1]] = e[2] end
-        local cut = #span >= bound
+        local cut = #span >= tonumber(ARGV[7])
         local claimable, alive = claim_rules(KEYS[5], KEYS[6], KEYS[7], min_idle)
         local t = redis.call('TIME')
         local at = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
@@ -163,8 +189,8 @@ static SWEEP_PAGE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
             local n = string.format('%d', count)
             if fields == nil then
                 if claimable(idle, owner) and not alive(owner) then
-                    local ok, e = pcall(lost, id, owner, KEYS[8], n)
-                    if not ok then failure = message(e) break end
+                    local refused = lost(id, owner, KEYS[8], n)
+                    if refused then failure = message(refused) break end
                     gone[#gone + 1] = id
                 end
             elseif count >= max and not parked_count(owner) and claimable(idle, owner) then
@@ -227,8 +253,8 @@ pub fn page_command(s: &SweepSettings<'_>, min_idle_ms: u64, start: &str) -> red
         .arg(LOST_WHY)
         .arg(s.max_deliveries)
         .arg(start)
-        .arg(s.batch)
-        .arg(s.batch.saturating_mul(2).max(1));
+        .arg(s.page())
+        .arg(s.page() * 2);
     cmd
 }
 
@@ -242,7 +268,7 @@ struct SweptPage {
     rows: usize,
     dead_lettered: usize,
     lost: usize,
-    /// Its first ID and why it stopped, when a letter was refused.
+    /// Why it stopped, naming it, when a letter was refused.
     refused: Option<String>,
 }
 
@@ -271,7 +297,16 @@ async fn sweep_page<C: ConnectionLike + Send>(
         .map_err(|e| StreamError::new("sweeping a page of the PEL", e))?;
     let refused = (!refused.is_empty()).then(|| {
         let settled = lettered.len() + lost.len();
-        format!("a page of pending entries after {start} to {last}: a dead letter was refused ({settled} settled before it): {refused}")
+        let after = after(start);
+        format!("a page of pending entries {after}, to {last}: a dead letter was refused ({settled} settled before it): {refused}")
     });
     Ok(SweptPage { last, rows, dead_lettered: lettered.len(), lost: lost.len(), refused })
+}
+
+/// Where a page starts, for a message: `start` is `-` or `(<ID>`.
+fn after(start: &str) -> String {
+    match start.strip_prefix('(') {
+        Some(id) => format!("after {id}"),
+        None => "from the start of the PEL".to_string(),
+    }
 }

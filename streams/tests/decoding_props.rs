@@ -254,8 +254,8 @@ enum Shape {
     Ids,
     /// The idle-claim script: cursor, claimed entries, lost IDs, delivery counts, deferred.
     Autoclaim,
-    /// The sweep's presence script: `1`/`0` per ID.
-    Presence,
+    /// The sweep's page script: last ID, rows, poison IDs, lost IDs, a refusal.
+    SweepPage,
     /// The health script: time, pending, last delivered ID, read counter,
     /// lag, entries after, the first of them, length, the oldest pending.
     Positions,
@@ -276,7 +276,7 @@ const SHAPED: &[(&str, &[Shape])] = {
         ("retention::target", &[Int, Entries]),
         ("retention::trim_to", &[Int]),
         ("retention::enforce", &[Int, Entries, Groups, Summary, Int, Int]),
-        ("sweep::sweep", &[Pending, Presence, Entries, Presence, Any, Ids, Any, Entries, Entries, Any, Pending, Int]),
+        ("sweep::sweep", &[SweepPage, SweepPage, Pending, Int]),
         ("claim::autoclaim", &[Autoclaim]),
         ("consumers::pending_of", &[Pending]),
         ("consumers::delete_if_empty", &[Int]),
@@ -356,8 +356,16 @@ fn shaped(shape: Shape) -> BoxedStrategy<Value> {
                 Value::Array([vec![next, claimed], lists.to_vec(), vec![deferred]].concat())
             })
             .boxed(),
-        Shape::Presence => prop::collection::vec(any::<bool>(), 0..4)
-            .prop_map(|bits| bulk(&bits.iter().map(|b| if *b { '1' } else { '0' }).collect::<String>()))
+        Shape::SweepPage => (
+            entry_id(),
+            maybe_int(),
+            prop::collection::vec(entry_id(), 0..3),
+            prop::collection::vec(entry_id(), 0..3),
+            prop_oneof![Just(bulk("")), leaf()],
+        )
+            .prop_map(|(last, rows, poison, lost, refused)| {
+                Value::Array(vec![last, rows, Value::Array(poison), Value::Array(lost), refused])
+            })
             .boxed(),
         Shape::Positions => (prop::collection::vec(maybe_int(), 8), entry_id(), entry_id(), pending_rows())
             .prop_map(|(ints, last, first, oldest)| {

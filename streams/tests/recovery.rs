@@ -229,10 +229,9 @@ impl redis::aio::ConnectionLike for RefusesOnce {
     }
 }
 
-/// A page whose dead letters Redis refuses (out of memory, say) is left
-/// pending and named, with the idle time its claim had reset given back;
-/// the pages after it are still swept. Before, the whole pass ended there.
-/// The next run, at once, settles it.
+/// A page whose script fails (here the client's call is refused) is left
+/// pending and named; the pages after it are still swept. Before, the whole
+/// pass ended there. The next run, at once, settles it.
 #[tokio::test]
 async fn a_page_that_cannot_be_settled_is_left_pending_and_named_while_the_sweep_goes_on() -> Result<()> {
     let server = RedisServer::start().await?;
@@ -415,6 +414,12 @@ async fn letters_redis_refuses_leave_the_sweeps_page_pending_and_counted_as_noth
         ids.push(conn.xadd::<_, _, _, _, String>("orders", "*", &[("order_id", format!("o{i}"))]).await?);
     }
     read_raw(&mut conn, "w1").await?;
+    // A first look, settling nothing, records the server's epoch (a write
+    // Redis would refuse first otherwise): then the letters are the
+    // script's first write.
+    let look =
+        sweep(&mut conn, &SweepSettings { min_idle: Duration::ZERO, max_deliveries: 9, ..poison_sweep() }).await?;
+    assert_eq!((look.scanned, look.dead_lettered), (2, 0));
     let _: i64 = conn.xdel("orders", &[&ids[1]]).await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let _: () = redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg(1).query_async(&mut conn).await?;
@@ -423,13 +428,48 @@ async fn letters_redis_refuses_leave_the_sweeps_page_pending_and_counted_as_noth
     let refused = refused?;
     assert_eq!((refused.dead_lettered, refused.payload_lost), (0, 0), "{refused:?}");
     assert_eq!(refused.left_pending.len(), 1, "{refused:?}");
-    assert!(refused.left_pending[0].contains("OOM"), "named, saying why: {refused:?}");
+    let why = &refused.left_pending[0];
+    assert!(why.contains("a dead letter was refused") && why.contains("OOM"), "named, saying why: {refused:?}");
     assert_eq!(owners(&mut conn).await?.len(), 2, "both still pending");
     let letters: u64 = conn.xlen("{orders}:dead").await?;
     assert_eq!(letters, 0);
     let again = sweep(&mut conn, &poison_sweep()).await?;
     assert_eq!((again.dead_lettered, again.payload_lost), (1, 1), "{again:?}");
     assert!(owners(&mut conn).await?.is_empty());
+    Ok(())
+}
+
+/// A page whose span read stops short (acked entries between its pending
+/// ones): an entry past where it stopped that still has its payload is
+/// looked up, not taken for lost; only the deleted one is recorded.
+#[tokio::test]
+async fn an_entry_past_a_short_span_read_is_looked_up_not_taken_for_lost() -> Result<()> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    ensure_group(&mut conn, "orders", "g", "0").await?;
+    let mut pending = Vec::new();
+    for i in 0..3 {
+        pending.push(conn.xadd::<_, _, _, _, String>("orders", "*", &[("order_id", format!("p{i}"))]).await?);
+        for j in 0..10 {
+            let _: String = conn.xadd("orders", "*", &[("order_id", format!("acked-{i}-{j}"))]).await?;
+        }
+    }
+    let opts = redis::streams::StreamReadOptions::default().group("g", "w1").count(100);
+    let read: redis::streams::StreamReadReply = conn.xread_options(&["orders"], &[">"], &opts).await?;
+    let acked: Vec<String> = read.keys[0].ids.iter().map(|e| e.id.clone()).filter(|id| !pending.contains(id)).collect();
+    let _: i64 = conn.xack("orders", "g", &acked).await?;
+    let _: i64 = conn.xdel("orders", &[&pending[2]]).await?;
+    // One page of all three; its span read (6 entries at most) stops among
+    // the acked ones after p0.
+    let settings = SweepSettings { min_idle: Duration::ZERO, max_deliveries: 5, batch: 3, ..poison_sweep() };
+    let report = sweep(&mut conn, &settings).await?;
+    assert_eq!((report.scanned, report.payload_lost, report.dead_lettered), (3, 1, 0), "{report:?}");
+    let mut left: Vec<String> = owners(&mut conn).await?.into_keys().collect();
+    left.sort();
+    assert_eq!(left, pending[..2].to_vec(), "p1 still has its payload: the workers'");
+    let found = letters(&mut conn).await?;
+    assert_eq!(found.len(), 1);
+    assert_eq!(found[0].1[dl::F_SOURCE_ID], pending[2]);
     Ok(())
 }
 

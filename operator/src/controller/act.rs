@@ -23,14 +23,16 @@ pub(super) const MANAGER_CRONJOB: &str = "streamfleet-recovery-cronjob";
 const MANAGER_DELETION_COST: &str = "streamfleet-pod-deletion-cost";
 
 /// Server-side apply as `manager`, with the server's field validation off:
-/// every patch is serialized from typed structs, so it has no unknown or
-/// duplicate field for the server to find, and the check parses the whole
-/// patch as YAML a second time: a share of the API server's CPU as large as
-/// the apply's own merge when a fleet comes up (its CPU profile). Values
-/// are still validated against the schema.
+/// every patch is serialized by serde (typed structs, and the few fields of
+/// a status or an annotation patch, which the tests check field by field),
+/// so it has no duplicate field, and the check parses the whole patch as
+/// YAML a second time: a share of the API server's CPU as large as the
+/// apply's own merge when a fleet comes up (its CPU profile). Values are
+/// still validated against the schema.
 pub(super) fn apply_params(manager: &str) -> PatchParams {
     PatchParams::apply(manager).validation_ignore()
 }
+
 /// Read by the ReplicaSet controller when it scales down: pods with the
 /// lowest cost go first.
 const DELETION_COST: &str = "controller.kubernetes.io/pod-deletion-cost";

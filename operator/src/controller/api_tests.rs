@@ -320,6 +320,7 @@ async fn owned_objects_are_applied_each_by_its_own_field_manager_and_a_refusal_i
         tokio::join!(super::act::apply_objects(&ctx, &r, &owned), server);
     assert_eq!((priced.method, priced.path.as_str()), (Method::PATCH, "/api/v1/namespaces/shop/pods/orders-worker-1"));
     assert!(priced.query.contains("fieldManager=streamfleet-pod-deletion-cost"), "{:?}", priced.query);
+    assert!(priced.query.contains("fieldValidation=Ignore") && applied.query.contains("fieldValidation=Ignore"));
     assert_eq!(priced.body["metadata"]["annotations"]["controller.kubernetes.io/pod-deletion-cost"], json!("3"));
     assert_eq!(applied.method, Method::PATCH);
     assert!(applied.path.starts_with("/apis/apps/v1/namespaces/shop/deployments/"), "{}", applied.path);
