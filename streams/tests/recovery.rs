@@ -173,6 +173,20 @@ async fn read_raw(conn: &mut Conn, consumer: &str) -> Result<()> {
     Ok(())
 }
 
+/// A Redis server with `n` entries (`order_id` `o0`, `o1`, …) read by `w1`
+/// and pending: the server (stopped when dropped), a connection, their IDs.
+async fn pending_orders(n: usize) -> Result<(RedisServer, Conn, Vec<String>)> {
+    let server = RedisServer::start().await?;
+    let mut conn = server.connection().await?;
+    ensure_group(&mut conn, "orders", "g", "0").await?;
+    let mut ids = Vec::new();
+    for i in 0..n {
+        ids.push(conn.xadd::<_, _, _, _, String>("orders", "*", &[("order_id", format!("o{i}"))]).await?);
+    }
+    read_raw(&mut conn, "w1").await?;
+    Ok((server, conn, ids))
+}
+
 /// A sweep in pages of two that dead-letters whatever was delivered once.
 fn poison_sweep() -> SweepSettings<'static> {
     SweepSettings {
@@ -234,14 +248,7 @@ impl redis::aio::ConnectionLike for RefusesOnce {
 /// pass ended there. The next run, at once, settles it.
 #[tokio::test]
 async fn a_page_that_cannot_be_settled_is_left_pending_and_named_while_the_sweep_goes_on() -> Result<()> {
-    let server = RedisServer::start().await?;
-    let mut conn = server.connection().await?;
-    ensure_group(&mut conn, "orders", "g", "0").await?;
-    let mut ids = Vec::new();
-    for i in 0..5 {
-        ids.push(conn.xadd::<_, _, _, _, String>("orders", "*", &[("order_id", format!("o{i}"))]).await?);
-    }
-    read_raw(&mut conn, "w1").await?;
+    let (_server, mut conn, ids) = pending_orders(5).await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     // The first page's dead letters are the first script to write one.
     let mut refusing = RefusesOnce { conn: conn.clone(), needle: dl::F_SOURCE_ID, refused: false };
@@ -264,14 +271,7 @@ async fn a_page_that_cannot_be_settled_is_left_pending_and_named_while_the_sweep
 /// pending, with no letter and no loss, and the call fails saying why.
 #[tokio::test]
 async fn dead_letters_redis_refuses_leave_their_entries_pending() -> Result<()> {
-    let server = RedisServer::start().await?;
-    let mut conn = server.connection().await?;
-    ensure_group(&mut conn, "orders", "g", "0").await?;
-    let mut ids = Vec::new();
-    for i in 0..2 {
-        ids.push(conn.xadd::<_, _, _, _, String>("orders", "*", &[("order_id", format!("o{i}"))]).await?);
-    }
-    read_raw(&mut conn, "w1").await?;
+    let (_server, mut conn, ids) = pending_orders(2).await?;
     let entries: Vec<Entry> = ids
         .iter()
         .map(|id| Entry { stream: "orders".into(), id: id.clone(), fields: vec![], deliveries: 1, crashes: 0 })
@@ -406,14 +406,7 @@ async fn a_gone_payload_whose_owner_lives_is_not_a_loss_for_the_sweep() -> Resul
 /// takes writes again the next run settles it.
 #[tokio::test]
 async fn letters_redis_refuses_leave_the_sweeps_page_pending_and_counted_as_nothing() -> Result<()> {
-    let server = RedisServer::start().await?;
-    let mut conn = server.connection().await?;
-    ensure_group(&mut conn, "orders", "g", "0").await?;
-    let mut ids = Vec::new();
-    for i in 0..2 {
-        ids.push(conn.xadd::<_, _, _, _, String>("orders", "*", &[("order_id", format!("o{i}"))]).await?);
-    }
-    read_raw(&mut conn, "w1").await?;
+    let (_server, mut conn, ids) = pending_orders(2).await?;
     // A first look, settling nothing, records the server's epoch (a write
     // Redis would refuse first otherwise): then the letters are the
     // script's first write.
