@@ -44,7 +44,7 @@ impl Index {
 
 fn key_of(object: &DeserializeGuard<StreamConsumerGroup>) -> Option<String> {
     let meta = object.meta();
-    Some(format!("{}/{}", meta.namespace.clone().unwrap_or_default(), meta.name.clone()?))
+    Some(named(meta.namespace.as_deref().unwrap_or_default(), meta.name.as_deref()?))
 }
 
 /// The index, and the one being rebuilt while the watch re-lists.
@@ -91,7 +91,13 @@ impl ClaimantIndex {
 
 /// `namespace/name` of a resource.
 pub fn key(scg: &StreamConsumerGroup) -> String {
-    format!("{}/{}", scg.namespace().unwrap_or_default(), scg.name_any())
+    named(&scg.namespace().unwrap_or_default(), &scg.name_any())
+}
+
+/// The key of the resource `name` in `namespace`: how the operator's
+/// memory, the claimant index and the logs name a resource.
+pub fn named(namespace: &str, name: &str) -> String {
+    format!("{namespace}/{name}")
 }
 
 #[cfg(test)]

@@ -732,8 +732,7 @@ fn scaling_event(current: Option<i32>, scaling: &scaling::Decision) -> Option<Pl
 /// broken by name), so exactly one of them runs the group.
 fn earlier_claimant<'a>(scg: &StreamConsumerGroup, claimants: &'a [Claimant]) -> Option<&'a Claimant> {
     let rank = |created: &Option<Time>, key: &str| (created.as_ref().map(|t| t.0), key.to_string());
-    let me =
-        rank(&scg.metadata.creation_timestamp, &format!("{}/{}", scg.namespace().unwrap_or_default(), scg.name_any()));
+    let me = rank(&scg.metadata.creation_timestamp, &super::claimant_index::key(scg));
     claimants.iter().filter(|c| rank(&c.created, &c.key) < me).min_by_key(|c| rank(&c.created, &c.key))
 }
 

@@ -294,7 +294,7 @@ impl Context {
     }
 
     fn forget_key(&self, namespace: &str, name: &str) {
-        let key = format!("{namespace}/{name}");
+        let key = claimant_index::named(namespace, name);
         if let Ok(mut memory) = self.memory.lock() {
             memory.remove(&key);
         }
@@ -585,7 +585,7 @@ impl OwnedWatch {
     fn deleted(&self, meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) {
         let owner = meta.owner_references.iter().flatten().find(|o| o.kind == "StreamConsumerGroup");
         let Some(owner) = owner else { return };
-        let key = format!("{}/{}", meta.namespace.as_deref().unwrap_or_default(), owner.name);
+        let key = claimant_index::named(meta.namespace.as_deref().unwrap_or_default(), &owner.name);
         // Only the object applied: a late Delete of an older one changes nothing.
         let uid = format!("{}/", meta.uid.as_deref().unwrap_or_default());
         if let Ok(mut memory) = self.memory.lock()
