@@ -499,7 +499,10 @@ static CLAIM_DUE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(
                     reindex(c)
                     if left() > 0 then
                         local page = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', threshold(c.n), '-', '+', left(), c.name)
-                        for _, p in ipairs(page) do found(p) end
+                        for _, p in ipairs(page) do
+                            local refused = found(p)
+                            if refused then return refused end
+                        end
                     end
                 end
             end
@@ -527,7 +530,8 @@ static CLAIM_DUE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(
                 if not n then
                     redis.call('ZREM', KEYS[6], d.id)
                 elseif bucket(n) == d.b and p[3] >= threshold(n) then
-                    found(p)
+                    local refused = found(p)
+                    if refused then return refused end
                 else
                     redis.call('ZADD', KEYS[6], index_score(n, now - p[3]), d.id)
                 end

@@ -245,7 +245,8 @@ static PARK: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
         end
         if p == nil or p[2] ~= ARGV[4] then return -2 end
         if #redis.call('XRANGE', KEYS[1], id, id) == 0 then
-            lost(id, p[2], KEYS[5])
+            local refused = lost(id, p[2], KEYS[5])
+            if refused then return refused end
             return -3
         end
         local t = redis.call('TIME')

@@ -45,7 +45,7 @@ impl<'a> SweepSettings<'a> {
 }
 
 /// The most entries one page's script takes: it holds the server while it
-/// runs (about 3 ms for 1,000 entries, `docs/benchmarks.md`).
+/// runs (`bench-sweep` times pages of this size).
 pub const PAGE_MAX: usize = 1000;
 
 /// One full pass over the PEL, a page at a time, each page scanned,
@@ -144,8 +144,9 @@ async fn scan_page<C: ConnectionLike + Send>(
 /// Nothing is claimed: each letter goes with its ack and the drop of the
 /// entry's record. A letter Redis refuses (out of memory) stops the page
 /// there and is returned, with what was settled before it. (Redis refuses a
-/// script's write only before its first one: the server epoch's record, on
-/// a server never seen before, or the first letter.)
+/// script's write only before its first one, which may be the claim rules'
+/// record of a new server epoch or of a group's silence: then the script
+/// fails as a whole.)
 /// Returns the page's last ID (empty for none), how many entries it held,
 /// the poison IDs lettered, the lost IDs recorded, and the refusal (empty
 /// if none). Run twice (a resend after a lost reply), the second run finds

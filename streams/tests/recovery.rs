@@ -413,7 +413,8 @@ async fn letters_redis_refuses_leave_the_sweeps_page_pending_and_counted_as_noth
     let look =
         sweep(&mut conn, &SweepSettings { min_idle: Duration::ZERO, max_deliveries: 9, ..poison_sweep() }).await?;
     assert_eq!((look.scanned, look.dead_lettered), (2, 0));
-    let _: i64 = conn.xdel("orders", &[&ids[1]]).await?;
+    // The first entry lost (its letter is the loss record's), the second poison.
+    let _: i64 = conn.xdel("orders", &[&ids[0]]).await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let _: () = redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg(1).query_async(&mut conn).await?;
     let refused = sweep(&mut conn, &poison_sweep()).await;
@@ -428,6 +429,39 @@ async fn letters_redis_refuses_leave_the_sweeps_page_pending_and_counted_as_noth
     assert_eq!(letters, 0);
     let again = sweep(&mut conn, &poison_sweep()).await?;
     assert_eq!((again.dead_lettered, again.payload_lost), (1, 1), "{again:?}");
+    assert!(owners(&mut conn).await?.is_empty());
+    Ok(())
+}
+
+/// A worker's claim step that meets a gone payload while Redis refuses
+/// writes (out of memory) records nothing and fails saying why: no letter,
+/// no loss counted, the entry still pending. Once Redis takes writes
+/// again, the same step records it once.
+#[tokio::test]
+async fn a_claim_step_whose_loss_letter_is_refused_records_nothing() -> Result<()> {
+    let (_server, mut conn, ids) = pending_orders(1).await?;
+    // A first look records the server's epoch, so the letter is the
+    // claim's first write.
+    let look =
+        sweep(&mut conn, &SweepSettings { min_idle: Duration::ZERO, max_deliveries: 9, ..poison_sweep() }).await?;
+    assert_eq!(look.scanned, 1);
+    let _: i64 = conn.xdel("orders", &[&ids[0]]).await?;
+    let loss =
+        streamfleet_streams::claim::LossRecord { dead_letter_stream: "{orders}:dead", consumer: "w2", why: "gone" };
+    let who = streamfleet_streams::ConsumerRef::new("orders", "g", "w2");
+    let _: () = redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg(1).query_async(&mut conn).await?;
+    let refused = streamfleet_streams::claim::autoclaim(&mut conn, who, &loss, Duration::ZERO, "0-0", 10).await;
+    let _: () = redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg(0).query_async(&mut conn).await?;
+    let error = refused.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(error.contains("OOM"), "refused, saying why: {error:?}");
+    let letters: u64 = conn.xlen("{orders}:dead").await?;
+    assert_eq!(letters, 0, "no letter");
+    let group = streamfleet_streams::GroupRef::new("orders", "g");
+    assert_eq!(streamfleet_streams::payload_loss::read(&mut conn, group).await?.total, 0, "no loss counted");
+    assert_eq!(owners(&mut conn).await?.len(), 1, "still pending");
+    let claimed = streamfleet_streams::claim::autoclaim(&mut conn, who, &loss, Duration::ZERO, "0-0", 10).await?;
+    assert_eq!(claimed.deleted, vec![ids[0].clone()]);
+    assert_eq!(streamfleet_streams::payload_loss::read(&mut conn, group).await?.total, 1);
     assert!(owners(&mut conn).await?.is_empty());
     Ok(())
 }
