@@ -758,3 +758,29 @@ fn shard_snapshots_merge_whatever_their_counts() {
         panic!("{e}");
     }
 }
+
+/// A sweep whose page replies do not move its cursor forward (a server, or
+/// anything between, answering the same page again) ends there and names
+/// it, rather than asking for ever.
+#[tokio::test]
+async fn a_sweep_whose_pages_do_not_move_forward_ends_naming_where() {
+    let page = || Value::Array(vec![bulk("5-0"), Value::Int(2), Value::Array(vec![]), Value::Array(vec![]), bulk("")]);
+    let replies = vec![page(), page(), Value::Int(0)];
+    let mut conn = Hostile { replies: std::sync::Arc::new(std::sync::Mutex::new(replies.into())) };
+    let settings = sweep::SweepSettings {
+        stream: "s",
+        group: "g",
+        consumer: "sweeper",
+        dead_letter_stream: "{s}:dead",
+        min_idle: Duration::from_millis(10),
+        max_deliveries: 2,
+        batch: 2,
+    };
+    let report = sweep::sweep(&mut conn, &settings).await.unwrap();
+    assert_eq!(report.scanned, 4, "{report:?}");
+    assert_eq!(report.left_pending.len(), 1, "{report:?}");
+    assert!(
+        report.left_pending[0].contains("after 5-0") && report.left_pending[0].contains("ended at 5-0"),
+        "{report:?}"
+    );
+}
